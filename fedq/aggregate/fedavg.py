@@ -1,0 +1,65 @@
+"""Federated averaging (McMahan et al. 2017, "Communication-Efficient Learning of Deep
+Networks from Decentralized Data", arXiv:1602.05629).
+
+Clients send deltas (local - global). The server adds the sample-weighted mean of the
+deltas to the global model:  w' = w + sum_i n_i * d_i / sum_i n_i.
+
+The mean streams: it holds one float32 accumulator the size of the model and one
+update at a time, so memory is O(model), not O(clients x model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from fedq.aggregate.types import Weights
+
+
+def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
+    """Sum_i w_i * u_i / sum_i w_i over an iterable of (weight, update), streamed.
+
+    Every update must have the same names and shapes as the first (verify before).
+    Accumulates in float32 (float64 for float64 tensors); the result is float32/64.
+    Raises ValueError when there is no update or the weights sum to zero or less.
+    """
+    acc: Weights | None = None
+    total = 0.0
+    for weight, update in updates:
+        if weight < 0:
+            raise ValueError(f"negative weight {weight}")
+        if acc is None:
+            acc = {k: torch.zeros(v.shape, dtype=_acc_dtype(v.dtype)) for k, v in update.items()}
+        for name, tensor in update.items():
+            acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)  # in place: no copy of acc
+        total += weight
+    if acc is None:
+        raise ValueError("no updates to average")
+    if total <= 0:
+        raise ValueError("update weights sum to zero")
+    for tensor in acc.values():
+        tensor.div_(total)
+    return acc
+
+
+def apply_delta(weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> Weights:
+    """weights + delta, each result in the dtype of ``weights`` (integers rounded)."""
+    out: Weights = {}
+    for name, value in weights.items():
+        step = delta[name]
+        if value.dtype.is_floating_point:
+            out[name] = (value.to(step.dtype) + step).to(value.dtype)
+        else:  # integer buffers, e.g. BatchNorm's num_batches_tracked
+            out[name] = (value.to(torch.float64) + step.to(torch.float64)).round().to(value.dtype)
+    return out
+
+
+def fedavg(weights: Mapping[str, torch.Tensor],
+           deltas: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
+    """The new global model: ``weights`` plus the weighted mean of ``deltas``."""
+    return apply_delta(weights, weighted_mean(deltas))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,100 @@
+"""The Celery app: ``celery -A fedq worker -Q cpu`` finds it as ``fedq.app``.
+
+Configuration is built lazily from :mod:`fedq.settings` on first use, so
+``import fedq`` is cheap and a bad ``FEDQ_*`` variable surfaces as a
+:class:`~fedq.errors.ConfigError` where it is used, not at import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_init
+from kombu import Exchange, Queue
+
+from fedq.settings import Settings, get_settings
+
+CONTROL_QUEUE = "control"
+TRAINING_QUEUES = ("gpu_new", "gpu_sm61", "cpu")
+ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
+
+TRAIN_TASK = "fedq.train"
+START_ROUND_TASK = "fedq.start_round"
+FINALIZE_ROUND_TASK = "fedq.finalize_round"
+
+# A training task may run for a long time on a slow machine; control tasks are short.
+TRAIN_SOFT_TIME_LIMIT = 3600
+TRAIN_TIME_LIMIT = 3900
+CONTROL_TIME_LIMIT = 600
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for ``settings``; see docs/architecture.md for the why of each."""
+    transport_options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    if settings.embedded_broker:
+        folder = settings.broker_folder
+        for sub in ("queue", "control"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        transport_options = {
+            "data_folder_in": str(folder / "queue"),
+            "data_folder_out": str(folder / "queue"),
+            "control_folder": str(folder / "control"),
+            "store_processed": False,
+            "polling_interval": settings.poll_interval,
+        }
+    if settings.result_backend.startswith("file://"):
+        (settings.home / "results").mkdir(parents=True, exist_ok=True)
+        path = settings.result_backend[len("file://"):]
+        if path:
+            from pathlib import Path
+
+            Path(path).mkdir(parents=True, exist_ok=True)
+    queues = [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in ALL_QUEUES]
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.result_backend,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        # JSON only, in both directions: nothing from another machine is unpickled.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # A task is acknowledged after it ran, and re-queued when its worker dies.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_queues": queues,
+        "task_default_queue": CONTROL_QUEUE,
+        "task_create_missing_queues": False,
+        "task_routes": {
+            START_ROUND_TASK: {"queue": CONTROL_QUEUE},
+            FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
+            "celery.chord_unlock": {"queue": CONTROL_QUEUE},
+        },
+        "result_expires": 3 * 24 * 3600,
+        "result_chord_join_timeout": 10,
+        "result_chord_retry_interval": settings.poll_interval,
+        "result_extended": False,
+        # Events feed the Flower dashboard and `fedq workers`.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "include": ["fedq.tasks.train", "fedq.tasks.control"],
+    }
+
+
+app = Celery("fedq")
+app.add_defaults(lambda: celery_config(get_settings()))
+
+
+@worker_init.connect
+def _prepare_worker(**_: Any) -> None:
+    """Set torch's threads and import the training stack before the first task arrives."""
+    import torch
+
+    import fedq.client  # noqa: F401  (torch, torchvision, the model zoo)
+
+    threads = get_settings().torch_threads
+    if threads:
+        torch.set_num_threads(threads)

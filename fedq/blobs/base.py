@@ -1,0 +1,79 @@
+"""The blob store contract.
+
+A backend implements four small methods over raw bytes; integrity lives here, once:
+:meth:`BlobStore.put` returns a :class:`BlobRef` carrying the sha256 of what was
+written, and :meth:`BlobStore.get` refuses bytes that do not hash to the ref's sha256,
+naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fedq.errors import BlobIntegrityError
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """What travels in a message instead of the bytes."""
+
+    key: str
+    sha256: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BlobRef":
+        return cls(key=str(data["key"]), sha256=str(data["sha256"]), size=int(data["size"]))
+
+
+class BlobStore(ABC):
+    """Bytes under string keys.
+
+    Contract for backends:
+    - ``_write(key, data)`` stores ``data`` atomically: a reader sees the old bytes or
+      the new bytes, never a mix. Writing an existing key replaces it.
+    - ``_read(key)`` returns the bytes or raises :class:`~fedq.errors.BlobNotFound`.
+    - ``delete_prefix(prefix)`` removes every key starting with ``prefix``.
+    - ``check()`` raises :class:`~fedq.errors.ServiceUnavailable` (or BlobError) when the
+      store cannot be written right now, with one line saying why.
+    Network and disk errors surface as :class:`~fedq.errors.BlobError` subclasses.
+    """
+
+    url: str
+
+    @abstractmethod
+    def _write(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _read(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None: ...
+
+    @abstractmethod
+    def check(self) -> None: ...
+
+    def put(self, key: str, data: bytes) -> BlobRef:
+        """Store ``data`` under ``key``; return its ref (key, sha256, size)."""
+        self._write(key, data)
+        return BlobRef(key, sha256_hex(data), len(data))
+
+    def get(self, ref: BlobRef) -> bytes:
+        """The bytes of ``ref``, verified against its sha256."""
+        data = self._read(ref.key)
+        digest = sha256_hex(data)
+        if digest != ref.sha256:
+            raise BlobIntegrityError(
+                f"blob {ref.key}: sha256 mismatch (expected {ref.sha256[:12]}..., "
+                f"got {digest[:12]}...): the blob was modified or corrupted")
+        return data

@@ -1,0 +1,59 @@
+"""Blobs as files under a folder (the embedded default, or a shared filesystem)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from fedq.blobs.base import BlobStore
+from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
+
+
+class LocalBlobStore(BlobStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise BlobError(f"blob key {key!r} escapes the store")
+        return path
+
+    def _write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)  # atomic: readers see old or new, never half
+        except OSError as exc:
+            raise BlobError(f"blob store {self.root}: cannot write {key}: {exc.strerror}") from None
+
+    def _read(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise BlobNotFound(f"blob {key}: not found in {self.root}") from None
+        except OSError as exc:
+            raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        target = self._path(prefix)
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists():
+            target.unlink()
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".check-")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            raise ServiceUnavailable(
+                f"blob store {self.root} is not writable: {exc.strerror}") from None

@@ -1,0 +1,67 @@
+"""Blobs in an S3-compatible bucket (MinIO in production): ``s3://bucket/prefix``.
+
+Credentials come from the usual AWS_* variables; the endpoint from
+``FEDQ_S3_ENDPOINT_URL``. A PUT replaces an object atomically.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from fedq.blobs.base import BlobStore
+from fedq.errors import BlobError, BlobNotFound, ConfigError, ServiceUnavailable
+
+
+class S3BlobStore(BlobStore):
+    def __init__(self, url: str, endpoint_url: str | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        parsed = urlparse(url)
+        if not parsed.netloc:
+            raise ConfigError(f"FEDQ_BLOB_URL: {url!r} names no bucket (s3://bucket/prefix)")
+        self.url = url
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
+        self._client: Any = boto3.client(
+            "s3", endpoint_url=endpoint_url,
+            config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3},
+                          s3={"addressing_style": "path"}))
+
+    def _errors(self) -> tuple[type[Exception], ...]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        return (BotoCoreError, ClientError)
+
+    def _write(self, key: str, data: bytes) -> None:
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+        except self._errors() as exc:
+            raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
+
+    def _read(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            obj = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+            return bytes(obj["Body"].read())
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise BlobNotFound(f"blob {key}: not found in {self.url}") from None
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        except self._errors() as exc:
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def check(self) -> None:
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self.prefix + ".check", Body=b"1")
+        except self._errors() as exc:
+            raise ServiceUnavailable(f"blob store {self.url} is not writable: {exc}") from None

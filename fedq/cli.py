@@ -1,0 +1,250 @@
+"""The ``fedq`` command. It parses and prints; the work is in library functions."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from fedq.errors import FedqError
+
+F = TypeVar("F", bound=Callable[..., Any])
+# Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def expected_errors(fn: F) -> F:
+    """Turn FedqError into one red line on stderr and its exit code; no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FedqError as exc:
+            err.print(f"[bold red]fedq: error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group()
+@click.version_option(package_name="fedq")
+def main() -> None:
+    """fedq: federated training across the machines you already own, on Celery."""
+
+
+def _settings() -> Any:
+    from fedq.settings import get_settings
+
+    return get_settings()
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@expected_errors
+def submit(spec_path: Path) -> None:
+    """Validate SPEC (YAML or JSON) and start the job; prints the job id."""
+    from fedq.jobs import live_queues, submit as submit_job
+    from fedq.spec import load_spec
+
+    spec = load_spec(spec_path)
+    settings = _settings()
+    job_id = submit_job(settings, spec)
+    click.echo(job_id)
+    try:
+        live = live_queues(timeout=1.0)
+    except Exception:  # the job is submitted; a failed inspect only loses the warning
+        live = None
+    if live is not None:
+        for queue in ["control", *spec.queue_counts()]:
+            if queue not in live:
+                err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
+                          f"its tasks wait until one starts "
+                          f"(celery -A fedq worker -Q {queue})", highlight=False)
+
+
+@main.command()
+@click.argument("job_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@expected_errors
+def status(job_id: str | None, as_json: bool) -> None:
+    """Show one job, or the most recent jobs."""
+    from fedq.jobs import get_job, list_jobs
+
+    settings = _settings()
+    jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
+    if as_json:
+        click.echo(json.dumps([j.to_json() for j in jobs], indent=2))
+        return
+    table = Table("job", "name", "status", "round", "accuracy", "created", "error")
+    for j in jobs:
+        table.add_row(j.id, j.name, _status_style(j.status), f"{j.committed_round}/{j.total_rounds}",
+                      _fmt(j.accuracy, ".4f"), j.created_at, (j.error or "")[:80])
+    out.print(table)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--interval", default=0.5, show_default=True, help="seconds between polls")
+@click.option("--timeout", default=0.0, help="give up after this many seconds (0: never)")
+@expected_errors
+def watch(job_id: str, interval: float, timeout: float) -> None:
+    """Follow JOB round by round until it finishes; exit 1 if it fails."""
+    view = follow(job_id, interval=interval, timeout=timeout or None)
+    sys.exit(0 if view.status == "completed" else 1)
+
+
+def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
+           console: Console = out) -> Any:
+    """Show a progress bar and a line per committed round until JOB finishes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import TimeElapsedColumn
+
+    from fedq.jobs import FINISHED, get_job, round_results
+
+    settings = _settings()
+    view = get_job(settings, job_id)
+    shown = 0
+    deadline = time.monotonic() + timeout if timeout else None
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[acc]}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        bar = progress.add_task(f"job {job_id}", total=view.total_rounds, acc="")
+        while True:
+            view = get_job(settings, job_id)
+            rows = round_results(settings, job_id)
+            for row in rows[shown:]:
+                if row["status"] == "training":
+                    break
+                progress.console.print(
+                    f"round {row['round']:>3}  {_status_style(row['status'])}  "
+                    f"accuracy {_fmt(row['accuracy'], '.4f')}  "
+                    f"clients {row['participants'] or 0}/{row['planned']}  "
+                    f"{_fmt(row['seconds'], '.2f')}s", highlight=False)
+                shown += 1
+            acc = f"accuracy {view.accuracy:.4f}" if view.accuracy is not None else ""
+            progress.update(bar, completed=view.committed_round, acc=acc)
+            if view.status in FINISHED:
+                break
+            if deadline and time.monotonic() > deadline:
+                raise FedqError(f"job {job_id} still {view.status} after {timeout:.0f}s")
+            time.sleep(interval)
+    style = "green" if view.status == "completed" else "red"
+    console.print(f"job {job_id} [{style}]{view.status}[/] at round "
+                  f"{view.committed_round}/{view.total_rounds}"
+                  + (f": {view.error}" if view.error else ""), highlight=False)
+    return view
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (rounds and client rows)")
+@click.option("--csv", "as_csv", is_flag=True, help="print CSV (one line per round)")
+@expected_errors
+def results(job_id: str, as_json: bool, as_csv: bool) -> None:
+    """Per-round table of JOB: accuracy, loss, seconds, participants, bytes."""
+    from fedq.jobs import ROUND_FIELDS, client_results, get_job, round_results
+
+    settings = _settings()
+    view = get_job(settings, job_id)
+    rows = round_results(settings, job_id)
+    if as_json:
+        click.echo(json.dumps({"job": view.to_json(), "rounds": rows,
+                               "clients": client_results(settings, job_id)}, indent=2))
+    elif as_csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=ROUND_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        out.print(results_table(view, rows))
+
+
+def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"job {view.id} ({view.name}): {view.status}, "
+                        f"{view.committed_round}/{view.total_rounds} rounds")
+    for name in ("round", "status", "accuracy", "eval loss", "train loss", "seconds",
+                 "clients", "samples", "MB up", "MB down"):
+        table.add_column(name, justify="left" if name == "status" else "right")
+    for r in rows:
+        table.add_row(str(r["round"]), _status_style(r["status"]), _fmt(r["accuracy"], ".4f"),
+                      _fmt(r["eval_loss"], ".4f"), _fmt(r["train_loss"], ".4f"),
+                      _fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
+                      str(r["samples"] or 0), _mb(r["bytes_up"]), _mb(r["bytes_down"]))
+    return table
+
+
+@main.command()
+@click.option("--timeout", default=1.0, show_default=True, help="seconds to wait for replies")
+@expected_errors
+def workers(timeout: float) -> None:
+    """List live workers: hostname, queues, tasks running."""
+    from fedq.app import app
+
+    insp = app.control.inspect(timeout=timeout)
+    queues = insp.active_queues() or {}
+    active = insp.active() or {}
+    if not queues:
+        out.print("no live workers (start one: celery -A fedq worker -Q cpu)")
+        return
+    table = Table("worker", "queues", "running")
+    for host in sorted(queues):
+        table.add_row(host, ",".join(q["name"] for q in queues[host]),
+                      str(len(active.get(host, []))))
+    out.print(table)
+
+
+@main.group()
+def db() -> None:
+    """Database schema (Alembic migrations)."""
+
+
+@db.command()
+@expected_errors
+def upgrade() -> None:
+    """Migrate the database to the newest schema."""
+    from fedq.db import upgrade as do_upgrade
+    from fedq.db.session import current_revision
+
+    settings = _settings()
+    do_upgrade(settings.database_url)
+    click.echo(f"database at revision {current_revision(settings.database_url)}")
+
+
+@main.command()
+@click.option("--rounds", default=None, type=int, help="rounds to run (default: the spec's)")
+@click.option("--workers", "n_workers", default=3, show_default=True, help="training workers")
+@click.option("--home", default=".fedq/demo", show_default=True, help="folder for its state")
+@expected_errors
+def demo(rounds: int | None, n_workers: int, home: str) -> None:
+    """Train on scikit-learn's digits over real Celery workers, with no servers."""
+    from fedq.demo import run_demo
+
+    sys.exit(run_demo(Path(home), rounds=rounds, n_workers=n_workers, console=out))
+
+
+def _status_style(status: str) -> str:
+    color = {"committed": "green", "completed": "green", "running": "cyan",
+             "training": "cyan", "failed": "red", "cancelled": "yellow"}.get(status, "white")
+    return f"[{color}]{status}[/]"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+if __name__ == "__main__":
+    main()

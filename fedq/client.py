@@ -1,0 +1,87 @@
+"""What a training worker does with a :class:`~fedq.refs.TrainRef`.
+
+It fetches the global model (cached by sha256), derives its own data shard,
+trains, uploads its delta under a deterministic key and returns an
+:class:`~fedq.refs.UpdateRef`. It never raises: a Celery chord whose header task
+fails never runs its body, so failure is reported as an error ref.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from fedq.aggregate.types import Weights
+from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.data import client_indices, load_dataset
+from fedq.models import build_model
+from fedq.refs import TrainRef, UpdateRef
+from fedq.spec import JobSpec
+from fedq.training import local_train, pick_device
+from fedq.weights import dumps, loads
+
+_GLOBAL_CACHE: OrderedDict[str, Weights] = OrderedDict()
+_GLOBAL_CACHE_SIZE = 2
+
+
+def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
+    """The global model for ``ref`` and the bytes downloaded (0 on a cache hit)."""
+    if ref.sha256 in _GLOBAL_CACHE:
+        _GLOBAL_CACHE.move_to_end(ref.sha256)
+        return _GLOBAL_CACHE[ref.sha256], 0
+    weights = loads(store.get(ref), what=f"blob {ref.key}")
+    _GLOBAL_CACHE[ref.sha256] = weights
+    while len(_GLOBAL_CACHE) > _GLOBAL_CACHE_SIZE:
+        _GLOBAL_CACHE.popitem(last=False)
+    return weights, ref.size
+
+
+def client_seed(seed: int, round_number: int, client: int) -> int:
+    return (seed * 1_000_003 + round_number * 10_007 + client) % (2**63)
+
+
+def run_training(data: dict, store: BlobStore, worker: str) -> dict:
+    """Train one client for one round; always returns an UpdateRef as JSON."""
+    start = time.perf_counter()
+    try:
+        ref = TrainRef.from_json(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        return UpdateRef(status="error", job=str(data.get("job", "?")),
+                         round=int(data.get("round", -1)), client=int(data.get("client", -1)),
+                         queue=str(data.get("queue", "?")), worker=worker,
+                         error=f"malformed train ref: {exc}").to_json()
+    try:
+        return _train(ref, store, worker, start).to_json()
+    except Exception as exc:  # reported as data, never thrown through the chord
+        return UpdateRef(status="error", job=ref.job, round=ref.round, client=ref.client,
+                         queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
+                         error=f"{type(exc).__name__}: {exc}"[:2000]).to_json()
+
+
+def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
+    spec = JobSpec.model_validate(ref.spec)
+    global_weights, bytes_down = fetch_global(store, ref.model)
+    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
+    idx = torch.from_numpy(client_indices(ds.y_train.numpy(), spec.partition, spec.num_clients,
+                                          ref.client, spec.seed))
+    seed = client_seed(spec.seed, ref.round, ref.client)
+    torch.manual_seed(seed)
+    model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
+    model.load_state_dict(global_weights)
+    stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
+                        batch_size=spec.batch_size, epochs=spec.local_epochs,
+                        steps=spec.local_steps, seed=seed, device=pick_device())
+    local = model.state_dict()
+    delta = {name: local[name].detach().cpu().float() - value.float()
+             if not value.dtype.is_floating_point
+             else local[name].detach().cpu() - value
+             for name, value in global_weights.items()}
+    meta = {"job": ref.job, "round": str(ref.round), "client": str(ref.client)}
+    up = store.put(update_key(ref.job, ref.round, ref.client), dumps(delta, meta))
+    return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
+                     queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
+                     samples=stats.samples, steps=stats.steps, loss=stats.loss,
+                     seconds=time.perf_counter() - start, bytes_up=up.size,
+                     bytes_down=bytes_down, extra={"seen": stats.seen})

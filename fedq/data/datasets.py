@@ -1,0 +1,123 @@
+"""In-memory datasets: images as float tensors (N, C, H, W), labels as int64 (N,).
+
+- ``digits``: scikit-learn's 1,797 real 8x8 digit images (ships with the package,
+  works offline); a fixed stratified 80/20 train/test split.
+- ``cifar10``: torchvision's CIFAR-10 read from ``data_dir`` (downloaded there when
+  the machine is online and the folder lacks it).
+- ``synthetic``: Gaussian class clusters of any image shape, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedq.errors import DataUnavailable, SpecError, UnknownDataset
+
+if TYPE_CHECKING:
+    from fedq.spec import JobSpec
+
+# The test split never depends on a job's seed, so accuracies compare across jobs.
+SPLIT_SEED = 20240601
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    x_train: torch.Tensor  # (N, C, H, W) float32
+    y_train: torch.Tensor  # (N,) int64
+    x_test: torch.Tensor  # (M, C, H, W) float32
+    y_test: torch.Tensor  # (M,) int64
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = float(train.mean()), float(train.std()) or 1.0
+    return (torch.from_numpy(((train - mean) / std).astype(np.float32)),
+            torch.from_numpy(((test - mean) / std).astype(np.float32)))
+
+
+def _digits(data_dir: Path | None, **_: Any) -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = bunch.images.reshape(-1, 1, 8, 8)  # (1797, 1, 8, 8), values 0..16
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, bunch.target, test_size=0.2, random_state=SPLIT_SEED, stratify=bunch.target)
+    xt, xe = _standardize(x_tr, x_te)
+    return Dataset("digits", xt, torch.from_numpy(y_tr).long(), xe,
+                   torch.from_numpy(y_te).long(), 10)
+
+
+def _cifar10(data_dir: Path | None, **_: Any) -> Dataset:
+    from torchvision.datasets import CIFAR10
+
+    if data_dir is None:
+        raise DataUnavailable("cifar10: no data_dir (set it in the spec or FEDQ_DATA_DIR)")
+    try:
+        parts = [CIFAR10(str(data_dir), train=t, download=False) for t in (True, False)]
+    except RuntimeError:
+        try:
+            parts = [CIFAR10(str(data_dir), train=t, download=True) for t in (True, False)]
+        except Exception as exc:  # network errors come in many types
+            raise DataUnavailable(
+                f"cifar10: {data_dir} has no cifar-10-batches-py and the download failed "
+                f"({type(exc).__name__}); put CIFAR-10 there or go online") from None
+    arrays = [np.asarray(p.data, dtype=np.float32).transpose(0, 3, 1, 2) / 255.0 for p in parts]
+    xt, xe = _standardize(arrays[0], arrays[1])
+    return Dataset("cifar10", xt, torch.tensor(parts[0].targets).long(), xe,
+                   torch.tensor(parts[1].targets).long(), 10)
+
+
+def _synthetic(data_dir: Path | None, n_train: int = 10_000, n_test: int = 2_000,
+               shape: tuple[int, ...] | list[int] = (3, 32, 32), num_classes: int = 10,
+               noise: float = 2.0, **_: Any) -> Dataset:
+    gen = torch.Generator().manual_seed(SPLIT_SEED)
+    shape = tuple(shape)
+    means = torch.randn((num_classes, *shape), generator=gen)
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(0, num_classes, (n,), generator=gen)
+        return means[y] + noise * torch.randn((n, *shape), generator=gen), y
+
+    (xt, yt), (xe, ye) = draw(n_train), draw(n_test)
+    return Dataset("synthetic", xt, yt, xe, ye, num_classes)
+
+
+DATASETS: dict[str, Callable[..., Dataset]] = {
+    "digits": _digits, "cifar10": _cifar10, "synthetic": _synthetic,
+}
+
+
+@lru_cache(maxsize=4)
+def _load(name: str, data_dir: str | None, args_json: str) -> Dataset:
+    return DATASETS[name](Path(data_dir) if data_dir else None, **json.loads(args_json))
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None,
+                 args: dict[str, Any] | None = None) -> Dataset:
+    """Load (once per process) the named dataset; raise UnknownDataset / DataUnavailable."""
+    if name not in DATASETS:
+        raise UnknownDataset(f"dataset: unknown dataset {name!r} (known: {', '.join(DATASETS)})")
+    return _load(name, str(data_dir) if data_dir else None, json.dumps(args or {}, sort_keys=True))
+
+
+def check_dataset(spec: "JobSpec", source: str = "spec") -> None:
+    """Refuse a spec whose dataset is unknown or whose data_dir is missing."""
+    if spec.dataset not in DATASETS:
+        raise UnknownDataset(f"{source}: dataset: unknown dataset {spec.dataset!r} "
+                             f"(known: {', '.join(DATASETS)})")
+    if spec.data_dir is not None and not Path(spec.data_dir).expanduser().is_dir():
+        raise SpecError(f"{source}: data_dir: folder {spec.data_dir} does not exist")

@@ -1,0 +1,103 @@
+"""SQLAlchemy 2 typed ORM. The schema itself is made only by migrations/ (Alembic)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # pending -> running -> completed | failed | cancelled
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    total_rounds: Mapped[int] = mapped_column(Integer)
+    committed_round: Mapped[int] = mapped_column(Integer, default=0)  # 0: none yet
+    global_key: Mapped[str] = mapped_column(String(300))
+    global_sha256: Mapped[str] = mapped_column(String(64))
+    global_size: Mapped[int] = mapped_column(BigInteger)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
+                                                 onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_rounds_job_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    # training -> committed | failed
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    planned: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"clients": [...], "queues": [...]}
+    chord_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    participants: Mapped[int | None] = mapped_column(Integer, default=None)
+    samples: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    train_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    eval_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    accuracy: Mapped[float | None] = mapped_column(Float, default=None)
+    bytes_up: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    bytes_down: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    global_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    global_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class ClientUpdate(Base):
+    __tablename__ = "client_updates"
+    __table_args__ = (
+        UniqueConstraint("job_id", "round_number", "client", name="uq_updates_job_round_client"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    round_number: Mapped[int] = mapped_column(Integer)
+    client: Mapped[int] = mapped_column(Integer)
+    # ok (averaged in) | error (task failed) | rejected (failed verification)
+    status: Mapped[str] = mapped_column(String(16))
+    queue: Mapped[str | None] = mapped_column(String(32), default=None)
+    worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    loss: Mapped[float | None] = mapped_column(Float, default=None)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    update_norm: Mapped[float | None] = mapped_column(Float, default=None)
+    blob_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    blob_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    hostname: Mapped[str] = mapped_column(String(200), primary_key=True)
+    queues: Mapped[list[Any]] = mapped_column(JSON)
+    hardware: Mapped[dict[str, Any]] = mapped_column(JSON)
+    tasks_done: Mapped[int] = mapped_column(Integer, default=0)
+    samples_per_second: Mapped[float | None] = mapped_column(Float, default=None)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,134 @@
+"""Engines, sessions and migrations.
+
+SQLite (the embedded default) runs in WAL mode with a busy timeout, so the control
+worker writing and `fedq watch` reading do not trip over each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from fedq.errors import SchemaOutOfDate, ServiceUnavailable
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+@lru_cache(maxsize=8)
+def connect(url: str) -> Engine:
+    """A pooled engine for ``url`` (one per process and URL)."""
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        kwargs["connect_args"] = {"timeout": 30}
+    elif url.startswith("postgresql"):
+        kwargs["connect_args"] = {"connect_timeout": 5}
+    engine = create_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+    return engine
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    factory = _factory(url)
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except OperationalError as exc:
+        session.rollback()
+        raise ServiceUnavailable(f"database {_safe(url)}: {_first_line(exc)}") from None
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+@lru_cache(maxsize=8)
+def _factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(connect(url), expire_on_commit=False)
+
+
+def _alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Run Alembic migrations up to ``revision``: the only way fedq's schema is made."""
+    from alembic import command
+
+    try:
+        with connect(url).connect():
+            pass
+    except OperationalError as exc:
+        raise ServiceUnavailable(f"database {_safe(url)}: {_first_line(exc)}") from None
+    command.upgrade(_alembic_config(url), revision)
+
+
+def ensure_schema(url: str) -> None:
+    """Raise :class:`SchemaOutOfDate` unless the database is at the newest migration.
+
+    The embedded SQLite default is migrated on first use; other databases must be
+    migrated on purpose with ``fedq db upgrade``.
+    """
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config(url)).get_current_head()
+    current = current_revision(url)
+    if current == head:
+        return
+    if url.startswith("sqlite"):
+        upgrade(url)
+        return
+    raise SchemaOutOfDate(
+        f"database {_safe(url)} is at revision {current or 'none'}, fedq needs {head}: "
+        "run `fedq db upgrade`")
+
+
+def current_revision(url: str) -> str | None:
+    try:
+        with connect(url).connect() as conn:
+            if not inspect(conn).has_table("alembic_version"):
+                return None
+            row = conn.execute(text("SELECT version_num FROM alembic_version")).first()
+            return row[0] if row else None
+    except SQLAlchemyError as exc:
+        raise ServiceUnavailable(f"database {_safe(url)}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url

@@ -1,0 +1,69 @@
+"""Every error fedq expects to happen, rooted at :class:`FedqError`.
+
+The CLI prints ``str(err)`` as one line and exits with ``err.exit_code``; no
+traceback is shown for these. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class FedqError(Exception):
+    """Base of all expected failures."""
+
+    exit_code = 1
+
+
+class ConfigError(FedqError):
+    """A FEDQ_* setting is missing or malformed."""
+
+    exit_code = 2
+
+
+class SpecError(FedqError):
+    """A job spec is invalid; the message names the file and the field."""
+
+    exit_code = 2
+
+
+class UnknownModel(SpecError):
+    """The spec names a model the registry does not have."""
+
+
+class UnknownDataset(SpecError):
+    """The spec names a dataset fedq does not know."""
+
+
+class DataUnavailable(FedqError):
+    """A dataset cannot be read (missing data_dir, no download possible)."""
+
+
+class ServiceUnavailable(FedqError):
+    """The broker, database or blob store cannot be reached."""
+
+    exit_code = 3
+
+
+class BlobError(FedqError):
+    """Base of blob store failures."""
+
+
+class BlobNotFound(BlobError):
+    """No blob under the key."""
+
+
+class BlobIntegrityError(BlobError):
+    """A blob's bytes do not hash to the sha256 its reference carries."""
+
+
+class UpdateRejected(FedqError):
+    """A client update failed verification (shape, dtype, finite, norm)."""
+
+
+class JobNotFound(FedqError):
+    """No job with that id."""
+
+
+class SchemaOutOfDate(FedqError):
+    """The database has not been migrated to the current schema."""
+
+    exit_code = 3

@@ -1,0 +1,156 @@
+"""Jobs as a person sees them: submit one, read its status and per-round results.
+
+The CLI calls these; so do the tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+
+from fedq.app import CONTROL_QUEUE, app
+from fedq.blobs import global_key, open_store
+from fedq.blobs.keys import job_prefix
+from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db.session import ensure_schema
+from fedq.errors import JobNotFound, ServiceUnavailable
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import dumps
+
+FINISHED = ("completed", "failed", "cancelled")
+
+
+def check_broker(timeout: float = 5.0) -> None:
+    """Raise :class:`ServiceUnavailable` unless the broker accepts a connection."""
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+    except Exception as exc:  # kombu raises transport-specific errors
+        url = app.connection_for_write().as_uri()
+        raise ServiceUnavailable(f"broker {url} is not reachable: {exc}") from None
+
+
+def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
+    """Queue name -> hostnames of live workers consuming it (Celery inspect)."""
+    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    out: dict[str, list[str]] = {}
+    for worker, queues in replies.items():
+        for q in queues or []:
+            out.setdefault(q["name"], []).append(worker)
+    return out
+
+
+def submit(settings: Settings, spec: JobSpec) -> str:
+    """Create a job and ask the control queue to start round 1; returns the job id.
+
+    Checks the database schema, the blob store and the broker first; if anything
+    fails after the first write, what was written is removed again.
+    """
+    ensure_schema(settings.database_url)
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store.check()
+    check_broker()
+
+    from fedq.rounds import initial_weights, request_round
+
+    job_id = uuid.uuid4().hex[:12]
+    try:
+        blob = store.put(global_key(job_id, 0), dumps(initial_weights(spec), {"job": job_id}))
+        with session_scope(settings.database_url) as s:
+            s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status="running",
+                      total_rounds=spec.rounds, committed_round=0, global_key=blob.key,
+                      global_sha256=blob.sha256, global_size=blob.size))
+        request_round(job_id, 1)
+    except BaseException:
+        _remove(settings, job_id)
+        raise
+    return job_id
+
+
+def _remove(settings: Settings, job_id: str) -> None:
+    try:
+        with session_scope(settings.database_url) as s:
+            job = s.get(Job, job_id)
+            if job is not None:
+                s.delete(job)
+    finally:
+        open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: str
+    name: str
+    status: str
+    committed_round: int
+    total_rounds: int
+    accuracy: float | None
+    error: str | None
+    created_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def get_job(settings: Settings, job_id: str) -> JobView:
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id!r} in {settings.database_url.split('@')[-1]}")
+        return _view(s, job)
+
+
+def list_jobs(settings: Settings, limit: int = 20) -> list[JobView]:
+    with session_scope(settings.database_url) as s:
+        jobs = s.scalars(select(Job).order_by(Job.created_at.desc()).limit(limit)).all()
+        return [_view(s, j) for j in jobs]
+
+
+def _view(s: Any, job: Job) -> JobView:
+    acc = s.scalar(select(Round.accuracy).where(Round.job_id == job.id,
+                                                Round.number == job.committed_round))
+    return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
+                   acc, job.error, job.created_at.isoformat(timespec="seconds"))
+
+
+ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
+                "participants", "planned", "samples", "bytes_up", "bytes_down", "error")
+
+
+def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+    """One dict per round (in order) with the fields of ROUND_FIELDS."""
+    get_job(settings, job_id)
+    with session_scope(settings.database_url) as s:
+        rounds = s.scalars(select(Round).where(Round.job_id == job_id)
+                           .order_by(Round.number)).all()
+        return [{"round": r.number, "status": r.status, "accuracy": r.accuracy,
+                 "eval_loss": r.eval_loss, "train_loss": r.train_loss, "seconds": r.seconds,
+                 "participants": r.participants, "planned": len(r.planned.get("clients", [])),
+                 "samples": r.samples, "bytes_up": r.bytes_up, "bytes_down": r.bytes_down,
+                 "error": r.error} for r in rounds]
+
+
+def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+    """One dict per client update row, by round then client."""
+    with session_scope(settings.database_url) as s:
+        rows = s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id)
+                         .order_by(ClientUpdate.round_number, ClientUpdate.client)).all()
+        return [{"round": r.round_number, "client": r.client, "status": r.status,
+                 "queue": r.queue, "worker": r.worker, "samples": r.samples, "steps": r.steps,
+                 "seconds": r.seconds, "loss": r.loss, "bytes_up": r.bytes_up,
+                 "bytes_down": r.bytes_down, "update_norm": r.update_norm,
+                 "error": r.error} for r in rows]
+
+
+def count_rounds(settings: Settings, job_id: str, status: str = "committed") -> int:
+    with session_scope(settings.database_url) as s:
+        return int(s.scalar(select(func.count()).select_from(Round).where(
+            Round.job_id == job_id, Round.status == status)) or 0)
+
+
+__all__ = ["CONTROL_QUEUE", "FINISHED", "JobView", "check_broker", "client_results",
+           "count_rounds", "get_job", "list_jobs", "live_queues", "round_results", "submit"]

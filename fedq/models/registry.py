@@ -1,0 +1,42 @@
+"""Name -> model constructor. Each constructor takes (input_shape, num_classes, **kwargs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from fedq.errors import UnknownModel
+
+ModelFactory = Callable[..., nn.Module]
+MODELS: dict[str, ModelFactory] = {}
+
+
+def register(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    """Decorator: make a model constructor available to job specs under ``name``."""
+
+    def wrap(factory: ModelFactory) -> ModelFactory:
+        MODELS[name] = factory
+        return factory
+
+    return wrap
+
+
+def check_model(name: str, source: str = "spec") -> None:
+    _load_builtin()
+    if name not in MODELS:
+        raise UnknownModel(f"{source}: model: unknown model {name!r} "
+                           f"(known: {', '.join(sorted(MODELS))})")
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, **kwargs: Any
+) -> nn.Module:
+    """A freshly initialised model; seed torch before calling for reproducible weights."""
+    check_model(name)
+    return MODELS[name](input_shape, num_classes, **kwargs)
+
+
+def _load_builtin() -> None:
+    from fedq.models import cnn, resnet  # noqa: F401  (registers on import)

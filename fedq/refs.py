@@ -1,0 +1,74 @@
+"""The small JSON messages that travel through the broker (never weights)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fedq.blobs.base import BlobRef
+
+
+@dataclass(frozen=True)
+class TrainRef:
+    """What a training task needs: its job's spec, its place, and the global model's ref."""
+
+    job: str
+    round: int
+    client: int
+    queue: str
+    spec: dict[str, Any]
+    model: BlobRef
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job": self.job, "round": self.round, "client": self.client,
+                "queue": self.queue, "spec": self.spec, "model": self.model.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrainRef":
+        return cls(job=str(data["job"]), round=int(data["round"]), client=int(data["client"]),
+                   queue=str(data["queue"]), spec=dict(data["spec"]),
+                   model=BlobRef.from_json(data["model"]))
+
+
+@dataclass(frozen=True)
+class UpdateRef:
+    """What a training task returns: status ok|error, where its update lies, what it did."""
+
+    status: str
+    job: str
+    round: int
+    client: int
+    queue: str
+    worker: str
+    key: str | None = None
+    sha256: str | None = None
+    samples: int = 0
+    steps: int = 0
+    loss: float | None = None
+    seconds: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def blob(self) -> BlobRef:
+        assert self.key is not None and self.sha256 is not None
+        return BlobRef(self.key, self.sha256, self.bytes_up)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "UpdateRef":
+        """Parse a task result; anything malformed becomes an error ref, not an exception."""
+        if not isinstance(data, dict):
+            return cls(status="error", job="?", round=-1, client=-1, queue="?", worker="?",
+                       error=f"malformed result: {str(data)[:200]}")
+        known = {f for f in cls.__dataclass_fields__}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:
+            return cls(status="error", job=str(data.get("job", "?")),
+                       round=int(data.get("round", -1)), client=int(data.get("client", -1)),
+                       queue="?", worker="?", error=f"malformed result: {exc}")

@@ -1,0 +1,111 @@
+"""fedq's settings, read once from ``FEDQ_*`` environment variables.
+
+With no URLs set, everything lives under ``FEDQ_HOME`` (default ``./.fedq``):
+a SQLite database, a local blob directory, Celery's ``filesystem://`` broker and
+its ``file://`` result backend. Production sets the URLs; the code is the same.
+
+Variables:
+
+=========================  ==============================================================
+FEDQ_HOME                  folder for the embedded default (default ``./.fedq``)
+FEDQ_BROKER_URL            Celery broker: ``redis://``, ``amqp://``, ``filesystem://``
+FEDQ_RESULT_BACKEND        Celery result backend: ``redis://``, ``file://...``
+FEDQ_DATABASE_URL          SQLAlchemy URL: ``postgresql+psycopg://...``, ``sqlite:///...``
+FEDQ_BLOB_URL              blob store: a path, ``file://``, ``redis://``, ``s3://bucket/prefix``
+FEDQ_S3_ENDPOINT_URL       S3 endpoint for ``s3://`` blobs (MinIO); credentials from AWS_*
+FEDQ_DATA_DIR              where datasets such as CIFAR-10 are read (and downloaded to)
+FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
+FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
+FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
+=========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedq.errors import ConfigError
+
+ENV_PREFIX = "FEDQ_"
+DEFAULT_HOME = ".fedq"
+DEFAULT_VISIBILITY_TIMEOUT = 7200
+DEFAULT_POLL_INTERVAL = 0.1
+
+
+class Settings(BaseModel):
+    """Typed settings; build with :func:`load_settings` (or :func:`get_settings`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: Path = Field(description="folder for the embedded default")
+    broker_url: str
+    result_backend: str
+    database_url: str
+    blob_url: str
+    s3_endpoint_url: str | None = None
+    data_dir: Path
+    torch_threads: int | None = Field(default=None, ge=1)
+    visibility_timeout: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT, ge=1)
+    poll_interval: float = Field(default=DEFAULT_POLL_INTERVAL, gt=0)
+
+    @property
+    def embedded_broker(self) -> bool:
+        return self.broker_url.startswith("filesystem://")
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.home / "broker"
+
+
+_KNOWN = {
+    "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
+    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL",
+}
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    """Read settings from ``env`` (default ``os.environ``).
+
+    Raises :class:`ConfigError` naming the variable for a malformed or unknown
+    ``FEDQ_*`` variable (a typo such as ``FEDQ_BROKER`` would otherwise silently
+    fall back to the embedded default).
+    """
+    env = dict(os.environ if env is None else env)
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _KNOWN:
+            known = ", ".join(sorted(ENV_PREFIX + k for k in _KNOWN))
+            raise ConfigError(f"unknown setting {name} (known: {known})")
+
+    def get(key: str) -> str | None:
+        value = env.get(ENV_PREFIX + key)
+        return value if value not in (None, "") else None
+
+    home = Path(get("HOME") or DEFAULT_HOME).expanduser().absolute()
+    raw = {
+        "home": home,
+        "broker_url": get("BROKER_URL") or "filesystem://",
+        "result_backend": get("RESULT_BACKEND") or f"file://{home / 'results'}",
+        "database_url": get("DATABASE_URL") or f"sqlite:///{home / 'fedq.db'}",
+        "blob_url": get("BLOB_URL") or str(home / "blobs"),
+        "s3_endpoint_url": get("S3_ENDPOINT_URL"),
+        "data_dir": Path(get("DATA_DIR") or home / "data").expanduser().absolute(),
+        "torch_threads": get("TORCH_THREADS"),
+        "visibility_timeout": get("VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT,
+        "poll_interval": get("POLL_INTERVAL") or DEFAULT_POLL_INTERVAL,
+    }
+    try:
+        return Settings(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]).upper()
+        raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read on first use."""
+    return load_settings()

@@ -1,0 +1,163 @@
+"""The job spec: what a person writes in ``job.yaml`` and ``fedq submit`` validates.
+
+Unknown keys are refused, and every error names its field, e.g.
+``job.yaml: partition.alpha: Input should be greater than 0``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedq.app import TRAINING_QUEUES
+from fedq.errors import SpecError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IIDPartition(_Strict):
+    """Each client gets an equal, uniformly random share of the training set."""
+
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(_Strict):
+    """Per class, shares drawn from Dirichlet(alpha): small alpha, skewed clients."""
+
+    kind: Literal["dirichlet"]
+    alpha: float = Field(gt=0)
+    min_samples: int = Field(default=2, ge=1, description="each client gets at least this many")
+
+
+Partition = Annotated[IIDPartition | DirichletPartition, Field(discriminator="kind")]
+
+
+class OptimizerSpec(_Strict):
+    """The client's local optimizer."""
+
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class JobSpec(_Strict):
+    """One federated training job. Every field has a comment-sized description."""
+
+    name: str = Field(default="job", min_length=1, max_length=100)
+    model: str = Field(description="model registry name, e.g. small_cnn, resnet18_cifar")
+    model_args: dict[str, Any] = Field(default_factory=dict, description="extra model kwargs")
+    dataset: str = Field(description="digits, cifar10 or synthetic")
+    data_dir: str | None = Field(default=None, description="where the dataset lives (cifar10)")
+    dataset_args: dict[str, Any] = Field(default_factory=dict, description="e.g. synthetic size")
+    partition: Partition = Field(default_factory=IIDPartition)
+    num_clients: int = Field(ge=1, le=100_000, description="clients the data is split into")
+    clients_per_round: int = Field(ge=1, description="clients sampled each round")
+    rounds: int = Field(ge=1, le=100_000)
+    local_epochs: int | None = Field(default=1, ge=1, description="passes over the shard")
+    local_steps: int | None = Field(default=None, ge=1, description="or a fixed step count")
+    batch_size: int = Field(default=32, ge=1)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    queues: dict[str, int] = Field(
+        default_factory=lambda: {"cpu": -1},
+        description="tasks per round per queue; -1 on one queue means 'the rest'",
+    )
+    min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
+    max_update_norm: float | None = Field(default=None, gt=0, description="reject larger updates")
+    seed: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobSpec":
+        if self.clients_per_round > self.num_clients:
+            raise ValueError(
+                f"clients_per_round ({self.clients_per_round}) exceeds num_clients "
+                f"({self.num_clients})"
+            )
+        if self.min_clients > self.clients_per_round:
+            raise ValueError(
+                f"min_clients ({self.min_clients}) exceeds clients_per_round "
+                f"({self.clients_per_round})"
+            )
+        if self.local_steps is not None:
+            object.__setattr__(self, "local_epochs", None)
+        elif self.local_epochs is None:
+            raise ValueError("set local_epochs or local_steps")
+        self.queue_counts()  # raises on a bad mix
+        return self
+
+    def queue_counts(self) -> dict[str, int]:
+        """How many tasks go to each training queue per round (sums to clients_per_round)."""
+        unknown = sorted(set(self.queues) - set(TRAINING_QUEUES))
+        if unknown:
+            raise ValueError(
+                f"queues: unknown queue {unknown[0]!r} (known: {', '.join(TRAINING_QUEUES)})"
+            )
+        rest = [q for q, n in self.queues.items() if n == -1]
+        if len(rest) > 1:
+            raise ValueError("queues: only one queue may take the rest (-1)")
+        if any(n < -1 for n in self.queues.values()):
+            raise ValueError("queues: counts must be >= 0 (or -1 for the rest)")
+        fixed = sum(n for n in self.queues.values() if n >= 0)
+        counts = {q: n for q, n in self.queues.items() if n > 0}
+        if rest:
+            if fixed > self.clients_per_round:
+                raise ValueError(
+                    f"queues: {fixed} tasks exceed clients_per_round ({self.clients_per_round})"
+                )
+            if self.clients_per_round - fixed:
+                counts[rest[0]] = self.clients_per_round - fixed
+        elif fixed != self.clients_per_round:
+            raise ValueError(
+                f"queues: counts sum to {fixed}, but clients_per_round is {self.clients_per_round}"
+            )
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _format_error(source: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"] if p not in ("iid", "dirichlet"))
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+def parse_spec(data: Any, source: str = "spec") -> JobSpec:
+    """Validate a mapping as a :class:`JobSpec`; raise :class:`SpecError` naming the field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_error(source, exc)) from None
+    from fedq.data import check_dataset
+    from fedq.models import check_model
+
+    check_model(spec.model, source)
+    check_dataset(spec, source)
+    return spec
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a YAML or JSON job spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                        f"{first}") from None
+    return parse_spec(data, str(path))

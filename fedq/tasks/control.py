@@ -1,0 +1,22 @@
+"""Coordination tasks on the ``control`` queue: start a round, finalize a round."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedq.app import CONTROL_TIME_LIMIT, FINALIZE_ROUND_TASK, START_ROUND_TASK, app
+from fedq.settings import get_settings
+
+
+@app.task(name=START_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
+def start_round(job_id: str, round_number: int) -> dict[str, Any]:
+    from fedq import rounds
+
+    return rounds.start_round(get_settings(), job_id, round_number)
+
+
+@app.task(name=FINALIZE_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
+def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[str, Any]:
+    from fedq import rounds
+
+    return rounds.finalize_round(get_settings(), results, job_id, round_number)

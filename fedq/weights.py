@@ -1,0 +1,30 @@
+"""Model weights <-> safetensors bytes. The only weight format fedq reads or writes
+(no pickle: ``safetensors`` parses a JSON header and raw tensor bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fedq.aggregate.types import Weights
+from fedq.errors import UpdateRejected
+
+
+def dumps(weights: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> bytes:
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    return st_save(tensors, metadata=dict(meta or {}))
+
+
+def loads(data: bytes, what: str = "blob") -> Weights:
+    try:
+        return dict(st_load(data))
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise UpdateRejected(f"{what}: not a safetensors file ({exc})") from None
+
+
+def state_of(model: torch.nn.Module) -> Weights:
+    """The model's parameters and buffers, detached, on the CPU."""
+    return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
