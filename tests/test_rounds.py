@@ -1,0 +1,96 @@
+"""Whole jobs on real worker processes: Redis + PostgreSQL + S3, and the embedded default."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+import torch
+
+from fedq.blobs import BlobRef, open_store
+from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.weights import loads
+from tests.cluster import DIGITS, Cluster, base_env
+
+TWO_QUEUES = {**DIGITS, "queues": {"cpu": 2, "gpu_new": 2}}
+
+
+def _check_job(cluster: Cluster, job_id: str, rounds: int, per_round: int) -> None:
+    """Every round committed once, one row per planned client, run on its planned queue."""
+    consumers = {w.hostname: set(w.queues) for w in cluster.workers}
+    with session_scope(cluster.settings.database_url) as s:
+        rows = s.scalars(select(Round).where(Round.job_id == job_id)
+                         .order_by(Round.number)).all()
+        assert [(r.number, r.status) for r in rows] == [(n, "committed")
+                                                        for n in range(1, rounds + 1)]
+        for rnd in rows:
+            planned = dict(zip(rnd.planned["clients"], rnd.planned["queues"]))
+            updates = s.scalars(select(ClientUpdate).where(
+                ClientUpdate.job_id == job_id, ClientUpdate.round_number == rnd.number)).all()
+            assert sorted(u.client for u in updates) == sorted(planned)
+            assert len(updates) == per_round
+            for u in updates:
+                assert u.status == "ok", u.error
+                assert u.queue == planned[u.client]
+                assert u.queue in consumers[u.worker], (u.worker, u.queue)
+                assert u.samples > 0 and u.steps > 0 and u.bytes_up > 0
+            assert rnd.participants == per_round and rnd.accuracy is not None
+
+
+@pytest.fixture
+def production(tmp_path: Path, redis_db: str, pg_url: str,
+               s3_env: dict[str, str]) -> Iterator[Cluster]:
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=f"s3://fedq/{tmp_path.name}")
+    env.update(s3_env)
+    cluster = Cluster(tmp_path, env)
+    cluster.fedq("db", "upgrade")
+    cluster.start(cpu=["cpu"], gpu=["gpu_new"], control=["control"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+def test_three_rounds_on_redis_postgres_s3_two_queues(production: Cluster) -> None:
+    job_id = production.submit(TWO_QUEUES)
+    view = production.wait(job_id)
+    assert view.status == "completed", view.error
+    _check_job(production, job_id, rounds=3, per_round=4)
+    data = production.results_json(job_id)
+    assert [r["round"] for r in data["rounds"]] == [1, 2, 3]
+    assert len(data["clients"]) == 12
+    assert {c["queue"] for c in data["clients"]} == {"cpu", "gpu_new"}
+    table = list(csv.DictReader(io.StringIO(production.fedq("results", job_id, "--csv").stdout)))
+    assert [int(r["round"]) for r in table] == [1, 2, 3]
+    assert float(table[-1]["accuracy"]) == pytest.approx(view.accuracy)
+
+
+@pytest.mark.slow
+def test_three_rounds_embedded_is_deterministic(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.start(cpu=["cpu"], gpu=["gpu_new"], control=["control"])
+    try:
+        first = cluster.submit(TWO_QUEUES)
+        a = cluster.wait(first)
+        second = cluster.submit(TWO_QUEUES)
+        b = cluster.wait(second)
+    finally:
+        cluster.stop()
+    assert a.status == b.status == "completed", (a.error, b.error)
+    _check_job(cluster, first, rounds=3, per_round=4)
+    _check_job(cluster, second, rounds=3, per_round=4)
+    # Same spec and seed: the same model, bit for bit, whichever worker ran which client.
+    assert a.accuracy == b.accuracy
+    store = open_store(cluster.settings.blob_url)
+    with session_scope(cluster.settings.database_url) as s:
+        finals = [loads(store.get(BlobRef(j.global_key, j.global_sha256, j.global_size)))
+                  for j in (s.get(Job, first), s.get(Job, second))]
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    status = cluster.fedq("status", first)
+    assert first in status.stdout and "completed" in status.stdout
