@@ -54,7 +54,8 @@ def _settings() -> Any:
 @expected_errors
 def submit(spec_path: Path) -> None:
     """Validate SPEC (YAML or JSON) and start the job; prints the job id."""
-    from fedq.jobs import live_queues, submit as submit_job
+    from fedq.jobs import live_queues
+    from fedq.jobs import submit as submit_job
     from fedq.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -88,8 +89,9 @@ def status(job_id: str | None, as_json: bool) -> None:
         return
     table = Table("job", "name", "status", "round", "accuracy", "created", "error")
     for j in jobs:
-        table.add_row(j.id, j.name, _status_style(j.status), f"{j.committed_round}/{j.total_rounds}",
-                      _fmt(j.accuracy, ".4f"), j.created_at, (j.error or "")[:80])
+        table.add_row(j.id, j.name, _status_style(j.status),
+                      f"{j.committed_round}/{j.total_rounds}", _fmt(j.accuracy, ".4f"),
+                      j.created_at, (j.error or "")[:80])
     out.print(table)
 
 
@@ -107,8 +109,7 @@ def watch(job_id: str, interval: float, timeout: float) -> None:
 def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
            console: Console = out) -> Any:
     """Show a progress bar and a line per committed round until JOB finishes."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.progress import TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fedq.jobs import FINISHED, get_job, round_results
 

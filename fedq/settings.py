@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -85,7 +86,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         return value if value not in (None, "") else None
 
     home = Path(get("HOME") or DEFAULT_HOME).expanduser().absolute()
-    raw = {
+    raw: dict[str, Any] = {
         "home": home,
         "broker_url": get("BROKER_URL") or "filesystem://",
         "result_backend": get("RESULT_BACKEND") or f"file://{home / 'results'}",

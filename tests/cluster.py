@@ -51,7 +51,8 @@ class Cluster:
     def stop(self) -> None:
         stop_workers(self.workers)
 
-    def fedq(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    def fedq(self, *args: str, check: bool = True,
+             timeout: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=self.env,
                               capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:

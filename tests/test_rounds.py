@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
-
 import torch
+from sqlalchemy import select
 
 from fedq.blobs import BlobRef, open_store
 from fedq.db import ClientUpdate, Job, Round, session_scope
