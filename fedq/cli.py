@@ -87,6 +87,9 @@ def status(job_id: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([j.to_json() for j in jobs], indent=2))
         return
+    if not jobs:
+        out.print("no jobs yet (fedq submit examples/digits.yaml)")
+        return
     table = Table("job", "name", "status", "round", "accuracy", "created", "error")
     for j in jobs:
         table.add_row(j.id, j.name, _status_style(j.status),

@@ -97,6 +97,7 @@ class JobView:
 
 
 def get_job(settings: Settings, job_id: str) -> JobView:
+    ensure_schema(settings.database_url)
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         if job is None:
@@ -105,6 +106,7 @@ def get_job(settings: Settings, job_id: str) -> JobView:
 
 
 def list_jobs(settings: Settings, limit: int = 20) -> list[JobView]:
+    ensure_schema(settings.database_url)
     with session_scope(settings.database_url) as s:
         jobs = s.scalars(select(Job).order_by(Job.created_at.desc()).limit(limit)).all()
         return [_view(s, j) for j in jobs]

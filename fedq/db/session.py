@@ -88,20 +88,26 @@ def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(_alembic_config(url), revision)
 
 
+_CHECKED: set[str] = set()
+
+
 def ensure_schema(url: str) -> None:
     """Raise :class:`SchemaOutOfDate` unless the database is at the newest migration.
 
     The embedded SQLite default is migrated on first use; other databases must be
     migrated on purpose with ``fedq db upgrade``.
     """
+    if url in _CHECKED:
+        return
     from alembic.script import ScriptDirectory
 
     head = ScriptDirectory.from_config(_alembic_config(url)).get_current_head()
     current = current_revision(url)
-    if current == head:
-        return
-    if url.startswith("sqlite"):
+    if current != head and url.startswith("sqlite"):
         upgrade(url)
+        current = head
+    if current == head:
+        _CHECKED.add(url)
         return
     raise SchemaOutOfDate(
         f"database {_safe(url)} is at revision {current or 'none'}, fedq needs {head}: "
