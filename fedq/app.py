@@ -22,6 +22,7 @@ ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
 TRAIN_TASK = "fedq.train"
 START_ROUND_TASK = "fedq.start_round"
 FINALIZE_ROUND_TASK = "fedq.finalize_round"
+REGISTER_WORKER_TASK = "fedq.register_worker"
 
 # A training task may run for a long time on a slow machine; control tasks are short.
 TRAIN_SOFT_TIME_LIMIT = 3600
@@ -71,6 +72,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": {
             START_ROUND_TASK: {"queue": CONTROL_QUEUE},
             FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
+            REGISTER_WORKER_TASK: {"queue": CONTROL_QUEUE},
             "celery.chord_unlock": {"queue": CONTROL_QUEUE},
         },
         "result_expires": 3 * 24 * 3600,
@@ -80,7 +82,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Events feed the Flower dashboard and `fedq workers`.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
-        "include": ["fedq.tasks.train", "fedq.tasks.control"],
+        "include": ["fedq.tasks.train", "fedq.tasks.control", "fedq.worker"],
     }
 
 

@@ -191,20 +191,76 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
 @click.option("--timeout", default=1.0, show_default=True, help="seconds to wait for replies")
 @expected_errors
 def workers(timeout: float) -> None:
-    """List live workers: hostname, queues, tasks running."""
+    """Workers: live status (Celery inspect), hardware and measured throughput."""
     from fedq.app import app
+    from fedq.registry import list_workers
 
     insp = app.control.inspect(timeout=timeout)
     queues = insp.active_queues() or {}
     active = insp.active() or {}
-    if not queues:
-        out.print("no live workers (start one: celery -A fedq worker -Q cpu)")
+    known = {w["hostname"]: w for w in list_workers(_settings().database_url)}
+    if not queues and not known:
+        out.print("no workers (start one: celery -A fedq worker -Q cpu)")
         return
-    table = Table("worker", "queues", "running")
-    for host in sorted(queues):
-        table.add_row(host, ",".join(q["name"] for q in queues[host]),
-                      str(len(active.get(host, []))))
+    table = Table("worker", "status", "queues", "running", "hardware", "torch", "samples/s",
+                  "tasks", "last seen")
+    for host in sorted(set(queues) | set(known)):
+        info = known.get(host, {})
+        hw = info.get("hardware") or {}
+        gpus = hw.get("gpus") or []
+        hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
+                             for g in gpus) or ("cpu" if hw else "-")
+        live = host in queues
+        names = ",".join(q["name"] for q in queues[host]) if live else ",".join(
+            info.get("queues") or [])
+        table.add_row(host, "[green]live[/]" if live else "[dim]gone[/]", names,
+                      str(len(active.get(host, []))) if live else "-", hardware,
+                      str(hw.get("torch", "-")), _fmt(info.get("samples_per_second"), ".0f"),
+                      str(info.get("tasks_done", 0)), str(info.get("last_seen", "-")))
     out.print(table)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@expected_errors
+def doctor(as_json: bool) -> None:
+    """Check this machine: hardware class, torch build vs GPU, a kernel smoke test.
+
+    Exits 1 when the installed torch cannot drive a GPU here, with the fix."""
+    from fedq.hardware import amp_mode, arch_covers, diagnose, image_for, probe
+
+    report = probe()
+    problems = diagnose(report)
+    cls = report.hardware_class
+    if as_json:
+        click.echo(json.dumps({**report.to_json(), "problems": problems}, indent=2))
+        sys.exit(1 if problems else 0)
+    out.print(f"host      {report.hostname}", highlight=False)
+    out.print(f"torch     {report.torch} (CUDA build {report.cuda or 'none'}), driver "
+              f"{report.driver or 'none'}", highlight=False)
+    if report.arch_list:
+        out.print(f"kernels   {' '.join(report.arch_list)}", highlight=False)
+    if report.gpus:
+        table = Table("gpu", "name", "capability", "memory GB", "kernels", "AMP")
+        for g in report.gpus:
+            ok = arch_covers(g.capability, report.arch_list)
+            table.add_row(str(g.index), g.name, f"{g.capability[0]}.{g.capability[1]}",
+                          f"{g.memory_gb:.1f}", "[green]yes[/]" if ok else "[red]missing[/]",
+                          amp_mode(g.capability))
+        out.print(table)
+    else:
+        out.print("gpus      none" + (" (Apple MPS available: it trains on MPS and joins "
+                                       "the cpu queue)" if report.mps else ""), highlight=False)
+    if report.jetson:
+        out.print("jetson    yes: use NVIDIA's JetPack torch, not PyPI wheels (docs/hardware.md)")
+    out.print(f"class     {cls}: start a worker with "
+              f"[bold]celery -A fedq worker -Q {cls} -c 1[/] or the image {image_for(cls)}",
+              highlight=False)
+    if problems:
+        for problem in problems:
+            err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    out.print("[green]ok[/]: this machine can train for fedq")
 
 
 @main.group()

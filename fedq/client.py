@@ -18,6 +18,7 @@ from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.data import client_indices, load_dataset
 from fedq.models import build_model
 from fedq.refs import TrainRef, UpdateRef
+from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.training import local_train, pick_device
 from fedq.weights import dumps, loads
@@ -72,7 +73,9 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     model.load_state_dict(global_weights)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
-                        steps=spec.local_steps, seed=seed, device=pick_device())
+                        steps=spec.local_steps, seed=seed, device=pick_device(),
+                        time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
+                        slowdown=get_settings().slowdown)
     local = model.state_dict()
     delta = {name: local[name].detach().cpu().float() - value.float()
              if not value.dtype.is_floating_point
@@ -84,4 +87,6 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
                      seconds=time.perf_counter() - start, bytes_up=up.size,
-                     bytes_down=bytes_down, extra={"seen": stats.seen})
+                     bytes_down=bytes_down,
+                     extra={"seen": stats.seen, "train_seconds": stats.seconds,
+                            "stopped_by_budget": stats.stopped_by_budget, "amp": stats.amp})

@@ -142,7 +142,8 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
         rows = s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id)
                          .order_by(ClientUpdate.round_number, ClientUpdate.client)).all()
         return [{"round": r.round_number, "client": r.client, "status": r.status,
-                 "queue": r.queue, "worker": r.worker, "samples": r.samples, "steps": r.steps,
+                 "queue": r.queue, "worker": r.worker, "samples": r.samples,
+                 "processed": r.processed, "steps": r.steps,
                  "seconds": r.seconds, "loss": r.loss, "bytes_up": r.bytes_up,
                  "bytes_down": r.bytes_down, "update_norm": r.update_norm,
                  "error": r.error} for r in rows]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
-from fedq.aggregate import apply_delta, check_update, weighted_mean
+from fedq.aggregate import apply_delta, check_update, fednova_mean, weighted_mean
 from fedq.aggregate.types import Weights
 from fedq.app import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK, app
 from fedq.blobs import BlobRef, BlobStore, global_key, open_store
@@ -28,6 +28,7 @@ from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.errors import BlobError, UpdateRejected
 from fedq.refs import TrainRef, UpdateRef
+from fedq.registry import record_throughput
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.weights import dumps, loads
@@ -41,13 +42,14 @@ class Assignment:
     queue: str
 
 
-def plan_round(spec: JobSpec, round_number: int) -> list[Assignment]:
+def plan_round(spec: JobSpec, round_number: int,
+               live_throughput: dict[str, float] | None = None) -> list[Assignment]:
     """Which clients train in ``round_number`` and on which queue; a pure function of
-    (spec, round), so a re-planned round picks the same clients."""
+    (spec, round, live throughput), so a re-planned round picks the same clients."""
     rng = np.random.default_rng([spec.seed, round_number])
     clients = sorted(int(c) for c in rng.choice(spec.num_clients, spec.clients_per_round,
                                                 replace=False))
-    queues = [q for q, n in spec.queue_counts().items() for _ in range(n)]
+    queues = [q for q, n in spec.queue_counts(live_throughput).items() for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
 
 
@@ -62,7 +64,8 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             return {"status": "skipped", "reason": f"job is at round {job.committed_round}"}
         spec = JobSpec.model_validate(job.spec)
         model = BlobRef(job.global_key, job.global_sha256, job.global_size)
-        plan = plan_round(spec, round_number)
+        plan = plan_round(spec, round_number,
+                          _live_throughput(settings) if spec.queues == "auto" else None)
         s.add(Round(job_id=job_id, number=round_number, status="training",
                     planned={"clients": [a.client for a in plan],
                              "queues": [a.queue for a in plan]}))
@@ -73,6 +76,18 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             return {"status": "skipped", "reason": "round already started"}
     dispatch_round(job_id, round_number, spec, model, plan)
     return {"status": "started", "round": round_number, "clients": len(plan)}
+
+
+def _live_throughput(settings: Settings) -> dict[str, float]:
+    """Queue -> summed measured throughput of its live consumers (for ``queues: auto``)."""
+    from fedq.jobs import live_queues
+    from fedq.registry import queue_throughput
+
+    try:
+        live = live_queues(timeout=1.0)
+    except Exception:  # no answer: plan as if nothing is measured
+        return {}
+    return queue_throughput(settings.database_url, live)
 
 
 def dispatch_round(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
@@ -103,6 +118,7 @@ class _Outcome:
     accepted: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    throughput: list[tuple[str, int, float]] = field(default_factory=list)
 
 
 def _dedupe(results: Sequence[Any], job_id: str, round_number: int) -> list[UpdateRef]:
@@ -119,15 +135,16 @@ def _dedupe(results: Sequence[Any], job_id: str, round_number: int) -> list[Upda
 def _row(job_id: str, ref: UpdateRef, status: str, error: str | None = None,
          norm: float | None = None) -> ClientUpdate:
     return ClientUpdate(job_id=job_id, round_number=ref.round, client=ref.client, status=status,
-                        queue=ref.queue, worker=ref.worker, samples=ref.samples, steps=ref.steps,
+                        queue=ref.queue, worker=ref.worker, samples=ref.samples,
+                        processed=int(ref.extra.get("seen", 0)), steps=ref.steps,
                         seconds=ref.seconds, loss=ref.loss, bytes_up=ref.bytes_up,
                         bytes_down=ref.bytes_down, update_norm=norm, blob_key=ref.key,
                         blob_sha256=ref.sha256, error=error)
 
 
 def _verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
-              spec: JobSpec, job_id: str, outcome: _Outcome) -> Iterator[tuple[float, Weights]]:
-    """Stream (weight, delta) of each update that passes verification; record every one."""
+              spec: JobSpec, job_id: str, outcome: _Outcome) -> Iterator[tuple[UpdateRef, Weights]]:
+    """Stream (ref, delta) of each update that passes verification; record every one."""
     for ref in refs:
         if ref.status != "ok" or ref.key is None or ref.sha256 is None:
             outcome.rows.append(_row(job_id, ref, "error", ref.error or "task failed"))
@@ -144,7 +161,22 @@ def _verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
         outcome.accepted += 1
         outcome.samples += ref.samples
         outcome.loss_sum += (ref.loss or 0.0) * ref.samples
-        yield float(ref.samples), delta
+        outcome.throughput.append((ref.worker, int(ref.extra.get("seen", ref.samples)),
+                                   float(ref.extra.get("train_seconds", ref.seconds))))
+        yield ref, delta
+
+
+def _weight(spec: JobSpec, ref: UpdateRef) -> float:
+    if spec.weight_by == "processed":
+        return float(ref.extra.get("seen") or ref.samples)
+    return float(ref.samples)
+
+
+def aggregate(spec: JobSpec, stream: Iterator[tuple[UpdateRef, Weights]]) -> Weights:
+    """The aggregate delta of the verified stream, by the spec's aggregator."""
+    if spec.aggregator == "fednova":
+        return fednova_mean((_weight(spec, r), r.steps, d) for r, d in stream)
+    return weighted_mean((_weight(spec, r), d) for r, d in stream)
 
 
 def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
@@ -168,7 +200,7 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
     refs = _dedupe(results, job_id, round_number)
     outcome = _Outcome(rows=[])
     try:
-        mean = weighted_mean(_verified(store, refs, current, spec, job_id, outcome))
+        mean = aggregate(spec, _verified(store, refs, current, spec, job_id, outcome))
     except ValueError:
         mean = None
     if mean is None or outcome.accepted < spec.min_clients:
@@ -192,7 +224,8 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
         "bytes_down": sum(r.bytes_down for r in outcome.rows),
         "global_key": blob.key, "global_sha256": blob.sha256,
     }
-    committed, done = _commit(settings, job_id, round_id, outcome.rows, metrics=metrics,
+    committed, done = _commit(settings, job_id, round_id, outcome.rows,
+                              throughput=outcome.throughput, metrics=metrics,
                               blob=blob, round_number=round_number, total=spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
@@ -205,6 +238,7 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
 
 
 def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,
+            throughput: list[tuple[str, int, float]] = (),  # type: ignore[assignment]
             failed: str | None = None, metrics: dict[str, Any] | None = None,
             blob: BlobRef | None = None, round_number: int = 0,
             total: int = 0) -> tuple[bool, bool]:
@@ -221,6 +255,7 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             s.rollback()
             return False, False
         s.add_all(rows)
+        record_throughput(s, throughput)
         job = s.get(Job, job_id)
         assert job is not None
         done = True

@@ -17,6 +17,10 @@ FEDQ_DATA_DIR              where datasets such as CIFAR-10 are read (and downloa
 FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
 FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
 FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
+FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many times slower
+                           (emulates a slower machine in tests and benchmarks)
+FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests)
+FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
 =========================  ==============================================================
 """
 
@@ -52,6 +56,9 @@ class Settings(BaseModel):
     torch_threads: int | None = Field(default=None, ge=1)
     visibility_timeout: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT, ge=1)
     poll_interval: float = Field(default=DEFAULT_POLL_INTERVAL, gt=0)
+    slowdown: float = Field(default=1.0, ge=1)
+    emulate_hardware: Path | None = None
+    skip_hardware_check: bool = False
 
     @property
     def embedded_broker(self) -> bool:
@@ -64,8 +71,11 @@ class Settings(BaseModel):
 
 _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
-    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL",
+    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
+    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK",
 }
+#: Variables for fedq's own test suite, not settings of fedq.
+_TEST_PREFIX = "FEDQ_TEST_"
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -77,6 +87,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     """
     env = dict(os.environ if env is None else env)
     for name in env:
+        if name.startswith(_TEST_PREFIX):
+            continue
         if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _KNOWN:
             known = ", ".join(sorted(ENV_PREFIX + k for k in _KNOWN))
             raise ConfigError(f"unknown setting {name} (known: {known})")
@@ -97,6 +109,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "torch_threads": get("TORCH_THREADS"),
         "visibility_timeout": get("VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT,
         "poll_interval": get("POLL_INTERVAL") or DEFAULT_POLL_INTERVAL,
+        "slowdown": get("SLOWDOWN") or 1.0,
+        "emulate_hardware": get("EMULATE_HARDWARE"),
+        "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,
     }
     try:
         return Settings(**raw)

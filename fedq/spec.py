@@ -64,10 +64,18 @@ class JobSpec(_Strict):
     local_steps: int | None = Field(default=None, ge=1, description="or a fixed step count")
     batch_size: int = Field(default=32, ge=1)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    queues: dict[str, int] = Field(
+    queues: dict[str, int] | Literal["auto"] = Field(
         default_factory=lambda: {"cpu": -1},
-        description="tasks per round per queue; -1 on one queue means 'the rest'",
+        description="tasks per round per queue; -1 on one queue means 'the rest'; 'auto' "
+                    "splits each round by the live workers' measured throughput",
     )
+    time_budget_s: float | None = Field(
+        default=None, gt=0, description="each task stops training after this many seconds")
+    weight_by: Literal["samples", "processed"] = Field(
+        default="samples", description="FedAvg weight: shard size, or samples processed")
+    aggregator: Literal["fedavg", "fednova"] = Field(
+        default="fedavg", description="fednova normalises for unequal local steps")
+    prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term (0: off)")
     min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
     max_update_norm: float | None = Field(default=None, gt=0, description="reject larger updates")
     seed: int = Field(default=0, ge=0)
@@ -91,8 +99,13 @@ class JobSpec(_Strict):
         self.queue_counts()  # raises on a bad mix
         return self
 
-    def queue_counts(self) -> dict[str, int]:
-        """How many tasks go to each training queue per round (sums to clients_per_round)."""
+    def queue_counts(self, live_throughput: dict[str, float] | None = None) -> dict[str, int]:
+        """How many tasks go to each training queue per round (sums to clients_per_round).
+
+        With ``queues: auto`` the split follows ``live_throughput`` (queue -> summed
+        samples/s of its live workers); with none known, every task goes to ``cpu``."""
+        if self.queues == "auto":
+            return split_by_throughput(self.clients_per_round, live_throughput or {})
         unknown = sorted(set(self.queues) - set(TRAINING_QUEUES))
         if unknown:
             raise ValueError(
@@ -120,6 +133,22 @@ class JobSpec(_Strict):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, int]:
+    """Largest-remainder split of ``tasks`` across training queues in proportion to their
+    throughput; queues in TRAINING_QUEUES order break ties. Pure, for tests."""
+    usable = {q: throughput[q] for q in TRAINING_QUEUES if throughput.get(q, 0) > 0}
+    if not usable:
+        return {"cpu": tasks}
+    total = sum(usable.values())
+    exact = {q: tasks * v / total for q, v in usable.items()}
+    counts = {q: int(e) for q, e in exact.items()}
+    by_remainder = sorted(usable, key=lambda q: (-(exact[q] - counts[q]),
+                                                 TRAINING_QUEUES.index(q)))
+    for q in by_remainder[:tasks - sum(counts.values())]:
+        counts[q] += 1
+    return {q: n for q, n in counts.items() if n > 0}
 
 
 def _format_error(source: str, exc: ValidationError) -> str:

@@ -6,7 +6,9 @@ optimizer over mini-batches for the epoch or step budget, report what was done.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,9 @@ class LocalStats:
     steps: int  # optimizer steps taken
     seen: int  # samples processed, counting repeats
     loss: float  # mean training loss over the steps
+    seconds: float  # wall time of the loop
+    stopped_by_budget: bool  # the time budget ended training before its steps did
+    amp: str  # mixed precision used: bf16 | fp16 | off
 
 
 def pick_device() -> torch.device:
@@ -40,13 +45,27 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
     return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
+def device_amp(device: torch.device) -> str:
+    """The mixed-precision mode for ``device`` (see fedq.hardware.amp_mode)."""
+    from fedq.hardware import amp_mode
+
+    if device.type != "cuda":
+        return "off"
+    return amp_mode(torch.cuda.get_device_capability(device))
+
+
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 optimizer: OptimizerSpec, batch_size: int, epochs: int | None,
-                steps: int | None, seed: int, device: torch.device) -> LocalStats:
-    """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps.
+                steps: int | None, seed: int, device: torch.device,
+                time_budget: float | None = None, prox_mu: float = 0.0,
+                slowdown: float = 1.0) -> LocalStats:
+    """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
+    stopping early once ``time_budget`` seconds have passed (after at least one step).
 
     x: (N, C, H, W) float32, y: (N,) int64, on the CPU; batches move to ``device``.
-    Deterministic for a given seed on a given device and thread count.
+    ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
+    (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
+    Deterministic for a given seed, device and thread count (without a time budget).
     """
     n = len(y)
     if n == 0:
@@ -57,22 +76,46 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     model.to(device).train()
     opt = make_optimizer(list(model.parameters()), optimizer)
     loss_fn = nn.CrossEntropyLoss()
-    loss_sum, seen, step = 0.0, 0, 0
-    while step < total_steps:
+    amp = device_amp(device)
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+                if amp != "off" else contextlib.nullcontext())
+    anchor = ([p.detach().clone() for p in model.parameters()] if prox_mu > 0 else [])
+    started = time.perf_counter()
+    loss_sum, seen, step, by_budget = 0.0, 0, 0, False
+    while step < total_steps and not by_budget:
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, batch_size):
             if step >= total_steps:
                 break
+            if time_budget is not None and step > 0 and \
+                    time.perf_counter() - started >= time_budget:
+                by_budget = True
+                break
+            step_start = time.perf_counter()
             idx = order[start:start + batch_size]
             xb, yb = x[idx].to(device), y[idx].to(device)  # (B, C, H, W), (B,)
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            opt.step()
+            with autocast:
+                loss = loss_fn(model(xb), yb)
+            if anchor:  # FedProx: (mu / 2) * ||w - w_global||^2
+                loss = loss + prox_mu / 2 * sum(
+                    ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             loss_sum += float(loss.detach())
             seen += len(idx)
             step += 1
-    return LocalStats(samples=n, steps=step, seen=seen, loss=loss_sum / max(step, 1))
+            if slowdown > 1:
+                time.sleep((slowdown - 1) * (time.perf_counter() - step_start))
+    return LocalStats(samples=n, steps=step, seen=seen, loss=loss_sum / max(step, 1),
+                      seconds=time.perf_counter() - started, stopped_by_budget=by_budget,
+                      amp=amp)
 
 
 @torch.no_grad()

@@ -37,6 +37,9 @@ PY
     # Dependencies only; the project itself is installed editable below, so the
     # cached environment serves any checkout.
     pip_quiet install -q -c requirements/dev-constraints.txt -r "$reqs"
+    # The compose-spec JSON schema that tests validate docker/compose.yaml against ships
+    # inside docker-compose 1.29.2 (the Python Compose); only its data file is used.
+    pip_quiet install -q --no-deps docker-compose==1.29.2
     touch "$venv/.complete"
 fi
 # Editable install of this checkout: fast (no dependency resolution).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedq.aggregate import apply_delta, check_update, fedavg, weighted_mean
+from fedq.aggregate import apply_delta, check_update, fedavg, fednova_mean, weighted_mean
 from fedq.errors import UpdateRejected
 
 
@@ -82,3 +82,22 @@ def test_check_update_rejects(update: dict, reason: str) -> None:
 
 def test_check_update_returns_norm() -> None:
     assert check_update({"w": torch.tensor([3.0, 4.0])}, {"w": torch.zeros(2)}) == 5.0
+
+
+def test_fednova_hand_computed() -> None:
+    # Prepare: equal weights; client a took 1 step (delta 2), client b took 4 steps (delta 4).
+    a = {"w": torch.tensor([2.0])}
+    b = {"w": torch.tensor([4.0])}
+    # Execute
+    out = fednova_mean([(1.0, 1, a), (1.0, 4, b)])
+    # Assert: per-step 2 and 1, mean 1.5; tau_eff = (1 + 4) / 2 = 2.5 -> 3.75
+    assert torch.allclose(out["w"], torch.tensor([3.75]))
+    # FedAvg would give 3.0: the one-step client drags the average back.
+    assert torch.equal(weighted_mean([(1.0, a), (1.0, b)])["w"], torch.tensor([3.0]))
+
+
+def test_fednova_equals_fedavg_for_equal_steps() -> None:
+    gen = torch.Generator().manual_seed(2)
+    ups = [(float(i + 1), 5, {"w": torch.randn(4, generator=gen)}) for i in range(3)]
+    torch.testing.assert_close(fednova_mean(ups)["w"],
+                               weighted_mean((w, u) for w, _, u in ups)["w"])

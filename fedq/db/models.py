@@ -87,7 +87,8 @@ class ClientUpdate(Base):
     status: Mapped[str] = mapped_column(String(16))
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
-    samples: Mapped[int] = mapped_column(Integer, default=0)
+    samples: Mapped[int] = mapped_column(Integer, default=0)  # shard size
+    processed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     steps: Mapped[int] = mapped_column(Integer, default=0)
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     loss: Mapped[float | None] = mapped_column(Float, default=None)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedq.app import CONTROL_TIME_LIMIT, FINALIZE_ROUND_TASK, START_ROUND_TASK, app
+from fedq.app import (
+    CONTROL_TIME_LIMIT,
+    FINALIZE_ROUND_TASK,
+    REGISTER_WORKER_TASK,
+    START_ROUND_TASK,
+    app,
+)
 from fedq.settings import get_settings
 
 
@@ -20,3 +26,11 @@ def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[s
     from fedq import rounds
 
     return rounds.finalize_round(get_settings(), results, job_id, round_number)
+
+
+@app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
+def register_worker(hostname: str, queues: list[str], hardware: dict[str, Any]) -> str:
+    from fedq import registry
+
+    registry.record_worker(get_settings().database_url, hostname, queues, hardware)
+    return hostname

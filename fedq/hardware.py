@@ -1,0 +1,240 @@
+"""Hardware classes, and whether the installed torch can drive this machine's GPUs.
+
+Facts behind the rules (docs/hardware.md has the sources):
+- A CUDA wheel runs on a GPU of capability (M, m) if its arch list has ``sm_M<k>`` with
+  k <= m (same major: binary compatible), or a ``compute_XY`` PTX entry with
+  (X, Y) <= (M, m) (the driver JIT-compiles it).
+- A wrong build only *warns* at CUDA init; ``torch.cuda.is_available()`` stays True
+  and the first kernel fails with "no kernel image is available". So we check the
+  arch list and then run a tiny matmul and conv forward/backward on each device.
+- Classes: ``gpu_new`` is compute capability >= 7.5 (Turing and newer, cu128 builds);
+  ``gpu_sm61`` is the legacy class for 5.0 <= cc < 7.5 (Maxwell, Pascal, Volta), served
+  by cu126 builds that still carry sm_50/sm_60/sm_70 kernels; everything else ``cpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+NEW_MIN_CC = (7, 5)
+LEGACY_MIN_CC = (5, 0)
+GPU_QUEUES = ("gpu_new", "gpu_sm61")
+PINS_FILE = Path(__file__).resolve().parent / "pins.toml"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    memory_gb: float
+
+
+@dataclass
+class HardwareReport:
+    torch: str
+    cuda: str | None  # the CUDA version torch was built with
+    driver: str | None
+    arch_list: list[str]
+    gpus: list[Gpu]
+    mps: bool = False
+    jetson: bool = False
+    hostname: str = field(default_factory=platform.node)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def hardware_class(self) -> str:
+        return classify([g.capability for g in self.gpus])
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hardware_class"] = self.hardware_class
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HardwareReport":
+        gpus = [Gpu(g["index"], g["name"], tuple(g["capability"]), g["memory_gb"])  # type: ignore[arg-type]
+                for g in data.get("gpus", [])]
+        return cls(torch=data["torch"], cuda=data.get("cuda"), driver=data.get("driver"),
+                   arch_list=list(data.get("arch_list", [])), gpus=gpus,
+                   mps=bool(data.get("mps")), jetson=bool(data.get("jetson")),
+                   hostname=data.get("hostname", platform.node()),
+                   problems=list(data.get("problems", [])))
+
+
+def classify(capabilities: list[tuple[int, int]]) -> str:
+    """The queue class for a machine with GPUs of these capabilities (the weakest decides)."""
+    usable = [cc for cc in capabilities if cc >= LEGACY_MIN_CC]
+    if not usable:
+        return "cpu"
+    return "gpu_new" if min(usable) >= NEW_MIN_CC else "gpu_sm61"
+
+
+def _parse_arch(entry: str) -> tuple[str, tuple[int, int]] | None:
+    m = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", entry)
+    if not m:
+        return None
+    return m.group(1), (int(m.group(2)), int(m.group(3)))
+
+
+def arch_covers(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch build with ``arch_list`` has kernels for ``capability``."""
+    for entry in arch_list:
+        parsed = _parse_arch(entry)
+        if parsed is None:
+            continue
+        kind, (major, minor) = parsed
+        if kind == "sm" and major == capability[0] and minor <= capability[1]:
+            return True
+        if kind == "compute" and (major, minor) <= capability:
+            return True
+    return False
+
+
+def amp_mode(capability: tuple[int, int] | None) -> str:
+    """Mixed precision by capability: bf16 at >= 8.0, fp16 (+GradScaler) at 7.x, else off.
+
+    Gate on capability, not ``torch.cuda.is_bf16_supported()``, which counts emulation.
+    Pascal's fp16 runs at 1/64 of fp32 and has no tensor cores, so AMP is off there.
+    """
+    if capability is None:
+        return "off"
+    if capability >= (8, 0):
+        return "bf16"
+    if capability >= (7, 0):
+        return "fp16"
+    return "off"
+
+
+def fix_for(gpu: Gpu, report: HardwareReport) -> str:
+    cls = classify([gpu.capability])
+    cc = f"{gpu.capability[0]}.{gpu.capability[1]}"
+    if cls == "gpu_sm61":
+        return (f"{gpu.name} (compute capability {cc}) needs a torch build with sm_50/sm_60 "
+                f"kernels: pip install torch=={pins()['gpu_sm61']['torch']} --index-url "
+                f"{pins()['gpu_sm61']['index']} (or use the fedq-worker:gpu_sm61 image)")
+    if cls == "gpu_new":
+        return (f"install a torch build for CUDA 12.8: pip install torch --index-url "
+                f"{pins()['gpu_new']['index']} (or use the fedq-worker:gpu_new image)")
+    return f"{gpu.name} (compute capability {cc}) is too old for any current torch build"
+
+
+def diagnose(report: HardwareReport) -> list[str]:
+    """Problems with this machine's torch build, one plain sentence each (with the fix)."""
+    problems = list(report.problems)
+    for gpu in report.gpus:
+        if gpu.capability < LEGACY_MIN_CC:
+            continue
+        if not arch_covers(gpu.capability, report.arch_list):
+            problems.append(
+                f"GPU{gpu.index} {gpu.name} is sm_{gpu.capability[0]}{gpu.capability[1]}, but "
+                f"this torch {report.torch} (CUDA {report.cuda}) has kernels only for "
+                f"{', '.join(report.arch_list) or 'no GPU'}: {fix_for(gpu, report)}")
+    return problems
+
+
+def queue_problems(queues: list[str], report: HardwareReport) -> list[str]:
+    """Why this machine must not consume ``queues`` (empty when it may)."""
+    cls = report.hardware_class
+    problems = []
+    for queue in queues:
+        if queue not in GPU_QUEUES or queue == cls:
+            continue
+        have = (f"its GPUs are class {cls}" if report.gpus else "it has no CUDA GPU")
+        problems.append(f"refusing to consume {queue}: {have} "
+                        f"(start it with -Q {cls} instead)")
+    if any(q in GPU_QUEUES for q in queues):
+        problems.extend(diagnose(report))
+    return problems
+
+
+def smoke_test(device: str) -> str | None:
+    """A tiny matmul and conv forward/backward on ``device``; the error, or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+        a = torch.randn(64, 64, device=dev, requires_grad=True)
+        conv = torch.nn.Conv2d(3, 4, 3).to(dev)
+        x = torch.randn(2, 3, 8, 8, device=dev)
+        loss = (a @ a).sum() + conv(x).sum()
+        loss.backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def probe(run_smoke: bool = True) -> HardwareReport:
+    """Inspect this machine (or read the emulated report named by FEDQ_EMULATE_HARDWARE)."""
+    from fedq.settings import get_settings
+
+    emulated = get_settings().emulate_hardware
+    if emulated:
+        return HardwareReport.from_json(json.loads(emulated.read_text()))
+    import warnings
+
+    import torch
+
+    gpus: list[Gpu] = []
+    arch: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "too old" warning: we report it ourselves
+        if torch.cuda.is_available():
+            arch = list(torch.cuda.get_arch_list())
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                gpus.append(Gpu(i, props.name, (props.major, props.minor),
+                                round(props.total_memory / 2**30, 1)))
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    report = HardwareReport(torch=torch.__version__, cuda=torch.version.cuda,
+                            driver=_driver_version(), arch_list=arch, gpus=gpus, mps=mps,
+                            jetson=Path("/etc/nv_tegra_release").exists())
+    if run_smoke:
+        for gpu in gpus:
+            if arch_covers(gpu.capability, arch):
+                error = smoke_test(f"cuda:{gpu.index}")
+                if error:
+                    report.problems.append(f"GPU{gpu.index} {gpu.name} failed a matmul/conv "
+                                           f"test: {error}")
+        if not gpus:
+            error = smoke_test("mps" if mps else "cpu")
+            if error:
+                report.problems.append(f"{'mps' if mps else 'cpu'} failed a matmul/conv test: "
+                                       f"{error}")
+    return report
+
+
+def pins() -> dict[str, dict[str, str]]:
+    """fedq/pins.toml: the torch build per class."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    with open(PINS_FILE, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def image_for(cls: str) -> str:
+    return f"fedq-worker:{cls} (worker-images/Dockerfile.{cls})"

@@ -1,0 +1,66 @@
+"""The worker registry: hardware each worker reported, and its measured throughput."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+
+from fedq.db import Worker, session_scope
+from fedq.db.models import utcnow
+from fedq.db.session import ensure_schema
+
+#: Weight of the newest measurement in the throughput moving average.
+THROUGHPUT_ALPHA = 0.3
+
+
+def record_worker(db_url: str, hostname: str, queues: list[str],
+                  hardware: dict[str, Any]) -> None:
+    """Insert or refresh a worker's row (called by the control task at worker start)."""
+    ensure_schema(db_url)
+    with session_scope(db_url) as s:
+        row = s.get(Worker, hostname)
+        if row is None:
+            s.add(Worker(hostname=hostname, queues=queues, hardware=hardware, tasks_done=0))
+        else:
+            row.queues, row.hardware, row.last_seen = queues, hardware, utcnow()
+
+
+def ema(previous: float | None, sample: float, alpha: float = THROUGHPUT_ALPHA) -> float:
+    return sample if previous is None else (1 - alpha) * previous + alpha * sample
+
+
+def record_throughput(session: Any, measurements: Iterable[tuple[str, int, float]]) -> None:
+    """Fold (worker, samples processed, seconds) into each worker's moving average.
+
+    Runs inside the caller's transaction (the round commit)."""
+    now = utcnow()
+    for hostname, seen, seconds in measurements:
+        if seconds <= 0 or seen <= 0:
+            continue
+        row = session.get(Worker, hostname)
+        if row is None:
+            row = Worker(hostname=hostname, queues=[], hardware={}, tasks_done=0)
+            session.add(row)
+        row.samples_per_second = ema(row.samples_per_second, seen / seconds)
+        row.tasks_done = (row.tasks_done or 0) + 1
+        row.last_seen = now
+
+
+def list_workers(db_url: str) -> list[dict[str, Any]]:
+    ensure_schema(db_url)
+    with session_scope(db_url) as s:
+        return [{"hostname": w.hostname, "queues": w.queues, "hardware": w.hardware,
+                 "tasks_done": w.tasks_done, "samples_per_second": w.samples_per_second,
+                 "last_seen": w.last_seen.isoformat(timespec="seconds")}
+                for w in s.scalars(select(Worker).order_by(Worker.hostname))]
+
+
+def queue_throughput(db_url: str, live: dict[str, list[str]]) -> dict[str, float]:
+    """Summed throughput of the live workers of each queue; unmeasured workers count as
+    the median of the measured ones (or 1.0 when none is measured)."""
+    rows = {w["hostname"]: w["samples_per_second"] for w in list_workers(db_url)}
+    measured = sorted(v for v in rows.values() if v)
+    default = measured[len(measured) // 2] if measured else 1.0
+    return {q: sum(rows.get(h) or default for h in hosts) for q, hosts in live.items()}

@@ -1,0 +1,54 @@
+"""What happens when a Celery worker process starts.
+
+- ``celeryd_after_setup``: a worker that consumes a GPU queue checks its hardware and
+  torch build first, and refuses to start (exit 3, one line) when it would fail at its
+  first kernel or when its GPU belongs to another class.
+- ``worker_ready``: the worker reports its hardware to the control queue
+  (``fedq.register_worker``), which records it for ``fedq workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from celery.signals import celeryd_after_setup, worker_ready
+
+from fedq.app import CONTROL_QUEUE, REGISTER_WORKER_TASK
+
+log = logging.getLogger(__name__)
+REFUSED_EXIT_CODE = 3
+
+
+def _queues(app: Any) -> list[str]:
+    return sorted(app.amqp.queues.consume_from or app.amqp.queues)
+
+
+@celeryd_after_setup.connect
+def check_hardware(sender: str, instance: Any, **_: Any) -> None:
+    from fedq.hardware import GPU_QUEUES, probe, queue_problems
+    from fedq.settings import get_settings
+
+    queues = _queues(instance.app)
+    if not any(q in GPU_QUEUES for q in queues) or get_settings().skip_hardware_check:
+        return
+    problems = queue_problems(queues, probe())
+    if problems:
+        for problem in problems:
+            print(f"fedq: worker {sender} refused to start: {problem}", file=sys.stderr,
+                  flush=True)
+        os._exit(REFUSED_EXIT_CODE)  # before it consumes anything; SystemExit is swallowed
+
+
+@worker_ready.connect
+def register(sender: Any, **_: Any) -> None:
+    from fedq.hardware import probe
+
+    try:
+        report = probe(run_smoke=False).to_json()
+        sender.app.send_task(REGISTER_WORKER_TASK, queue=CONTROL_QUEUE,
+                             args=(sender.hostname, _queues(sender.app), report))
+    except Exception as exc:  # registration is informative; never stop a worker for it
+        log.warning("fedq: could not register worker %s: %s", sender.hostname, exc)

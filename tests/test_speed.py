@@ -1,0 +1,70 @@
+"""Time-budgeted rounds with one of three workers slowed 4x: the round follows the
+budget, the slow worker contributes fewer steps, and the aggregate weighs it by the
+samples it processed. Workers register their hardware and throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from fedq.aggregate import apply_delta, weighted_mean
+from fedq.blobs import BlobRef, global_key, open_store
+from fedq.db import ClientUpdate, Round, Worker, session_scope
+from fedq.weights import loads
+from tests.cluster import DIGITS, Cluster, base_env
+
+BUDGET = 1.5
+SPEC = {**DIGITS, "num_clients": 3, "clients_per_round": 3, "rounds": 2, "local_epochs": 100,
+        "time_budget_s": BUDGET, "weight_by": "processed", "queues": {"cpu": 3}}
+
+
+@pytest.mark.slow
+def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.workers = []
+    cluster.start(fast1=["cpu"], fast2=["cpu"], control=["control"])
+    slow = Cluster(tmp_path, {**cluster.env, "FEDQ_SLOWDOWN": "4"})
+    slow.start(slow=["cpu"])
+    cluster.workers += slow.workers
+    try:
+        job = cluster.submit(SPEC)
+        view = cluster.wait(job)
+    finally:
+        cluster.stop()
+    assert view.status == "completed", view.error
+    settings = cluster.settings
+    store = open_store(settings.blob_url)
+    with session_scope(settings.database_url) as s:
+        rows = s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job)).all()
+        rounds = {r.number: r for r in s.scalars(select(Round).where(Round.job_id == job))}
+        workers = {w.hostname: w for w in s.scalars(select(Worker))}
+    for number in (1, 2):
+        batch = [r for r in rows if r.round_number == number]
+        assert len(batch) == 3 and all(r.status == "ok" for r in batch)
+        slow_rows = [r for r in batch if r.worker == "slow@test"]
+        fast_rows = [r for r in batch if r.worker != "slow@test"]
+        if slow_rows:  # the slow worker took a task this round
+            # it trained for the budget too, and so managed far fewer steps
+            assert slow_rows[0].steps < 0.5 * min(r.steps for r in fast_rows)
+        # every task stopped at the budget, not at its 100 epochs
+        assert all(r.processed < 100 * r.samples for r in batch)
+        if number == 2:  # warm workers (round 1 includes loading the data set and model)
+            assert all(r.seconds < BUDGET + 2.0 for r in batch), [r.seconds for r in batch]
+        # the committed model is the previous one plus the processed-weighted mean delta
+        previous = loads(store._read(global_key(job, number - 1)))
+        deltas = [(float(r.processed), loads(store.get(BlobRef(r.blob_key, r.blob_sha256,
+                                                               r.bytes_up))))
+                  for r in batch]
+        expected = apply_delta(previous, weighted_mean(deltas))
+        got = loads(store._read(global_key(job, number)))
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name])
+        assert rounds[number].samples == sum(r.samples for r in batch)
+    assert any(r.worker == "slow@test" for r in rows), "the slow worker took no task"
+    # workers registered at start and carry measured throughput after the job
+    assert {"fast1@test", "fast2@test", "slow@test", "control@test"} <= set(workers)
+    assert workers["fast1@test"].hardware["hardware_class"] == "cpu"
+    assert workers["slow@test"].samples_per_second < workers["fast1@test"].samples_per_second
