@@ -68,3 +68,27 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
     assert {"fast1@test", "fast2@test", "slow@test", "control@test"} <= set(workers)
     assert workers["fast1@test"].hardware["hardware_class"] == "cpu"
     assert workers["slow@test"].samples_per_second < workers["fast1@test"].samples_per_second
+
+
+@pytest.mark.slow
+def test_auto_queue_mix_follows_measured_throughput(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.start(gpu=["gpu_new"], control=["control"])
+    slow = Cluster(tmp_path, {**cluster.env, "FEDQ_SLOWDOWN": "4"})
+    slow.start(cpu=["cpu"])
+    cluster.workers += slow.workers
+    spec = {**DIGITS, "num_clients": 10, "clients_per_round": 5, "rounds": 2,
+            "local_epochs": None, "local_steps": 10, "queues": "auto"}
+    try:
+        job = cluster.submit(spec)
+        view = cluster.wait(job)
+    finally:
+        cluster.stop()
+    assert view.status == "completed", view.error
+    with session_scope(cluster.settings.database_url) as s:
+        planned = {r.number: r.planned["queues"]
+                   for r in s.scalars(select(Round).where(Round.job_id == job))}
+    # round 1: nothing measured, both live queues count alike (ties go to gpu_new first)
+    assert sorted(planned[1]) == ["cpu", "cpu", "gpu_new", "gpu_new", "gpu_new"]
+    # round 2: the cpu worker measured ~4x slower, so the gpu_new queue gets 4 of 5
+    assert planned[2].count("gpu_new") == 4 and planned[2].count("cpu") == 1
