@@ -23,6 +23,7 @@ TRAIN_TASK = "fedq.train"
 START_ROUND_TASK = "fedq.start_round"
 FINALIZE_ROUND_TASK = "fedq.finalize_round"
 REGISTER_WORKER_TASK = "fedq.register_worker"
+WATCHDOG_TASK = "fedq.watchdog"
 
 # A training task may run for a long time on a slow machine; control tasks are short.
 TRAIN_SOFT_TIME_LIMIT = 3600
@@ -73,6 +74,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             START_ROUND_TASK: {"queue": CONTROL_QUEUE},
             FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
             REGISTER_WORKER_TASK: {"queue": CONTROL_QUEUE},
+            WATCHDOG_TASK: {"queue": CONTROL_QUEUE},
             "celery.chord_unlock": {"queue": CONTROL_QUEUE},
         },
         "result_expires": 3 * 24 * 3600,
@@ -82,6 +84,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Events feed the Flower dashboard and `fedq workers`.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
+        # The watchdog runs from `celery -A fedq beat`; a run that waited longer than
+        # one interval in the queue is dropped (the next one is on its way).
+        "beat_schedule": {
+            "fedq-watchdog": {"task": WATCHDOG_TASK, "schedule": settings.watchdog_interval,
+                              "options": {"queue": CONTROL_QUEUE,
+                                          "expires": settings.watchdog_interval}},
+        },
+        "beat_schedule_filename": str(settings.home / "beat-schedule"),
         "include": ["fedq.tasks.train", "fedq.tasks.control", "fedq.worker"],
     }
 

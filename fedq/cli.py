@@ -152,6 +152,28 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
 
 @main.command()
 @click.argument("job_id")
+@expected_errors
+def cancel(job_id: str) -> None:
+    """Stop JOB: no more rounds, outstanding training tasks revoked."""
+    from fedq.jobs import cancel as cancel_job
+
+    revoked = cancel_job(_settings(), job_id)
+    click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
+
+
+@main.command()
+@click.argument("job_id")
+@expected_errors
+def resume(job_id: str) -> None:
+    """Restart a failed or cancelled JOB from its last committed round."""
+    from fedq.jobs import resume as resume_job
+
+    start = resume_job(_settings(), job_id)
+    click.echo(f"job {job_id} resumed at round {start}")
+
+
+@main.command()
+@click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (rounds and client rows)")
 @click.option("--csv", "as_csv", is_flag=True, help="print CSV (one line per round)")
 @expected_errors

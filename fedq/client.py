@@ -58,6 +58,7 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
     except Exception as exc:  # reported as data, never thrown through the chord
         return UpdateRef(status="error", job=ref.job, round=ref.round, client=ref.client,
                          queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
+                         attempt=ref.attempt, gen=ref.gen,
                          error=f"{type(exc).__name__}: {exc}"[:2000]).to_json()
 
 
@@ -82,11 +83,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
              else local[name].detach().cpu() - value
              for name, value in global_weights.items()}
     meta = {"job": ref.job, "round": str(ref.round), "client": str(ref.client)}
-    up = store.put(update_key(ref.job, ref.round, ref.client), dumps(delta, meta))
+    up = store.put(update_key(ref.job, ref.round, ref.client, ref.attempt), dumps(delta, meta))
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
                      seconds=time.perf_counter() - start, bytes_up=up.size,
-                     bytes_down=bytes_down,
+                     bytes_down=bytes_down, attempt=ref.attempt, gen=ref.gen,
                      extra={"seen": stats.seen, "train_seconds": stats.seconds,
                             "stopped_by_budget": stats.stopped_by_budget, "amp": stats.amp})

@@ -81,6 +81,59 @@ def _remove(settings: Settings, job_id: str) -> None:
         open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
 
 
+def cancel(settings: Settings, job_id: str) -> int:
+    """Stop a running job: no more dispatch, its open round closed, its outstanding
+    training tasks revoked. Returns how many task ids were revoked."""
+    from sqlalchemy import update
+
+    from fedq.db.models import utcnow
+    from fedq.errors import FedqError
+    from fedq.rounds import round_task_ids
+
+    get_job(settings, job_id)
+    with session_scope(settings.database_url) as s:
+        moved = s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
+                          .values(status="cancelled", error="cancelled by user",
+                                  finished_at=utcnow()))
+        if moved.rowcount != 1:  # type: ignore[attr-defined]
+            job = s.get(Job, job_id)
+            raise FedqError(f"job {job_id} is {job.status if job else 'gone'}, not running")
+        ids: list[str] = []
+        for rnd in s.scalars(select(Round).where(Round.job_id == job_id,
+                                                 Round.status == "training")):
+            ids += [t for tids in round_task_ids(job_id, rnd).values() for t in tids]
+            rnd.status, rnd.error, rnd.finished_at = "failed", "cancelled", utcnow()
+    if ids:
+        app.control.revoke(ids)
+    return len(ids)
+
+
+def resume(settings: Settings, job_id: str) -> int:
+    """Restart a failed or cancelled job from its last committed round; returns the
+    round it restarts at. Rounds after the last committed one are discarded."""
+    from sqlalchemy import delete, update
+
+    from fedq.errors import FedqError
+    from fedq.rounds import request_round
+
+    check_broker()
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(f"no job {job_id!r}")
+        if job.status not in ("failed", "cancelled"):
+            raise FedqError(f"job {job_id} is {job.status}; only a failed or cancelled job "
+                            "can be resumed")
+        after = job.committed_round
+        s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                             ClientUpdate.round_number > after))
+        s.execute(delete(Round).where(Round.job_id == job_id, Round.number > after))
+        s.execute(update(Job).where(Job.id == job_id).values(status="running", error=None,
+                                                            finished_at=None))
+    request_round(job_id, after + 1)
+    return after + 1
+
+
 @dataclass(frozen=True)
 class JobView:
     id: str
@@ -155,5 +208,6 @@ def count_rounds(settings: Settings, job_id: str, status: str = "committed") -> 
             Round.job_id == job_id, Round.status == status)) or 0)
 
 
-__all__ = ["CONTROL_QUEUE", "FINISHED", "JobView", "check_broker", "client_results",
-           "count_rounds", "get_job", "list_jobs", "live_queues", "round_results", "submit"]
+__all__ = ["CONTROL_QUEUE", "FINISHED", "JobView", "cancel", "check_broker", "client_results",
+           "count_rounds", "get_job", "list_jobs", "live_queues", "resume", "round_results",
+           "submit"]

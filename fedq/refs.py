@@ -18,16 +18,20 @@ class TrainRef:
     queue: str
     spec: dict[str, Any]
     model: BlobRef
+    attempt: int = 1  # dispatch attempt of this round (re-dispatch after a deadline)
+    gen: int = 0  # the round row's id: tells a resumed round from the one it replaced
 
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "round": self.round, "client": self.client,
-                "queue": self.queue, "spec": self.spec, "model": self.model.to_json()}
+                "queue": self.queue, "spec": self.spec, "model": self.model.to_json(),
+                "attempt": self.attempt, "gen": self.gen}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainRef":
         return cls(job=str(data["job"]), round=int(data["round"]), client=int(data["client"]),
                    queue=str(data["queue"]), spec=dict(data["spec"]),
-                   model=BlobRef.from_json(data["model"]))
+                   model=BlobRef.from_json(data["model"]), attempt=int(data.get("attempt", 1)),
+                   gen=int(data.get("gen", 0)))
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class UpdateRef:
     bytes_up: int = 0
     bytes_down: int = 0
     error: str | None = None
+    attempt: int = 1
+    gen: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

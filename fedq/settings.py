@@ -21,6 +21,8 @@ FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many tim
                            (emulates a slower machine in tests and benchmarks)
 FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests)
 FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
+FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 10)
+FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
 =========================  ==============================================================
 """
 
@@ -59,6 +61,8 @@ class Settings(BaseModel):
     slowdown: float = Field(default=1.0, ge=1)
     emulate_hardware: Path | None = None
     skip_hardware_check: bool = False
+    watchdog_interval: float = Field(default=10.0, gt=0)
+    finalize_delay: float = Field(default=0.0, ge=0)
 
     @property
     def embedded_broker(self) -> bool:
@@ -72,7 +76,7 @@ class Settings(BaseModel):
 _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
-    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK",
+    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
 }
 #: Variables for fedq's own test suite, not settings of fedq.
 _TEST_PREFIX = "FEDQ_TEST_"
@@ -112,6 +116,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "slowdown": get("SLOWDOWN") or 1.0,
         "emulate_hardware": get("EMULATE_HARDWARE"),
         "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,
+        "watchdog_interval": get("WATCHDOG_INTERVAL") or 10.0,
+        "finalize_delay": get("FINALIZE_DELAY") or 0.0,
     }
     try:
         return Settings(**raw)

@@ -7,6 +7,7 @@ Unknown keys are refused, and every error names its field, e.g.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -77,6 +78,13 @@ class JobSpec(_Strict):
         default="fedavg", description="fednova normalises for unequal local steps")
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term (0: off)")
     min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
+    min_fraction: float | None = Field(
+        default=None, gt=0, le=1, description="or this fraction of clients_per_round")
+    round_timeout_s: float = Field(
+        default=600.0, gt=0, description="round deadline: finalize with the quorum, or "
+                                         "re-dispatch the missing clients")
+    max_redispatch: int = Field(
+        default=2, ge=0, description="times a round's missing clients are sent again")
     max_update_norm: float | None = Field(default=None, gt=0, description="reject larger updates")
     seed: int = Field(default=0, ge=0)
 
@@ -87,9 +95,9 @@ class JobSpec(_Strict):
                 f"clients_per_round ({self.clients_per_round}) exceeds num_clients "
                 f"({self.num_clients})"
             )
-        if self.min_clients > self.clients_per_round:
+        if self.quorum > self.clients_per_round:
             raise ValueError(
-                f"min_clients ({self.min_clients}) exceeds clients_per_round "
+                f"min_clients ({self.quorum}) exceeds clients_per_round "
                 f"({self.clients_per_round})"
             )
         if self.local_steps is not None:
@@ -98,6 +106,14 @@ class JobSpec(_Strict):
             raise ValueError("set local_epochs or local_steps")
         self.queue_counts()  # raises on a bad mix
         return self
+
+    @property
+    def quorum(self) -> int:
+        """Usable updates a round needs: min_clients, or min_fraction of the round."""
+        need = self.min_clients
+        if self.min_fraction is not None:
+            need = max(need, math.ceil(self.min_fraction * self.clients_per_round - 1e-9))
+        return need
 
     def queue_counts(self, live_throughput: dict[str, float] | None = None) -> dict[str, int]:
         """How many tasks go to each training queue per round (sums to clients_per_round).

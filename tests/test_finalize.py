@@ -42,11 +42,15 @@ def _open_round_with_results(cluster: Cluster, job_id: str) -> tuple[list[dict],
                   committed_round=0, global_key=blob.key, global_sha256=blob.sha256,
                   global_size=blob.size))
         s.flush()
-        s.add(Round(job_id=job_id, number=1, status="training",
+        rnd = Round(job_id=job_id, number=1, status="training",
                     planned={"clients": [a.client for a in plan],
-                             "queues": [a.queue for a in plan]}))
+                             "queues": [a.queue for a in plan]})
+        s.add(rnd)
+        s.flush()
+        gen = rnd.id
     results = [run_training({"job": job_id, "round": 1, "client": a.client, "queue": a.queue,
-                             "spec": spec.to_json(), "model": blob.to_json()}, store, "inproc")
+                             "spec": spec.to_json(), "model": blob.to_json(), "gen": gen},
+                            store, "inproc")
                for a in plan]
     assert all(r["status"] == "ok" for r in results), results
     return results, [a.client for a in plan]

@@ -12,6 +12,9 @@ def global_key(job: str, round_number: int) -> str:
     return f"jobs/{job}/r{round_number:05d}/global.safetensors"
 
 
-def update_key(job: str, round_number: int, client: int) -> str:
-    """Client ``client``'s update in round ``round_number``."""
-    return f"jobs/{job}/r{round_number:05d}/updates/c{client:06d}.safetensors"
+def update_key(job: str, round_number: int, client: int, attempt: int = 1) -> str:
+    """Client ``client``'s update in round ``round_number``, dispatch ``attempt``.
+
+    The attempt is in the key so that a straggler from attempt 1 finishing after the
+    re-dispatched attempt 2 cannot overwrite the blob attempt 2's ref points at."""
+    return f"jobs/{job}/r{round_number:05d}/updates/c{client:06d}-a{attempt}.safetensors"

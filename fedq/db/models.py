@@ -58,6 +58,8 @@ class Round(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     planned: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"clients": [...], "queues": [...]}
     chord_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     seconds: Mapped[float | None] = mapped_column(Float, default=None)
@@ -84,6 +86,7 @@ class ClientUpdate(Base):
     round_number: Mapped[int] = mapped_column(Integer)
     client: Mapped[int] = mapped_column(Integer)
     # ok (averaged in) | error (task failed) | rejected (failed verification)
+    # | missing (no result by the deadline) | late (arrived after the commit; not used)
     status: Mapped[str] = mapped_column(String(16))
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)

@@ -9,6 +9,7 @@ from fedq.app import (
     FINALIZE_ROUND_TASK,
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
+    WATCHDOG_TASK,
     app,
 )
 from fedq.settings import get_settings
@@ -23,9 +24,9 @@ def start_round(job_id: str, round_number: int) -> dict[str, Any]:
 
 @app.task(name=FINALIZE_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
 def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[str, Any]:
-    from fedq import rounds
+    from fedq import finalize
 
-    return rounds.finalize_round(get_settings(), results, job_id, round_number)
+    return finalize.finalize_round(get_settings(), results, job_id, round_number)
 
 
 @app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
@@ -34,3 +35,10 @@ def register_worker(hostname: str, queues: list[str], hardware: dict[str, Any]) 
 
     registry.record_worker(get_settings().database_url, hostname, queues, hardware)
     return hostname
+
+
+@app.task(name=WATCHDOG_TASK, time_limit=CONTROL_TIME_LIMIT)
+def watchdog() -> list[dict[str, Any]]:
+    from fedq.watchdog import run_watchdog
+
+    return run_watchdog(get_settings())

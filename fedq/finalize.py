@@ -1,0 +1,331 @@
+"""Finalizing a round: collect, verify, aggregate, commit exactly once.
+
+``finalize_round`` runs when a round's chord fires and when the watchdog finds a round
+past its deadline or stuck. It gathers every result of the round from the result
+backend (by the deterministic task ids, all attempts) plus any passed in, one per
+client. Then:
+
+- some client has no result yet and the deadline has not passed: wait;
+- at least ``quorum`` usable updates: aggregate, evaluate and commit, recording
+  clients without a result as ``missing``;
+- otherwise re-dispatch the clients without a usable update (at most
+  ``max_redispatch`` times), and past that fail the job with a reason.
+
+The commit is ``UPDATE rounds SET status='committed' ... WHERE status='training'`` in
+the same transaction as the client rows and the job's new model pointer, so only one
+delivery, chord or watchdog, commits. A result that reaches a finalized round is
+recorded as ``late`` and used nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import select, update
+
+from fedq.aggregate import apply_delta, check_update, fednova_mean, weighted_mean
+from fedq.aggregate.types import Weights
+from fedq.app import app
+from fedq.blobs import BlobRef, BlobStore, global_key, open_store
+from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db.models import utcnow
+from fedq.errors import BlobError, UpdateRejected
+from fedq.refs import UpdateRef
+from fedq.registry import record_throughput
+from fedq.rounds import evaluate_weights, redispatch, request_round, round_task_ids
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import dumps, loads
+
+log = logging.getLogger(__name__)
+
+
+def collect_results(task_ids: dict[int, list[str]]) -> list[Any]:
+    """Every finished training result in the result backend for these task ids."""
+    found = []
+    for ids in task_ids.values():
+        for tid in ids:
+            meta = app.backend.get_task_meta(tid)
+            if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
+                found.append(meta["result"])
+    return found
+
+
+def pick_results(results: Sequence[Any], job_id: str, round_number: int, gen: int,
+                 clients: Sequence[int]) -> dict[int, UpdateRef]:
+    """One result per planned client of this round: an ok one if any (earliest attempt
+    first), else the latest error. Results of other rounds or generations are ignored."""
+    chosen: dict[int, UpdateRef] = {}
+    wanted = set(clients)
+    for raw in results:
+        ref = UpdateRef.from_json(raw)
+        if (ref.job, ref.round, ref.gen) != (job_id, round_number, gen) or \
+                ref.client not in wanted:
+            continue
+        have = chosen.get(ref.client)
+        if have is None or (have.status != "ok" and (ref.status == "ok"
+                                                     or ref.attempt > have.attempt)) or \
+                (have.status == ref.status == "ok" and ref.attempt < have.attempt):
+            chosen[ref.client] = ref
+    return dict(sorted(chosen.items()))
+
+
+def unsettled(chosen: dict[int, UpdateRef], clients: Sequence[int], attempt: int) -> list[int]:
+    """Clients still owed a result: none yet, or only a failure from an earlier attempt
+    (the re-dispatched task has not reported)."""
+    return [c for c in clients
+            if c not in chosen or (chosen[c].status != "ok" and chosen[c].attempt < attempt)]
+
+
+@dataclass
+class _Outcome:
+    rows: list[ClientUpdate]
+    accepted: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    usable: set[int] = field(default_factory=set)
+    throughput: list[tuple[str, int, float]] = field(default_factory=list)
+
+
+def _row(job_id: str, ref: UpdateRef, status: str, error: str | None = None,
+         norm: float | None = None) -> ClientUpdate:
+    return ClientUpdate(job_id=job_id, round_number=ref.round, client=ref.client, status=status,
+                        queue=ref.queue, worker=ref.worker, samples=ref.samples,
+                        processed=int(ref.extra.get("seen", 0)), steps=ref.steps,
+                        seconds=ref.seconds, loss=ref.loss, bytes_up=ref.bytes_up,
+                        bytes_down=ref.bytes_down, update_norm=norm, blob_key=ref.key,
+                        blob_sha256=ref.sha256, error=error)
+
+
+def _verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
+              spec: JobSpec, job_id: str, outcome: _Outcome) -> Iterator[tuple[UpdateRef, Weights]]:
+    """Stream (ref, delta) of each update that passes verification; record every one."""
+    for ref in refs:
+        if ref.status != "ok" or ref.key is None or ref.sha256 is None:
+            outcome.rows.append(_row(job_id, ref, "error", ref.error or "task failed"))
+            continue
+        try:
+            delta = loads(store.get(ref.blob), what=f"blob {ref.key}")
+            norm = check_update(delta, reference, spec.max_update_norm)
+            if ref.samples <= 0:
+                raise UpdateRejected(f"reported {ref.samples} samples")
+        except (BlobError, UpdateRejected) as exc:
+            outcome.rows.append(_row(job_id, ref, "rejected", str(exc)))
+            continue
+        outcome.rows.append(_row(job_id, ref, "ok", norm=norm))
+        outcome.accepted += 1
+        outcome.usable.add(ref.client)
+        outcome.samples += ref.samples
+        outcome.loss_sum += (ref.loss or 0.0) * ref.samples
+        outcome.throughput.append((ref.worker, int(ref.extra.get("seen", ref.samples)),
+                                   float(ref.extra.get("train_seconds", ref.seconds))))
+        yield ref, delta
+
+
+def _weight(spec: JobSpec, ref: UpdateRef) -> float:
+    if spec.weight_by == "processed":
+        return float(ref.extra.get("seen") or ref.samples)
+    return float(ref.samples)
+
+
+def aggregate(spec: JobSpec, stream: Iterator[tuple[UpdateRef, Weights]]) -> Weights:
+    """The aggregate delta of the verified stream, by the spec's aggregator."""
+    if spec.aggregator == "fednova":
+        return fednova_mean((_weight(spec, r), r.steps, d) for r, d in stream)
+    return weighted_mean((_weight(spec, r), d) for r, d in stream)
+
+
+@dataclass(frozen=True)
+class _OpenRound:
+    spec: JobSpec
+    model: BlobRef
+    id: int
+    started_at: datetime
+    deadline: datetime | None
+    attempt: int
+    clients: list[int]
+    queues: list[str]
+    task_ids: dict[int, list[str]]
+
+
+def _open_round(settings: Settings, job_id: str, round_number: int) -> _OpenRound | None:
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == round_number))
+        if job is None or rnd is None or rnd.status != "training" or job.status != "running":
+            return None
+        return _OpenRound(JobSpec.model_validate(job.spec),
+                          BlobRef(job.global_key, job.global_sha256, job.global_size), rnd.id,
+                          _aware(rnd.started_at), _aware(rnd.deadline) if rnd.deadline else None,
+                          rnd.attempt, list(rnd.planned["clients"]),
+                          list(rnd.planned["queues"]), round_task_ids(job_id, rnd))
+
+
+def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
+                   round_number: int) -> dict[str, Any]:
+    """Decide round ``round_number``: wait, commit, re-dispatch or fail (see module doc).
+
+    Safe to call any number of times, from any number of processes."""
+    started = time.perf_counter()
+    rnd = _open_round(settings, job_id, round_number)
+    if rnd is None:
+        late = record_late(settings, results, job_id, round_number)
+        return {"status": "skipped", "reason": "round not open", "late": late}
+    chosen = pick_results([*results, *collect_results(rnd.task_ids)], job_id, round_number,
+                          rnd.id, rnd.clients)
+    pending = unsettled(chosen, rnd.clients, rnd.attempt)
+    past_deadline = rnd.deadline is not None and utcnow() >= rnd.deadline
+    if pending and not past_deadline:
+        return {"status": "waiting", "pending": pending}
+    if settings.finalize_delay:  # fault injection: widen the window for crash tests
+        time.sleep(settings.finalize_delay)
+
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    current = loads(store.get(rnd.model), what=f"blob {rnd.model.key}")
+    outcome = _Outcome(rows=[])
+    refs = list(chosen.values())
+    try:
+        mean: Weights | None = aggregate(rnd.spec,
+                                         _verified(store, refs, current, rnd.spec, job_id, outcome))
+    except ValueError:
+        mean = None
+    if mean is None or outcome.accepted < rnd.spec.quorum:
+        return _below_quorum(settings, job_id, round_number, rnd, outcome)
+
+    queue_of = dict(zip(rnd.clients, rnd.queues, strict=True))
+    for client in rnd.clients:
+        if client not in chosen:
+            outcome.rows.append(ClientUpdate(
+                job_id=job_id, round_number=round_number, client=client, status="missing",
+                queue=queue_of[client],
+                error=f"no result by the deadline (attempt {rnd.attempt})"))
+    new = apply_delta(current, mean)
+    accuracy, eval_loss = evaluate_weights(rnd.spec, new)
+    blob = store.put(global_key(job_id, round_number),
+                     dumps(new, {"job": job_id, "round": str(round_number)}))
+    seconds = (utcnow() - rnd.started_at).total_seconds()
+    metrics = {
+        "participants": outcome.accepted, "samples": outcome.samples,
+        "train_loss": outcome.loss_sum / max(outcome.samples, 1), "eval_loss": eval_loss,
+        "accuracy": accuracy, "seconds": seconds,
+        "bytes_up": sum(r.bytes_up or 0 for r in outcome.rows),
+        "bytes_down": sum(r.bytes_down or 0 for r in outcome.rows),
+        "global_key": blob.key, "global_sha256": blob.sha256,
+    }
+    committed, done = _commit(settings, job_id, rnd.id, outcome.rows,
+                              throughput=outcome.throughput, metrics=metrics, blob=blob,
+                              round_number=round_number, total=rnd.spec.rounds)
+    if not committed:
+        return {"status": "skipped", "reason": "round committed by another delivery"}
+    if not done:
+        request_round(job_id, round_number + 1)
+    log.info("job %s round %d committed: accuracy %.4f, %d clients, %.2fs (finalize %.2fs)",
+             job_id, round_number, accuracy, outcome.accepted, seconds,
+             time.perf_counter() - started)
+    return {"status": "committed", "round": round_number, "accuracy": accuracy}
+
+
+def _below_quorum(settings: Settings, job_id: str, round_number: int, rnd: _OpenRound,
+                  outcome: _Outcome) -> dict[str, Any]:
+    retry = [c for c in rnd.clients if c not in outcome.usable]
+    if rnd.attempt <= rnd.spec.max_redispatch:
+        if redispatch(settings, job_id, round_number, rnd.attempt, retry):
+            return {"status": "redispatched", "clients": retry, "attempt": rnd.attempt + 1}
+        return {"status": "skipped", "reason": "re-dispatched by another delivery"}
+    queue_of = dict(zip(rnd.clients, rnd.queues, strict=True))
+    queues = sorted({queue_of[c] for c in retry})
+    live = _live_consumers()
+    idle = [q for q in queues if live is not None and q not in live]
+    errors = sorted({r.error for r in outcome.rows if r.error})
+    reason = (f"round {round_number}: {outcome.accepted} usable update(s) of "
+              f"{len(rnd.clients)} after {rnd.attempt} attempt(s); quorum is {rnd.spec.quorum}. "
+              f"Clients without an update: {', '.join(map(str, retry))} on queue(s) "
+              f"{', '.join(queues)}"
+              + (f" (no live worker consumes {', '.join(idle)}: start one with "
+                 f"`celery -A fedq worker -Q {idle[0]}`)" if idle else "")
+              + (f"; errors: {'; '.join(errors)[:1000]}" if errors else "")
+              + ". Fix that, then `fedq resume JOB`.")
+    for client in rnd.clients:
+        if all(r.client != client for r in outcome.rows):
+            outcome.rows.append(ClientUpdate(job_id=job_id, round_number=round_number,
+                                             client=client, status="missing",
+                                             queue=queue_of[client], error="no result"))
+    _commit(settings, job_id, rnd.id, outcome.rows, failed=reason.replace("JOB", job_id))
+    return {"status": "failed", "reason": reason}
+
+
+def _live_consumers() -> set[str] | None:
+    from fedq.jobs import live_queues
+
+    try:
+        return set(live_queues(timeout=1.0))
+    except Exception:
+        return None
+
+
+def record_late(settings: Settings, results: Sequence[Any], job_id: str,
+                round_number: int) -> int:
+    """Record results that reached an already finalized round as ``late`` (their
+    updates are never averaged into any model). Returns how many were recorded."""
+    late = 0
+    refs = [UpdateRef.from_json(r) for r in results]
+    refs = [r for r in refs if r.job == job_id and r.round == round_number and r.status == "ok"]
+    if not refs:
+        return 0
+    with session_scope(settings.database_url) as s:
+        rows = {r.client: r for r in s.scalars(select(ClientUpdate).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number))}
+        for ref in refs:
+            row = rows.get(ref.client)
+            if row is not None and row.status == "missing":
+                fresh = _row(job_id, ref, "late", "arrived after the round was finalized")
+                for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
+                               "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error"):
+                    setattr(row, column, getattr(fresh, column))
+                row.status = "late"
+                late += 1
+    return late
+
+
+def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,
+            throughput: Sequence[tuple[str, int, float]] = (),
+            failed: str | None = None, metrics: dict[str, Any] | None = None,
+            blob: BlobRef | None = None, round_number: int = 0,
+            total: int = 0) -> tuple[bool, bool]:
+    """One transaction: claim the round, write client rows, move the job. Returns
+    (committed, job_done); (False, _) when another delivery got there first."""
+    now = utcnow()
+    with session_scope(settings.database_url) as s:
+        values: dict[str, Any] = {"status": "failed" if failed else "committed",
+                                  "finished_at": now, "error": failed}
+        values.update(metrics or {})
+        claimed = s.execute(update(Round).where(Round.id == round_id,
+                                                Round.status == "training").values(**values))
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            s.rollback()
+            return False, False
+        s.add_all(rows)
+        record_throughput(s, throughput)
+        job = s.get(Job, job_id)
+        assert job is not None
+        done = True
+        if failed:
+            job.status, job.error, job.finished_at = "failed", failed, now
+        else:
+            assert blob is not None
+            job.committed_round = round_number
+            job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+            done = round_number >= total
+            if done:
+                job.status, job.finished_at = "completed", now
+    return True, done
+
+
+def _aware(ts: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were written as UTC."""
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
