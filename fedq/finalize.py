@@ -182,6 +182,8 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
     past_deadline = rnd.deadline is not None and utcnow() >= rnd.deadline
     if pending and not past_deadline:
         return {"status": "waiting", "pending": pending}
+    log.info("finalizing job %s round %d (attempt %d, %d results)", job_id, round_number,
+             rnd.attempt, len(chosen))
     if settings.finalize_delay:  # fault injection: widen the window for crash tests
         time.sleep(settings.finalize_delay)
 

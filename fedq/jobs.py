@@ -30,8 +30,11 @@ def check_broker(timeout: float = 5.0) -> None:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout)
     except Exception as exc:  # kombu raises transport-specific errors
-        url = app.connection_for_write().as_uri()
-        raise ServiceUnavailable(f"broker {url} is not reachable: {exc}") from None
+        from fedq.settings import get_settings, redact
+
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ServiceUnavailable(f"broker {redact(get_settings().broker_url)} is not "
+                                 f"reachable: {first}") from None
 
 
 def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
@@ -50,10 +53,10 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     Checks the database schema, the blob store and the broker first; if anything
     fails after the first write, what was written is removed again.
     """
-    ensure_schema(settings.database_url)
+    check_broker()
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
-    check_broker()
+    ensure_schema(settings.database_url)
 
     from fedq.rounds import initial_weights, request_round
 

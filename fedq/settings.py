@@ -29,6 +29,7 @@ FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggreg
 from __future__ import annotations
 
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         err = exc.errors()[0]
         field = str(err["loc"][0]).upper()
         raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs."""
+    return re.sub(r"//([^:/@]*):[^@/]+@", r"//\1:***@", url)
 
 
 @lru_cache(maxsize=1)

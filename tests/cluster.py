@@ -1,9 +1,11 @@
-"""A real fedq deployment for a test: settings from an env, worker subprocesses, CLI calls."""
+"""A real fedq deployment for a test: settings from an env, worker subprocesses, beat,
+CLI calls, and a recorder for the reliability table (docs/reliability.md)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,8 +15,10 @@ from typing import Any
 
 import yaml
 from celery import Celery
+from sqlalchemy import select
 
 from fedq.app import celery_config
+from fedq.db import ClientUpdate, Round, session_scope
 from fedq.jobs import FINISHED, JobView, get_job
 from fedq.procs import WorkerProcess, start_workers, stop_workers
 from fedq.settings import Settings, load_settings
@@ -38,6 +42,7 @@ class Cluster:
     home: Path
     env: dict[str, str]
     workers: list[WorkerProcess] = field(default_factory=list)
+    beat: subprocess.Popen[bytes] | None = None
 
     @property
     def settings(self) -> Settings:
@@ -45,18 +50,45 @@ class Cluster:
 
     def start(self, **queues_by_name: list[str]) -> "Cluster":
         """start(cpu1=["cpu"], control=["control"]): one worker per keyword."""
-        self.workers = [WorkerProcess(f"{name}@test", qs, self.home / "logs" / f"{name}.log",
-                                      env=self.env) for name, qs in queues_by_name.items()]
-        start_workers(self.workers)
+        started = [self.worker(name, qs) for name, qs in queues_by_name.items()]
+        start_workers(started)
+        self.workers += started
         return self
+
+    def worker(self, name: str, queues: list[str], **env: str) -> WorkerProcess:
+        log = self.home / "logs" / f"{name}-{time.monotonic_ns()}.log"
+        return WorkerProcess(f"{name}@test", queues, log, env={**self.env, **env})
+
+    def replace(self, name: str, **env: str) -> WorkerProcess:
+        """Start a fresh worker with the same name and queues as ``name`` (after a kill)."""
+        old = self.by_name(name)
+        new = self.worker(name, list(old.queues), **env)
+        start_workers([new])
+        self.workers.remove(old)
+        self.workers.append(new)
+        return new
+
+    def by_name(self, name: str) -> WorkerProcess:
+        return next(w for w in self.workers if w.name == f"{name}@test")
+
+    def start_beat(self) -> None:
+        log = open(self.home / "logs" / "beat.log", "ab")
+        self.beat = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "fedq", "beat", "-l", "INFO"],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=self.home)
+        log.close()
 
     def stop(self) -> None:
         stop_workers(self.workers)
+        if self.beat is not None and self.beat.poll() is None:
+            os.killpg(self.beat.pid, signal.SIGTERM)
+            self.beat.wait(10)
 
     def fedq(self, *args: str, check: bool = True,
              timeout: float = 180) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise AssertionError(f"fedq {' '.join(args)} exited {proc.returncode}:\n"
                                  f"{proc.stdout}\n{proc.stderr}")
@@ -78,6 +110,28 @@ class Cluster:
         logs = "\n".join(f"--- {w.name}\n{w.tail(30)}" for w in self.workers)
         raise AssertionError(f"job {job_id} not finished after {timeout}s\n{logs}")
 
+    def wait_for_round(self, job_id: str, number: int, timeout: float = 120) -> None:
+        """Block until round ``number`` of the job is training (its tasks are out)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with session_scope(self.settings.database_url) as s:
+                status = s.scalar(select(Round.status).where(Round.job_id == job_id,
+                                                             Round.number == number))
+            if status is not None:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"round {number} of job {job_id} never started")
+
+    def rounds(self, job_id: str) -> list[Round]:
+        with session_scope(self.settings.database_url) as s:
+            return list(s.scalars(select(Round).where(Round.job_id == job_id)
+                                  .order_by(Round.number)))
+
+    def updates(self, job_id: str) -> list[ClientUpdate]:
+        with session_scope(self.settings.database_url) as s:
+            return list(s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id)
+                                  .order_by(ClientUpdate.round_number, ClientUpdate.client)))
+
     def results_json(self, job_id: str) -> dict[str, Any]:
         return json.loads(self.fedq("results", job_id, "--json").stdout)
 
@@ -85,3 +139,13 @@ class Cluster:
         app = Celery("fedq-test", set_as_current=False)
         app.conf.update(celery_config(self.settings))
         return app
+
+
+def record_outcome(scenario: str, fault: str, outcome: str, committed: int,
+                   lost: int) -> None:
+    """Append a row to the reliability table when FEDQ_TEST_REPORT names a file."""
+    path = os.environ.get("FEDQ_TEST_REPORT")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"scenario": scenario, "fault": fault, "outcome": outcome,
+                                 "committed": committed, "lost": lost}) + "\n")

@@ -15,7 +15,7 @@ from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
 from fedq.rounds import initial_weights, plan_round
 from fedq.spec import parse_spec
 from fedq.weights import dumps
-from tests.cluster import DIGITS, Cluster, base_env
+from tests.cluster import DIGITS, Cluster, base_env, record_outcome
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def _open_round_with_results(cluster: Cluster, job_id: str) -> tuple[list[dict],
     return results, [a.client for a in plan]
 
 
+
 @pytest.mark.slow
 def test_finalize_delivered_twice_commits_once(control_pair: Cluster) -> None:
     results, clients = _open_round_with_results(control_pair, "dup1")
@@ -92,3 +93,81 @@ def test_tampered_update_is_rejected_and_round_proceeds(control_pair: Cluster) -
     assert sorted(c for c, r in rows.items() if r.status == "ok") == sorted(
         c for c in clients if c != bad["client"])
     assert rnd is not None and rnd.participants == 2
+
+
+def _rewrite_update(store, result: dict, delta: dict) -> dict:
+    """Replace a client's update with ``delta`` and a matching sha256 (a buggy or
+    malicious client, not a corrupted blob)."""
+    from fedq.weights import dumps as dump_weights
+
+    ref = store.put(result["key"], dump_weights(delta))
+    return {**result, "sha256": ref.sha256, "bytes_up": ref.size}
+
+
+@pytest.mark.slow
+def test_nan_and_wrong_shape_updates_are_rejected_and_recorded(control_pair: Cluster) -> None:
+    import torch
+
+    from fedq.weights import loads as load_weights
+
+    results, clients = _open_round_with_results(control_pair, "bad1")
+    store = open_store(control_pair.settings.blob_url)
+    good = load_weights(store._read(results[0]["key"]))
+    nan = {k: v.clone() for k, v in good.items()}
+    first = next(iter(nan))
+    nan[first].view(-1)[0] = float("nan")
+    shape = {k: v.clone() for k, v in good.items()}
+    shape[first] = torch.zeros(3, 3)
+    results[1] = _rewrite_update(store, results[1], nan)
+    results[2] = _rewrite_update(store, results[2], shape)
+    app = control_pair.client_app()
+    outcome = app.send_task(FINALIZE_ROUND_TASK, args=(results, "bad1", 1),
+                            queue="control").get(timeout=120)
+    assert outcome["status"] == "committed"
+    rows = {u.client: u for u in control_pair.updates("bad1")}
+    assert rows[results[0]["client"]].status == "ok"
+    assert rows[results[1]["client"]].status == "rejected"
+    assert f"tensor '{first}' has non-finite values" in rows[results[1]["client"]].error
+    assert rows[results[2]["client"]].status == "rejected"
+    assert "has shape (3, 3), expected" in rows[results[2]["client"]].error
+    [rnd] = control_pair.rounds("bad1")
+    assert rnd.participants == 1 and rnd.status == "committed"
+    record_outcome("a NaN update and a wrong-shape update", "two clients' update blobs "
+                   "(valid sha256, bad contents)", "both rejected and recorded; round "
+                   "committed with the third", 1, 2)
+
+
+@pytest.mark.slow
+def test_late_and_duplicate_results_count_once_and_never_mix(control_pair: Cluster) -> None:
+    from datetime import timedelta
+
+    from fedq.db.models import utcnow
+
+    results, clients = _open_round_with_results(control_pair, "late1")
+    settings = control_pair.settings
+    with session_scope(settings.database_url) as s:  # quorum 2 and the deadline passed
+        job = s.get(Job, "late1")
+        job.spec = {**job.spec, "min_clients": 2}
+        rnd = s.scalar(select(Round).where(Round.job_id == "late1"))
+        rnd.deadline = utcnow() - timedelta(seconds=1)
+    app = control_pair.client_app()
+    on_time = [results[0], results[1], results[0]]  # client 0 twice: counts once
+    first = app.send_task(FINALIZE_ROUND_TASK, args=(on_time, "late1", 1),
+                          queue="control").get(timeout=120)
+    assert first["status"] == "committed"
+    [rnd] = control_pair.rounds("late1")
+    assert rnd.participants == 2 and rnd.samples == results[0]["samples"] + results[1]["samples"]
+    model_after = rnd.global_sha256
+    rows = {u.client: u.status for u in control_pair.updates("late1")}
+    assert rows == {results[0]["client"]: "ok", results[1]["client"]: "ok",
+                    results[2]["client"]: "missing"}
+    second = app.send_task(FINALIZE_ROUND_TASK, args=(results, "late1", 1),
+                           queue="control").get(timeout=120)
+    assert second["status"] == "skipped" and second["late"] == 1
+    rows = {u.client: u.status for u in control_pair.updates("late1")}
+    assert rows[results[2]["client"]] == "late"
+    [rnd] = control_pair.rounds("late1")
+    assert rnd.global_sha256 == model_after and rnd.participants == 2
+    record_outcome("a late update and a duplicate result", "one client past the deadline; "
+                   "another delivered twice", "late recorded, never averaged; duplicate "
+                   "counted once", 1, 1)

@@ -1,0 +1,89 @@
+"""Bad environments at submit: one line, a non-zero exit, nothing half-written.
+And `fedq cancel` on a live job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster import DIGITS, Cluster, base_env
+
+
+def _submit(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(DIGITS))
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
+    full.update({"FEDQ_HOME": str(tmp_path / "home"), **env})
+    return subprocess.run([sys.executable, "-m", "fedq.cli", "submit", str(spec)], env=full,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def _no_job_written(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert not (home / "blobs" / "jobs").exists()
+    if (home / "fedq.db").exists():
+        import sqlite3
+
+        with sqlite3.connect(home / "fedq.db") as conn:
+            assert conn.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0
+
+
+def test_unreachable_broker(tmp_path: Path) -> None:
+    _one_line(_submit(tmp_path, FEDQ_BROKER_URL="redis://127.0.0.1:1/0"), 3,
+              "broker redis://127.0.0.1:1/0 is not reachable")
+    _no_job_written(tmp_path)
+
+
+def test_unreachable_database(tmp_path: Path) -> None:
+    _one_line(_submit(tmp_path, FEDQ_DATABASE_URL="postgresql+psycopg://x@127.0.0.1:1/x"), 3,
+              "database postgresql+psycopg://x@127.0.0.1:1/x")
+    assert not (tmp_path / "home" / "blobs" / "jobs").exists()
+
+
+def test_unwritable_blob_store(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    _one_line(_submit(tmp_path, FEDQ_BLOB_URL=str(tmp_path / "a-file" / "blobs")), 3,
+              "is not writable")
+    _no_job_written(tmp_path)
+
+
+def test_unreachable_s3_blob_store(tmp_path: Path) -> None:
+    _one_line(_submit(tmp_path, FEDQ_BLOB_URL="s3://fedq/x",
+                      FEDQ_S3_ENDPOINT_URL="http://127.0.0.1:1", AWS_ACCESS_KEY_ID="k",
+                      AWS_SECRET_ACCESS_KEY="s", AWS_DEFAULT_REGION="us-east-1"), 3,
+              "blob store s3://fedq/x is not writable")
+    _no_job_written(tmp_path)
+
+
+def test_unknown_setting_is_refused(tmp_path: Path) -> None:
+    _one_line(_submit(tmp_path, FEDQ_BROKER="redis://oops"), 2, "unknown setting FEDQ_BROKER")
+
+
+@pytest.mark.slow
+def test_cancel_revokes_and_stops(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.start(control=["control"])  # no training worker: the round stays open
+    try:
+        job = cluster.submit({**DIGITS, "rounds": 2})
+        cluster.wait_for_round(job, 1)
+        out = cluster.fedq("cancel", job)
+        assert f"job {job} cancelled; 4 task(s) revoked" in out.stdout
+        view = cluster.wait(job, timeout=30)
+        assert view.status == "cancelled"
+        assert [r.status for r in cluster.rounds(job)] == ["failed"]
+        again = cluster.fedq("cancel", job, check=False)
+        assert again.returncode == 1 and "is cancelled, not running" in again.stderr
+    finally:
+        cluster.stop()

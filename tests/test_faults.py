@@ -1,0 +1,224 @@
+"""Jobs survive machines that come and go. Real processes, killed with SIGKILL.
+
+Each test also records a row of docs/reliability.md (`python -m bench.reliability`
+runs these tests and writes the table)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import DIGITS, Cluster, base_env, record_outcome
+from tests.conftest import free_port, missing
+
+# Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
+SLOW_TASKS = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "local_epochs": 1000,
+              "time_budget_s": 1.5, "min_clients": 3, "round_timeout_s": 6,
+              "max_redispatch": 3, "queues": {"cpu": 3}}
+FAST_ENV = {"FEDQ_WATCHDOG_INTERVAL": "1"}
+
+
+def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: int) -> int:
+    """Every round committed exactly once with all its clients; returns updates lost."""
+    rows = cluster.rounds(job)
+    assert [(r.number, r.status) for r in rows] == [(n, "committed")
+                                                   for n in range(1, rounds + 1)]
+    updates = cluster.updates(job)
+    keys = [(u.round_number, u.client) for u in updates]
+    assert len(keys) == len(set(keys)) == rounds * per_round
+    return sum(1 for u in updates if u.status != "ok")
+
+
+def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str) -> None:
+    cluster.wait_for_round(job, number)
+    time.sleep(0.7)  # the round's tasks are running now (each trains for 1.5 s)
+    cluster.by_name(victim).kill()
+    cluster.replace(victim)
+
+
+def _worker_kill_scenario(cluster: Cluster, broker: str) -> None:
+    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
+    cluster.start_beat()
+    job = cluster.submit({**SLOW_TASKS, "rounds": 6})
+    _kill_mid_round(cluster, job, 2, "w1")
+    _kill_mid_round(cluster, job, 4, "w2")
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    lost = _assert_each_round_once(cluster, job, rounds=6, per_round=3)
+    assert lost == 0
+    if broker == "Redis":
+        # Redis would redeliver only after the visibility timeout (2 h): the watchdog
+        # re-dispatched the killed worker's client at the round deadline instead.
+        assert {r.number for r in cluster.rounds(job) if r.attempt > 1} == {2, 4}
+    record_outcome(f"worker SIGKILLed mid-task in rounds 2 and 4 ({broker})",
+                   "a training worker (process group) in round 2, another in round 4",
+                   "completed", len(cluster.rounds(job)), lost)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
+    cluster = Cluster(tmp_path, env)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    cluster.fedq("db", "upgrade")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_task_in_rounds_2_and_4_on_redis(redis_cluster: Cluster) -> None:
+    _worker_kill_scenario(redis_cluster, "Redis")
+
+
+@pytest.fixture
+def rabbit_vhost() -> Iterator[str]:
+    """A RabbitMQ vhost of its own on the local server (guest/guest)."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        missing("RabbitMQ", "rabbitmqctl not found")
+    vhost = f"fedq-test-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run([ctl, "add_vhost", vhost], capture_output=True, text=True,
+                          timeout=60, check=False)
+    if made.returncode != 0:
+        missing("RabbitMQ", made.stderr.strip() or made.stdout.strip())
+    subprocess.run([ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
+                   capture_output=True, timeout=60, check=True)
+    yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_task_on_rabbitmq(tmp_path: Path, rabbit_vhost: str, redis_db: str,
+                                            pg_url: str) -> None:
+    env = base_env(tmp_path, FEDQ_BROKER_URL=rabbit_vhost, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
+    cluster = Cluster(tmp_path, env)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    cluster.fedq("db", "upgrade")
+    try:
+        _worker_kill_scenario(cluster, "RabbitMQ")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
+    control = cluster.worker("control", ["control"], FEDQ_FINALIZE_DELAY="3")
+    cluster.workers.append(control.start())
+    control.wait_ready()
+    cluster.start_beat()
+    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5})
+    marker = f"finalizing job {job} round 2".encode()
+    deadline = time.monotonic() + 120
+    while marker not in control.log_path.read_bytes():
+        assert time.monotonic() < deadline, control.tail()
+        time.sleep(0.05)
+    control.kill()  # mid-finalize: aggregated or not, nothing committed yet
+    assert [r.status for r in cluster.rounds(job)] == ["committed", "training"]
+    time.sleep(1.0)
+    cluster.replace("control")  # restarted without the delay
+    view = cluster.wait(job, timeout=180)
+    assert view.status == "completed", view.error
+    lost = _assert_each_round_once(cluster, job, rounds=3, per_round=3)
+    assert lost == 0
+    # The killed finalize was never acknowledged, but Redis redelivers only after the
+    # visibility timeout: the watchdog found the stuck round and finalized it.
+    assert b"'action': 'finalize (stuck)'" in cluster.by_name("control").log_path.read_bytes()
+    record_outcome("control worker SIGKILLed during finalize, then restarted",
+                   "the control worker while it finalized round 2", "completed",
+                   len(cluster.rounds(job)), lost)
+
+
+@pytest.mark.slow
+def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
+    server = shutil.which("redis-server")
+    if server is None:
+        missing("redis-server", "binary not found")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no"]
+
+    def start_redis() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        for _ in range(100):
+            try:
+                redis.Redis.from_url(url).ping()
+                return proc
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise AssertionError("private redis-server did not start")
+
+    redis_proc = start_redis()
+    env = base_env(tmp_path, FEDQ_BROKER_URL=url, FEDQ_RESULT_BACKEND=url,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
+    cluster = Cluster(tmp_path, env)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    cluster.fedq("db", "upgrade")
+    try:
+        cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
+        cluster.start_beat()
+        job = cluster.submit({**SLOW_TASKS, "rounds": 4})
+        cluster.wait_for_round(job, 2)
+        time.sleep(0.7)
+        redis_proc.kill()  # SIGKILL: queued tasks, results and chord counters are gone
+        redis_proc.wait()
+        time.sleep(1.0)
+        redis_proc = start_redis()
+        view = cluster.wait(job, timeout=240)
+        assert view.status == "completed", view.error
+        lost = _assert_each_round_once(cluster, job, rounds=4, per_round=3)
+        assert lost == 0
+        assert any(r.attempt > 1 for r in cluster.rounds(job))  # lost tasks were re-sent
+        record_outcome("Redis (broker + results) SIGKILLed mid-job, restarted empty",
+                       "the Redis server during round 2", "completed",
+                       len(cluster.rounds(job)), lost)
+    finally:
+        cluster.stop()
+        redis_proc.kill()
+
+
+@pytest.mark.slow
+def test_quorum_failure_redispatches_then_fails_then_resumes(redis_cluster: Cluster) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    cluster.start_beat()
+    spec = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "rounds": 2,
+            "queues": {"cpu": 2, "gpu_sm61": 1}, "min_clients": 3, "round_timeout_s": 3,
+            "max_redispatch": 1}
+    job = cluster.submit(spec)
+    view = cluster.wait(job, timeout=120)
+    assert view.status == "failed"
+    assert view.error is not None
+    assert "round 1: 2 usable update(s) of 3 after 2 attempt(s); quorum is 3" in view.error
+    assert "no live worker consumes gpu_sm61" in view.error
+    assert f"fedq resume {job}" in view.error
+    [rnd] = cluster.rounds(job)
+    assert rnd.status == "failed" and rnd.attempt == 2
+    missing_rows = [u for u in cluster.updates(job) if u.status == "missing"]
+    assert [u.queue for u in missing_rows] == ["gpu_sm61"]
+    record_outcome("a queue with no worker; quorum needs it",
+                   "nothing killed: the gpu_sm61 task is never consumed",
+                   "re-dispatched once, then failed with the reason", 0, 1)
+
+    # Fix what the message says, then resume: the job finishes from round 1.
+    cluster.start(gpu=["gpu_sm61"])
+    out = cluster.fedq("resume", job)
+    assert "resumed at round 1" in out.stdout
+    view = cluster.wait(job, timeout=120)
+    assert view.status == "completed", view.error
+    assert [(r.number, r.status) for r in cluster.rounds(job)] == [(1, "committed"),
+                                                                  (2, "committed")]
+    record_outcome("the same job after `fedq resume` with a gpu_sm61 worker started",
+                   "-", "completed", 2, 0)
