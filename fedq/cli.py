@@ -197,15 +197,23 @@ def results(job_id: str, as_json: bool, as_csv: bool) -> None:
 
 def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"job {view.id} ({view.name}): {view.status}, "
-                        f"{view.committed_round}/{view.total_rounds} rounds")
-    for name in ("round", "status", "accuracy", "eval loss", "train loss", "seconds",
-                 "clients", "samples", "MB up", "MB down"):
+                        f"{view.committed_round}/{view.total_rounds} rounds\n{view.strategy}")
+    compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
+    private = any(r["epsilon"] is not None for r in rows)
+    names = ["round", "status", "accuracy", "eval loss", "train loss", "seconds", "clients",
+             "samples", "MB up", "MB down"]
+    names += ["ratio"] if compressed else []
+    names += ["epsilon"] if private else []
+    for name in names:
         table.add_column(name, justify="left" if name == "status" else "right")
     for r in rows:
-        table.add_row(str(r["round"]), _status_style(r["status"]), _fmt(r["accuracy"], ".4f"),
-                      _fmt(r["eval_loss"], ".4f"), _fmt(r["train_loss"], ".4f"),
-                      _fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
-                      str(r["samples"] or 0), _mb(r["bytes_up"]), _mb(r["bytes_down"]))
+        cells = [str(r["round"]), _status_style(r["status"]), _fmt(r["accuracy"], ".4f"),
+                 _fmt(r["eval_loss"], ".4f"), _fmt(r["train_loss"], ".4f"),
+                 _fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
+                 str(r["samples"] or 0), _mb(r["bytes_up"]), _mb(r["bytes_down"])]
+        cells += [_fmt(r["compression_ratio"], ".2f") + "x"] if compressed else []
+        cells += [_fmt(r["epsilon"], ".3f")] if private else []
+        table.add_row(*cells)
     return table
 
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from fedq.aggregate.compression import encode, zstd_compress
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.data import client_indices, load_dataset
@@ -21,7 +22,7 @@ from fedq.refs import TrainRef, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.training import local_train, pick_device
-from fedq.weights import dumps, loads
+from fedq.weights import dumps, loads, raw_size
 
 _GLOBAL_CACHE: OrderedDict[str, Weights] = OrderedDict()
 _GLOBAL_CACHE_SIZE = 2
@@ -82,12 +83,20 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
              if not value.dtype.is_floating_point
              else local[name].detach().cpu() - value
              for name, value in global_weights.items()}
-    meta = {"job": ref.job, "round": str(ref.round), "client": str(ref.client)}
-    up = store.put(update_key(ref.job, ref.round, ref.client, ref.attempt), dumps(delta, meta))
+    if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
+        delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
+                 for k, v in delta.items()}
+    stored, meta = encode(delta, spec.compression.codec, spec.compression.chunk)
+    meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
+    data = dumps(stored, meta)
+    if spec.compression.zstd:
+        data = zstd_compress(data)
+    up = store.put(update_key(ref.job, ref.round, ref.client, ref.attempt), data)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
                      seconds=time.perf_counter() - start, bytes_up=up.size,
                      bytes_down=bytes_down, attempt=ref.attempt, gen=ref.gen,
-                     extra={"seen": stats.seen, "train_seconds": stats.seconds,
+                     extra={"seen": stats.seen, "raw_bytes": raw_size(delta),
+                            "train_seconds": stats.seconds,
                             "stopped_by_budget": stats.stopped_by_budget, "amp": stats.amp})

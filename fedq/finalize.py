@@ -21,25 +21,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import select, update
 
-from fedq.aggregate import apply_delta, check_update, fednova_mean, weighted_mean
-from fedq.aggregate.types import Weights
+from fedq.aggregate.dp import epsilon
 from fedq.app import app
-from fedq.blobs import BlobRef, BlobStore, global_key, open_store
+from fedq.blobs import BlobRef, global_key, open_store, state_key
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import utcnow
-from fedq.errors import BlobError, UpdateRejected
 from fedq.refs import UpdateRef
 from fedq.registry import record_throughput
 from fedq.rounds import evaluate_weights, redispatch, request_round, round_task_ids
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.strategy import Outcome, apply_server, reduce
 from fedq.weights import dumps, loads
 
 log = logging.getLogger(__name__)
@@ -82,64 +81,6 @@ def unsettled(chosen: dict[int, UpdateRef], clients: Sequence[int], attempt: int
             if c not in chosen or (chosen[c].status != "ok" and chosen[c].attempt < attempt)]
 
 
-@dataclass
-class _Outcome:
-    rows: list[ClientUpdate]
-    accepted: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    usable: set[int] = field(default_factory=set)
-    throughput: list[tuple[str, int, float]] = field(default_factory=list)
-
-
-def _row(job_id: str, ref: UpdateRef, status: str, error: str | None = None,
-         norm: float | None = None) -> ClientUpdate:
-    return ClientUpdate(job_id=job_id, round_number=ref.round, client=ref.client, status=status,
-                        queue=ref.queue, worker=ref.worker, samples=ref.samples,
-                        processed=int(ref.extra.get("seen", 0)), steps=ref.steps,
-                        seconds=ref.seconds, loss=ref.loss, bytes_up=ref.bytes_up,
-                        bytes_down=ref.bytes_down, update_norm=norm, blob_key=ref.key,
-                        blob_sha256=ref.sha256, error=error)
-
-
-def _verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
-              spec: JobSpec, job_id: str, outcome: _Outcome) -> Iterator[tuple[UpdateRef, Weights]]:
-    """Stream (ref, delta) of each update that passes verification; record every one."""
-    for ref in refs:
-        if ref.status != "ok" or ref.key is None or ref.sha256 is None:
-            outcome.rows.append(_row(job_id, ref, "error", ref.error or "task failed"))
-            continue
-        try:
-            delta = loads(store.get(ref.blob), what=f"blob {ref.key}")
-            norm = check_update(delta, reference, spec.max_update_norm)
-            if ref.samples <= 0:
-                raise UpdateRejected(f"reported {ref.samples} samples")
-        except (BlobError, UpdateRejected) as exc:
-            outcome.rows.append(_row(job_id, ref, "rejected", str(exc)))
-            continue
-        outcome.rows.append(_row(job_id, ref, "ok", norm=norm))
-        outcome.accepted += 1
-        outcome.usable.add(ref.client)
-        outcome.samples += ref.samples
-        outcome.loss_sum += (ref.loss or 0.0) * ref.samples
-        outcome.throughput.append((ref.worker, int(ref.extra.get("seen", ref.samples)),
-                                   float(ref.extra.get("train_seconds", ref.seconds))))
-        yield ref, delta
-
-
-def _weight(spec: JobSpec, ref: UpdateRef) -> float:
-    if spec.weight_by == "processed":
-        return float(ref.extra.get("seen") or ref.samples)
-    return float(ref.samples)
-
-
-def aggregate(spec: JobSpec, stream: Iterator[tuple[UpdateRef, Weights]]) -> Weights:
-    """The aggregate delta of the verified stream, by the spec's aggregator."""
-    if spec.aggregator == "fednova":
-        return fednova_mean((_weight(spec, r), r.steps, d) for r, d in stream)
-    return weighted_mean((_weight(spec, r), d) for r, d in stream)
-
-
 @dataclass(frozen=True)
 class _OpenRound:
     spec: JobSpec
@@ -151,6 +92,7 @@ class _OpenRound:
     clients: list[int]
     queues: list[str]
     task_ids: dict[int, list[str]]
+    state: BlobRef | None  # the server optimizer's state after the previous round
 
 
 def _open_round(settings: Settings, job_id: str, round_number: int) -> _OpenRound | None:
@@ -163,7 +105,9 @@ def _open_round(settings: Settings, job_id: str, round_number: int) -> _OpenRoun
                           BlobRef(job.global_key, job.global_sha256, job.global_size), rnd.id,
                           _aware(rnd.started_at), _aware(rnd.deadline) if rnd.deadline else None,
                           rnd.attempt, list(rnd.planned["clients"]),
-                          list(rnd.planned["queues"]), round_task_ids(job_id, rnd))
+                          list(rnd.planned["queues"]), round_task_ids(job_id, rnd),
+                          BlobRef(job.state_key, job.state_sha256 or "", job.state_size or 0)
+                          if job.state_key else None)
 
 
 def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
@@ -189,14 +133,10 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
 
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     current = loads(store.get(rnd.model), what=f"blob {rnd.model.key}")
-    outcome = _Outcome(rows=[])
-    refs = list(chosen.values())
-    try:
-        mean: Weights | None = aggregate(rnd.spec,
-                                         _verified(store, refs, current, rnd.spec, job_id, outcome))
-    except ValueError:
-        mean = None
-    if mean is None or outcome.accepted < rnd.spec.quorum:
+    outcome = Outcome(job_id)
+    delta = reduce(rnd.spec, store, list(chosen.values()), current, outcome,
+                   settings.home / "scratch")
+    if delta is None:
         return _below_quorum(settings, job_id, round_number, rnd, outcome)
 
     queue_of = dict(zip(rnd.clients, rnd.queues, strict=True))
@@ -206,22 +146,31 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
                 job_id=job_id, round_number=round_number, client=client, status="missing",
                 queue=queue_of[client],
                 error=f"no result by the deadline (attempt {rnd.attempt})"))
-    new = apply_delta(current, mean)
+    state = loads(store.get(rnd.state), what=f"blob {rnd.state.key}") if rnd.state else {}
+    new, new_state = apply_server(rnd.spec, current, delta, state)
     accuracy, eval_loss = evaluate_weights(rnd.spec, new)
-    blob = store.put(global_key(job_id, round_number),
-                     dumps(new, {"job": job_id, "round": str(round_number)}))
+    meta = {"job": job_id, "round": str(round_number)}
+    blob = store.put(global_key(job_id, round_number), dumps(new, meta))
+    state_blob = store.put(state_key(job_id, round_number), dumps(new_state, meta)) \
+        if new_state else None
     seconds = (utcnow() - rnd.started_at).total_seconds()
+    dp = rnd.spec.dp
     metrics = {
         "participants": outcome.accepted, "samples": outcome.samples,
         "train_loss": outcome.loss_sum / max(outcome.samples, 1), "eval_loss": eval_loss,
         "accuracy": accuracy, "seconds": seconds,
         "bytes_up": sum(r.bytes_up or 0 for r in outcome.rows),
+        "raw_bytes_up": outcome.raw_bytes,
         "bytes_down": sum(r.bytes_down or 0 for r in outcome.rows),
         "global_key": blob.key, "global_sha256": blob.sha256,
+        "epsilon": epsilon(round_number, noise_multiplier=dp.noise_multiplier,
+                           sample_rate=rnd.spec.clients_per_round / rnd.spec.num_clients,
+                           delta=dp.delta) if dp else None,
     }
     committed, done = _commit(settings, job_id, rnd.id, outcome.rows,
                               throughput=outcome.throughput, metrics=metrics, blob=blob,
-                              round_number=round_number, total=rnd.spec.rounds)
+                              state=state_blob, round_number=round_number,
+                              total=rnd.spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
     if not done:
@@ -233,7 +182,7 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
 
 
 def _below_quorum(settings: Settings, job_id: str, round_number: int, rnd: _OpenRound,
-                  outcome: _Outcome) -> dict[str, Any]:
+                  outcome: Outcome) -> dict[str, Any]:
     retry = [c for c in rnd.clients if c not in outcome.usable]
     if rnd.attempt <= rnd.spec.max_redispatch:
         if redispatch(settings, job_id, round_number, rnd.attempt, retry):
@@ -285,10 +234,11 @@ def record_late(settings: Settings, results: Sequence[Any], job_id: str,
         for ref in refs:
             row = rows.get(ref.client)
             if row is not None and row.status == "missing":
-                fresh = _row(job_id, ref, "late", "arrived after the round was finalized")
+                fresh = Outcome(job_id)
+                fresh.row(ref, "late", "arrived after the round was finalized")
                 for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
                                "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error"):
-                    setattr(row, column, getattr(fresh, column))
+                    setattr(row, column, getattr(fresh.rows[0], column))
                 row.status = "late"
                 late += 1
     return late
@@ -297,8 +247,8 @@ def record_late(settings: Settings, results: Sequence[Any], job_id: str,
 def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,
             throughput: Sequence[tuple[str, int, float]] = (),
             failed: str | None = None, metrics: dict[str, Any] | None = None,
-            blob: BlobRef | None = None, round_number: int = 0,
-            total: int = 0) -> tuple[bool, bool]:
+            blob: BlobRef | None = None, state: BlobRef | None = None,
+            round_number: int = 0, total: int = 0) -> tuple[bool, bool]:
     """One transaction: claim the round, write client rows, move the job. Returns
     (committed, job_done); (False, _) when another delivery got there first."""
     now = utcnow()
@@ -322,6 +272,9 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             assert blob is not None
             job.committed_round = round_number
             job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+            if state is not None:
+                job.state_key, job.state_sha256, job.state_size = (state.key, state.sha256,
+                                                                   state.size)
             done = round_number >= total
             if done:
                 job.status, job.finished_at = "completed", now

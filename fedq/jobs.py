@@ -147,6 +147,7 @@ class JobView:
     accuracy: float | None
     error: str | None
     created_at: str
+    strategy: str
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -171,12 +172,16 @@ def list_jobs(settings: Settings, limit: int = 20) -> list[JobView]:
 def _view(s: Any, job: Job) -> JobView:
     acc = s.scalar(select(Round.accuracy).where(Round.job_id == job.id,
                                                 Round.number == job.committed_round))
+    from fedq.strategy import describe
+
     return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
-                   acc, job.error, job.created_at.isoformat(timespec="seconds"))
+                   acc, job.error, job.created_at.isoformat(timespec="seconds"),
+                   describe(JobSpec.model_validate(job.spec)))
 
 
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
-                "participants", "planned", "samples", "bytes_up", "bytes_down", "error")
+                "participants", "planned", "samples", "bytes_up", "raw_bytes_up",
+                "compression_ratio", "bytes_down", "epsilon", "error")
 
 
 def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
@@ -188,7 +193,10 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
         return [{"round": r.number, "status": r.status, "accuracy": r.accuracy,
                  "eval_loss": r.eval_loss, "train_loss": r.train_loss, "seconds": r.seconds,
                  "participants": r.participants, "planned": len(r.planned.get("clients", [])),
-                 "samples": r.samples, "bytes_up": r.bytes_up, "bytes_down": r.bytes_down,
+                 "samples": r.samples, "bytes_up": r.bytes_up, "raw_bytes_up": r.raw_bytes_up,
+                 "compression_ratio": (r.raw_bytes_up / r.bytes_up
+                                       if r.bytes_up and r.raw_bytes_up else None),
+                 "bytes_down": r.bytes_down, "epsilon": r.epsilon,
                  "error": r.error} for r in rounds]
 
 
@@ -201,7 +209,8 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "queue": r.queue, "worker": r.worker, "samples": r.samples,
                  "processed": r.processed, "steps": r.steps,
                  "seconds": r.seconds, "loss": r.loss, "bytes_up": r.bytes_up,
-                 "bytes_down": r.bytes_down, "update_norm": r.update_norm,
+                 "raw_bytes": r.raw_bytes, "bytes_down": r.bytes_down,
+                 "update_norm": r.update_norm,
                  "error": r.error} for r in rows]
 
 

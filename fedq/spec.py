@@ -48,6 +48,52 @@ class OptimizerSpec(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
+class ServerSpec(_Strict):
+    """The server optimizer over the aggregated delta (fedq/aggregate/server.py).
+    Unset options take the optimizer's defaults."""
+
+    name: Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "diloco"] = "fedavg"
+    lr: float | None = Field(default=None, gt=0)
+    momentum: float | None = Field(default=None, ge=0, lt=1, description="or beta_1")
+    beta2: float | None = Field(default=None, ge=0, lt=1)
+    tau: float | None = Field(default=None, gt=0)
+
+
+class ReducerSpec(_Strict):
+    """How client updates are combined (fedq/aggregate/): a weighted mean, FedNova,
+    or a robust reducer (unweighted)."""
+
+    name: Literal["mean", "fednova", "median", "trimmed_mean", "krum", "multi_krum",
+                  "bulyan"] = "mean"
+    beta: float = Field(default=0.1, ge=0, lt=0.5, description="trimmed_mean: cut per side")
+    f: int = Field(default=1, ge=0, description="krum/multi_krum/bulyan: Byzantine clients")
+    m: int | None = Field(default=None, ge=1, description="multi_krum: updates averaged")
+
+
+class DPSpec(_Strict):
+    """Central differential privacy: clip each update, add Gaussian noise to the mean."""
+
+    noise_multiplier: float = Field(ge=0)
+    clip_norm: float = Field(gt=0)
+    delta: float = Field(default=1e-5, gt=0, lt=1)
+
+
+class CompressionSpec(_Strict):
+    """How clients encode their updates (fedq/aggregate/compression.py)."""
+
+    codec: Literal["none", "fp16", "int8"] = "none"
+    zstd: bool = False
+    chunk: int = Field(default=256, ge=8, description="int8: elements per scale")
+
+
+class ByzantineSpec(_Strict):
+    """Robustness experiments only: these clients multiply their honest update by scale
+    (scale -10: a sign flip, ten times as large)."""
+
+    clients: list[int] = Field(min_length=1)
+    scale: float = -10.0
+
+
 class JobSpec(_Strict):
     """One federated training job. Every field has a comment-sized description."""
 
@@ -74,8 +120,12 @@ class JobSpec(_Strict):
         default=None, gt=0, description="each task stops training after this many seconds")
     weight_by: Literal["samples", "processed"] = Field(
         default="samples", description="FedAvg weight: shard size, or samples processed")
-    aggregator: Literal["fedavg", "fednova"] = Field(
-        default="fedavg", description="fednova normalises for unequal local steps")
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    reducer: ReducerSpec = Field(default_factory=ReducerSpec)
+    clip_norm: float | None = Field(default=None, gt=0, description="clip each update's L2 norm")
+    dp: DPSpec | None = None
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    byzantine: ByzantineSpec | None = None
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term (0: off)")
     min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
     min_fraction: float | None = Field(
@@ -100,12 +150,29 @@ class JobSpec(_Strict):
                 f"min_clients ({self.quorum}) exceeds clients_per_round "
                 f"({self.clients_per_round})"
             )
+        self._check_reducer()
+        if self.byzantine and max(self.byzantine.clients) >= self.num_clients:
+            raise ValueError(f"byzantine.clients: client {max(self.byzantine.clients)} "
+                             f"out of range 0..{self.num_clients - 1}")
         if self.local_steps is not None:
             object.__setattr__(self, "local_epochs", None)
         elif self.local_epochs is None:
             raise ValueError("set local_epochs or local_steps")
         self.queue_counts()  # raises on a bad mix
         return self
+
+    def _check_reducer(self) -> None:
+        r, n = self.reducer, self.quorum
+        if self.dp is not None and r.name != "mean":
+            raise ValueError("dp: central DP needs reducer mean")
+        if r.name in ("krum", "multi_krum") and n <= r.f + 2:
+            raise ValueError(f"reducer.f: {r.name} needs min_clients > f + 2 "
+                             f"(min_clients {n}, f {r.f})")
+        if r.name == "bulyan" and n < 4 * r.f + 3:
+            raise ValueError(f"reducer.f: bulyan needs min_clients >= 4f + 3 "
+                             f"(min_clients {n}, f {r.f})")
+        if r.name == "multi_krum" and r.m is not None and r.m > n - r.f:
+            raise ValueError(f"reducer.m: {r.m} exceeds min_clients - f ({n - r.f})")
 
     @property
     def quorum(self) -> int:

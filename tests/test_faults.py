@@ -55,7 +55,9 @@ def _worker_kill_scenario(cluster: Cluster, broker: str) -> None:
     if broker == "Redis":
         # Redis would redeliver only after the visibility timeout (2 h): the watchdog
         # re-dispatched the killed worker's client at the round deadline instead.
-        assert {r.number for r in cluster.rounds(job) if r.attempt > 1} == {2, 4}
+        # (Round 1 may be re-dispatched too on a loaded machine: its first tasks also
+        # load the data set, and can miss the 6 s deadline.)
+        assert {2, 4} <= {r.number for r in cluster.rounds(job) if r.attempt > 1}
     record_outcome(f"worker SIGKILLed mid-task in rounds 2 and 4 ({broker})",
                    "a training worker (process group) in round 2, another in round 4",
                    "completed", len(cluster.rounds(job)), lost)

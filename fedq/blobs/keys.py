@@ -12,6 +12,11 @@ def global_key(job: str, round_number: int) -> str:
     return f"jobs/{job}/r{round_number:05d}/global.safetensors"
 
 
+def state_key(job: str, round_number: int) -> str:
+    """The server optimizer's state after ``round_number``."""
+    return f"jobs/{job}/r{round_number:05d}/server-state.safetensors"
+
+
 def update_key(job: str, round_number: int, client: int, attempt: int = 1) -> str:
     """Client ``client``'s update in round ``round_number``, dispatch ``attempt``.
 

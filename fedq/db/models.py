@@ -40,6 +40,10 @@ class Job(Base):
     global_key: Mapped[str] = mapped_column(String(300))
     global_sha256: Mapped[str] = mapped_column(String(64))
     global_size: Mapped[int] = mapped_column(BigInteger)
+    # the server optimizer's state after the last committed round (None: stateless)
+    state_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    state_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    state_size: Mapped[int | None] = mapped_column(BigInteger, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
@@ -69,7 +73,9 @@ class Round(Base):
     eval_loss: Mapped[float | None] = mapped_column(Float, default=None)
     accuracy: Mapped[float | None] = mapped_column(Float, default=None)
     bytes_up: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    raw_bytes_up: Mapped[int | None] = mapped_column(BigInteger, default=None)  # uncompressed
     bytes_down: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    epsilon: Mapped[float | None] = mapped_column(Float, default=None)  # DP spent so far
     global_key: Mapped[str | None] = mapped_column(String(300), default=None)
     global_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
@@ -97,6 +103,7 @@ class ClientUpdate(Base):
     loss: Mapped[float | None] = mapped_column(Float, default=None)
     bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    raw_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     update_norm: Mapped[float | None] = mapped_column(Float, default=None)
     blob_key: Mapped[str | None] = mapped_column(String(300), default=None)
     blob_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
