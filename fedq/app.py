@@ -53,7 +53,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
             Path(path).mkdir(parents=True, exist_ok=True)
     queues = [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in ALL_QUEUES]
+    extra: dict[str, Any] = {}
+    if settings.embedded_broker:
+        extra["broker_transport"] = "fedq.transport:Transport"  # atomic message files
     return {
+        **extra,
         "broker_url": settings.broker_url,
         "result_backend": settings.result_backend,
         "broker_transport_options": transport_options,

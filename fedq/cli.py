@@ -50,24 +50,28 @@ def _settings() -> Any:
 
 
 @main.command()
-@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("spec_paths", metavar="SPEC...", nargs=-1, required=True,
+                type=click.Path(dir_okay=False, path_type=Path))
 @expected_errors
-def submit(spec_path: Path) -> None:
-    """Validate SPEC (YAML or JSON) and start the job; prints the job id."""
+def submit(spec_paths: tuple[Path, ...]) -> None:
+    """Validate each SPEC (YAML or JSON) and start its job; prints one job id per line.
+
+    All specs are validated before any job starts."""
     from fedq.jobs import live_queues
     from fedq.jobs import submit as submit_job
     from fedq.spec import load_spec
 
-    spec = load_spec(spec_path)
+    specs = [load_spec(path) for path in spec_paths]
     settings = _settings()
-    job_id = submit_job(settings, spec)
-    click.echo(job_id)
+    for spec in specs:
+        click.echo(submit_job(settings, spec))
     try:
         live = live_queues(timeout=1.0)
-    except Exception:  # the job is submitted; a failed inspect only loses the warning
+    except Exception:  # the jobs are submitted; a failed inspect only loses the warning
         live = None
     if live is not None:
-        for queue in ["control", *spec.queue_counts()]:
+        wanted = sorted({q for spec in specs for q in spec.queue_counts(live_throughput={})})
+        for queue in ["control", *wanted]:
             if queue not in live:
                 err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
                           f"its tasks wait until one starts "

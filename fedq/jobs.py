@@ -19,7 +19,6 @@ from fedq.db.session import ensure_schema
 from fedq.errors import JobNotFound, ServiceUnavailable
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.weights import dumps
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -59,6 +58,7 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     ensure_schema(settings.database_url)
 
     from fedq.rounds import initial_weights, request_round
+    from fedq.weights import dumps
 
     job_id = uuid.uuid4().hex[:12]
     try:
@@ -172,7 +172,7 @@ def list_jobs(settings: Settings, limit: int = 20) -> list[JobView]:
 def _view(s: Any, job: Job) -> JobView:
     acc = s.scalar(select(Round.accuracy).where(Round.job_id == job.id,
                                                 Round.number == job.committed_round))
-    from fedq.strategy import describe
+    from fedq.spec import describe
 
     return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
                    acc, job.error, job.created_at.isoformat(timespec="seconds"),

@@ -218,6 +218,27 @@ class JobSpec(_Strict):
         return self.model_dump(mode="json")
 
 
+def describe(spec: JobSpec) -> str:
+    """One line naming the strategy, for `fedq results`."""
+    parts = [f"server {spec.server.name}", f"reducer {spec.reducer.name}"]
+    if spec.reducer.name == "trimmed_mean":
+        parts[-1] += f" (beta {spec.reducer.beta})"
+    elif spec.reducer.name in ("krum", "multi_krum", "bulyan"):
+        parts[-1] += f" (f {spec.reducer.f})"
+    if spec.clip_norm:
+        parts.append(f"clip {spec.clip_norm}")
+    if spec.dp:
+        parts.append(f"DP z={spec.dp.noise_multiplier} C={spec.dp.clip_norm} "
+                     f"delta={spec.dp.delta}")
+    codec = spec.compression.codec + ("+zstd" if spec.compression.zstd else "")
+    parts.append(f"updates {codec}")
+    if spec.prox_mu:
+        parts.append(f"FedProx mu {spec.prox_mu}")
+    if spec.byzantine:
+        parts.append(f"byzantine clients {spec.byzantine.clients} x{spec.byzantine.scale}")
+    return ", ".join(parts)
+
+
 def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, int]:
     """Largest-remainder split of ``tasks`` across training queues in proportion to their
     throughput; queues in TRAINING_QUEUES order break ties. Pure, for tests."""

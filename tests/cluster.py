@@ -95,10 +95,19 @@ class Cluster:
         return proc
 
     def submit(self, spec: dict[str, Any]) -> str:
-        path = self.home / f"job-{time.monotonic_ns()}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(spec))
-        return self.fedq("submit", str(path)).stdout.strip().splitlines()[-1]
+        return self.submit_many([spec])[0]
+
+    def submit_many(self, specs: list[dict[str, Any]]) -> list[str]:
+        """`fedq submit A.yaml B.yaml ...`: one process, one job id per spec."""
+        paths = []
+        for spec in specs:
+            path = self.home / f"job-{time.monotonic_ns()}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(spec))
+            paths.append(str(path))
+        ids = self.fedq("submit", *paths).stdout.strip().splitlines()
+        assert len(ids) == len(specs), ids
+        return ids
 
     def wait(self, job_id: str, timeout: float = 180) -> JobView:
         deadline = time.monotonic() + timeout

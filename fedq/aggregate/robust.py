@@ -14,9 +14,10 @@
 
 Updates are read through an :class:`UpdateSource`, one slice of one tensor at a time.
 Memory bound (stated here, checked in tests/test_robust.py): besides the output (one
-model), a reducer holds at most ``n x chunk`` elements of update data at once
-(float32: 4 n chunk bytes) plus an n x n distance matrix; it never holds a whole
-update, so K large updates need not fit in memory together.
+model, float32), a reducer holds at most ``(n + 1) x chunk`` elements of update data at
+once (a (n, chunk) block plus the slice being read; float32: 4 (n + 1) chunk bytes),
+the temporaries of one sort over that block, and an n x n distance matrix. It never
+holds a whole update, so K large updates need not fit in memory together.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def _chunks(shapes: dict[str, tuple[int, ...]], chunk: int):  # type: ignore[no-
 
 def _stack(source: UpdateSource, rows: Sequence[int], name: str, start: int,
            stop: int) -> torch.Tensor:
-    return torch.stack([source.read(i, name, start, stop) for i in rows])  # (k, chunk)
+    block = torch.empty(len(rows), stop - start, dtype=torch.float32)  # (k, chunk)
+    for j, i in enumerate(rows):
+        block[j] = source.read(i, name, start, stop)  # one slice alive at a time
+    return block
 
 
 def _coordinatewise(source: UpdateSource, rows: Sequence[int], chunk: int,

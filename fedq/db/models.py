@@ -53,7 +53,12 @@ class Job(Base):
 
 class Round(Base):
     __tablename__ = "rounds"
-    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_rounds_job_number"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_rounds_job_number"),
+        # a round's id names its task generation (task ids, result filtering): SQLite
+        # must never hand a deleted round's id to the round that replaces it on resume
+        {"sqlite_autoincrement": True},
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)

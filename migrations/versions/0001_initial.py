@@ -56,6 +56,8 @@ def upgrade() -> None:
         sa.Column("global_sha256", sa.String(64), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
         sa.UniqueConstraint("job_id", "number", name="uq_rounds_job_number"),
+        # round ids name task generations: SQLite must never reuse a deleted one
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_rounds_job_id", "rounds", ["job_id"])
     op.create_index("ix_rounds_status", "rounds", ["status"])
