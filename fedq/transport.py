@@ -22,13 +22,13 @@ from kombu.utils.json import dumps
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: Any, message: Any, **kwargs: Any) -> None:
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         tmp = os.path.join(self.data_folder_out, f".tmp-{uuid.uuid4()}")
         try:
             with open(tmp, "wb") as fh:
-                fh.write(dumps(message).encode())
+                fh.write(dumps(payload).encode())
             os.replace(tmp, final)
         except OSError as exc:
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
