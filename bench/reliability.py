@@ -34,6 +34,7 @@ def main() -> int:
                               env=env, check=False)
         rows = [json.loads(line) for line in report.read_text().splitlines()] \
             if report.exists() else []
+        rows = [r for r in rows if r.get("table") == "reliability"]
     if proc.returncode != 0:
         print("bench.reliability: some fault tests failed; docs/reliability.md not updated",
               file=sys.stderr)

@@ -82,7 +82,7 @@ class Cluster:
     def stop(self) -> None:
         stop_workers(self.workers)
         if self.beat is not None and self.beat.poll() is None:
-            os.killpg(self.beat.pid, signal.SIGTERM)
+            os.killpg(self.beat.pid, signal.SIGKILL)  # beat holds no state worth a clean exit
             self.beat.wait(10)
 
     def fedq(self, *args: str, check: bool = True,
@@ -150,11 +150,16 @@ class Cluster:
         return app
 
 
-def record_outcome(scenario: str, fault: str, outcome: str, committed: int,
-                   lost: int) -> None:
-    """Append a row to the reliability table when FEDQ_TEST_REPORT names a file."""
+def record(table: str, **fields: Any) -> None:
+    """Append a row for a generated doc table (bench/) when FEDQ_TEST_REPORT names a file."""
     path = os.environ.get("FEDQ_TEST_REPORT")
     if path:
         with open(path, "a") as fh:
-            fh.write(json.dumps({"scenario": scenario, "fault": fault, "outcome": outcome,
-                                 "committed": committed, "lost": lost}) + "\n")
+            fh.write(json.dumps({"table": table, **fields}) + "\n")
+
+
+def record_outcome(scenario: str, fault: str, outcome: str, committed: int,
+                   lost: int) -> None:
+    """A row of docs/reliability.md."""
+    record("reliability", scenario=scenario, fault=fault, outcome=outcome,
+           committed=committed, lost=lost)

@@ -74,9 +74,8 @@ def test_three_rounds_embedded_is_deterministic(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(cpu=["cpu"], gpu=["gpu_new"], control=["control"])
     try:
-        first = cluster.submit(TWO_QUEUES)
+        first, second = cluster.submit_many([TWO_QUEUES, TWO_QUEUES])  # run side by side
         a = cluster.wait(first)
-        second = cluster.submit(TWO_QUEUES)
         b = cluster.wait(second)
     finally:
         cluster.stop()

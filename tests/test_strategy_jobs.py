@@ -13,7 +13,7 @@ import torch
 from fedq.blobs import BlobRef, open_store
 from fedq.db import Job, session_scope
 from fedq.weights import loads
-from tests.cluster import DIGITS, Cluster, base_env, record_outcome
+from tests.cluster import DIGITS, Cluster, base_env, record
 
 SMALL = {**DIGITS, "num_clients": 8, "clients_per_round": 4, "rounds": 2}
 STRATEGIES: dict[str, dict] = {
@@ -56,8 +56,11 @@ def _run_all(cluster: Cluster) -> None:
     assert "updates int8+zstd" in table and "ratio" in table
 
 
-@pytest.fixture
-def embedded(tmp_path: Path) -> Iterator[Cluster]:
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One embedded deployment for the module (the resume test, last, kills and
+    replaces its training workers)."""
+    tmp_path = tmp_path_factory.mktemp("embedded")
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     yield cluster
@@ -114,9 +117,9 @@ def test_byzantine_clients_and_int8_updates(embedded: Cluster) -> None:
         up[name] = sum(r["bytes_up"] for r in rounds)
     clean = acc["fedavg, no attack"]
     for name in runs:
-        record_outcome(name, status[name], f"{acc[name]:.4f}", len(
-            [r for r in embedded.rounds(jobs[name]) if r.status == "committed"]),
-            int(up[name]))
+        record("strategies", run=name, status=status[name], accuracy=acc[name],
+               clean=clean, bytes_up=up[name], clean_bytes_up=up["fedavg, no attack"],
+               rounds=len([r for r in embedded.rounds(jobs[name]) if r.status == "committed"]))
     assert clean > 0.85
     assert acc["fedavg, 2 of 10 attackers"] < clean - 0.10  # FedAvg degrades (or diverges)
     for name in runs:
