@@ -62,8 +62,11 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
     settings = get_settings()
 
     from fedq.cli import follow, results_table
+    from fedq.db.session import ensure_schema
     from fedq.jobs import get_job, round_results, submit
     from fedq.spec import parse_spec
+
+    ensure_schema(settings.database_url)  # before the workers start using it
 
     spec = parse_spec({**DEMO_SPEC, **({"rounds": rounds} if rounds else {})}, "demo spec")
     logs = home / "logs"

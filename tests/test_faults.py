@@ -65,13 +65,19 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
                    "completed", len(cluster.rounds(job)), lost)
 
 
-@pytest.fixture
-def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+def _migrated_cluster(tmp_path: Path, broker: str, backend: str, pg_url: str) -> Cluster:
+    """A cluster (no processes yet) on these URLs, local blobs, a 1 s watchdog."""
+    env = base_env(tmp_path, FEDQ_BROKER_URL=broker, FEDQ_RESULT_BACKEND=backend,
                    FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
     cluster = Cluster(tmp_path, env)
     (tmp_path / "logs").mkdir(exist_ok=True)
     cluster.fedq("db", "upgrade")
+    return cluster
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
+    cluster = _migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
     yield cluster
     cluster.stop()
 
@@ -101,11 +107,7 @@ def rabbit_vhost() -> Iterator[str]:
 @pytest.mark.slow
 def test_worker_killed_mid_task_on_rabbitmq(tmp_path: Path, rabbit_vhost: str, redis_db: str,
                                             pg_url: str) -> None:
-    env = base_env(tmp_path, FEDQ_BROKER_URL=rabbit_vhost, FEDQ_RESULT_BACKEND=redis_db,
-                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
-    cluster = Cluster(tmp_path, env)
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    cluster.fedq("db", "upgrade")
+    cluster = _migrated_cluster(tmp_path, rabbit_vhost, redis_db, pg_url)
     try:
         # RabbitMQ re-queues a dead consumer's task at once: no deadline to wait for
         _worker_kill_scenario(cluster, "RabbitMQ", rounds=4, kills={2: "w1"})
@@ -166,11 +168,7 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
         raise AssertionError("private redis-server did not start")
 
     redis_proc = start_redis()
-    env = base_env(tmp_path, FEDQ_BROKER_URL=url, FEDQ_RESULT_BACKEND=url,
-                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
-    cluster = Cluster(tmp_path, env)
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    cluster.fedq("db", "upgrade")
+    cluster = _migrated_cluster(tmp_path, url, url, pg_url)
     try:
         cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
         cluster.start_beat()

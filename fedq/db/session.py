@@ -104,7 +104,9 @@ def ensure_schema(url: str) -> None:
     head = ScriptDirectory.from_config(_alembic_config(url)).get_current_head()
     current = current_revision(url)
     if current != head and url.startswith("sqlite"):
-        upgrade(url)
+        with _migration_lock(url):  # the CLI and a worker may both get here first
+            if current_revision(url) != head:
+                upgrade(url)
         current = head
     if current == head:
         _CHECKED.add(url)
@@ -112,6 +114,24 @@ def ensure_schema(url: str) -> None:
     raise SchemaOutOfDate(
         f"database {_safe(url)} is at revision {current or 'none'}, fedq needs {head}: "
         "run `fedq db upgrade`")
+
+
+@contextmanager
+def _migration_lock(url: str) -> Iterator[None]:
+    """An exclusive file lock beside a SQLite database, held while it is migrated."""
+    import fcntl
+
+    path = url.split("///", 1)[-1]
+    if not path or path == ":memory:":
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path + ".migrate.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def current_revision(url: str) -> str | None:
