@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+@contextmanager
+def pg_database() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database; dropped afterwards."""
     from sqlalchemy import create_engine, text
 
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT",
@@ -53,20 +54,22 @@ def pg_url() -> Iterator[str]:
     except Exception as exc:
         missing("PostgreSQL", exc)
     url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    yield url
-    from fedq.db.session import connect
+    try:
+        yield url
+    finally:
+        from fedq.db.session import connect
 
-    connect(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+        connect(url).dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 _redis_dbs = iter(range(1, 16))
 
 
-@pytest.fixture
-def redis_db() -> Iterator[str]:
+@contextmanager
+def redis_database() -> Iterator[str]:
     """A Redis URL on a database number of its own, flushed before and after."""
     import redis
 
@@ -76,9 +79,36 @@ def redis_db() -> Iterator[str]:
         client.flushdb()
     except redis.RedisError as exc:
         missing("Redis", exc)
-    yield url
-    client.flushdb()
-    client.close()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_pg_url() -> Iterator[str]:
+    """One database for a whole module (its tests use distinct job ids)."""
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture
+def redis_db() -> Iterator[str]:
+    with redis_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_redis_db() -> Iterator[str]:
+    with redis_database() as url:
+        yield url
 
 
 def _bin(name: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -18,9 +17,13 @@ from fedq.weights import dumps
 from tests.cluster import DIGITS, Cluster, base_env, record_outcome
 
 
-@pytest.fixture
-def control_pair(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    """Two control workers on Redis + PostgreSQL (Redis blobs): deliveries can race."""
+@pytest.fixture(scope="module")
+def control_pair(tmp_path_factory: pytest.TempPathFactory, module_redis_db: str,
+                 module_pg_url: str) -> Iterator[Cluster]:
+    """Two control workers on Redis + PostgreSQL (Redis blobs): deliveries can race.
+    Shared by the module's tests, which use distinct job ids."""
+    tmp_path = tmp_path_factory.mktemp("control_pair")
+    redis_db, pg_url = module_redis_db, module_pg_url
     env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
                    FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=redis_db)
     cluster = Cluster(tmp_path, env)

@@ -15,7 +15,7 @@ from fedq.db import Job, session_scope
 from fedq.weights import loads
 from tests.cluster import DIGITS, Cluster, base_env, record
 
-SMALL = {**DIGITS, "num_clients": 8, "clients_per_round": 4, "rounds": 2}
+SMALL = {**DIGITS, "num_clients": 8, "clients_per_round": 3, "rounds": 2}
 STRATEGIES: dict[str, dict] = {
     "fedavgm": {"server": {"name": "fedavgm"}},
     "fedadam": {"server": {"name": "fedadam", "lr": 0.01}},
@@ -26,8 +26,9 @@ STRATEGIES: dict[str, dict] = {
     "fednova": {"reducer": {"name": "fednova"}},
     "median": {"reducer": {"name": "median"}},
     "trimmed_mean": {"reducer": {"name": "trimmed_mean", "beta": 0.25}},
-    "krum": {"reducer": {"name": "krum", "f": 1}, "min_clients": 4},
-    "multi_krum": {"reducer": {"name": "multi_krum", "f": 1, "m": 2}, "min_clients": 4},
+    "krum": {"reducer": {"name": "krum", "f": 1}, "clients_per_round": 4, "min_clients": 4},
+    "multi_krum": {"reducer": {"name": "multi_krum", "f": 1, "m": 2}, "clients_per_round": 4,
+                   "min_clients": 4},
     "bulyan": {"reducer": {"name": "bulyan", "f": 1}, "clients_per_round": 7,
                "min_clients": 7},
     "clip": {"clip_norm": 1.0},
@@ -139,18 +140,19 @@ def test_byzantine_clients_and_int8_updates(embedded: Cluster) -> None:
 
 @pytest.mark.slow
 def test_resumed_fedadam_job_continues_exactly(embedded: Cluster) -> None:
-    spec = {**SMALL, "rounds": 4, "server": {"name": "fedadam", "lr": 0.01}}
+    # 40 local epochs: each task trains long enough (~1 s) for the kill to land mid-round
+    spec = {**SMALL, "rounds": 3, "local_epochs": 40, "server": {"name": "fedadam", "lr": 0.01}}
     whole = embedded.submit(spec)
     assert embedded.wait(whole, timeout=300).status == "completed"
 
     interrupted = embedded.submit(spec)
-    embedded.wait_for_round(interrupted, 3)
+    embedded.wait_for_round(interrupted, 2)
     for name in ("w1", "w2", "w3"):  # the machines go away mid-job
         embedded.by_name(name).kill()
     embedded.fedq("cancel", interrupted)
     assert embedded.wait(interrupted).status == "cancelled"
     committed = max(r.number for r in embedded.rounds(interrupted) if r.status == "committed")
-    assert committed in (2, 3)
+    assert committed in (1, 2)
     for name in ("w1", "w2", "w3"):
         embedded.replace(name)
     embedded.fedq("resume", interrupted)
@@ -163,5 +165,6 @@ def test_resumed_fedadam_job_continues_exactly(embedded: Cluster) -> None:
                   for j in jobs]
         states = [j.state_key for j in jobs]
     assert all(k is not None for k in states)  # FedAdam's m and v were stored
-    # Bit for bit the same model: the optimizer state came back with the resumed job.
+    # Bit for bit the same model: the optimizer state came back with the resumed job
+    # (its round 1 or 2 state, whichever was committed when the workers died).
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
