@@ -9,9 +9,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
-from fedq.app import CONTROL_QUEUE, app
+from fedq.app import app
 from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.db import ClientUpdate, Job, Round, session_scope
@@ -214,12 +214,7 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "error": r.error} for r in rows]
 
 
-def count_rounds(settings: Settings, job_id: str, status: str = "committed") -> int:
-    with session_scope(settings.database_url) as s:
-        return int(s.scalar(select(func.count()).select_from(Round).where(
-            Round.job_id == job_id, Round.status == status)) or 0)
 
-
-__all__ = ["CONTROL_QUEUE", "FINISHED", "JobView", "cancel", "check_broker", "client_results",
-           "count_rounds", "get_job", "list_jobs", "live_queues", "resume", "round_results",
+__all__ = ["FINISHED", "JobView", "cancel", "check_broker", "client_results",
+           "get_job", "list_jobs", "live_queues", "resume", "round_results",
            "submit"]

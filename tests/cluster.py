@@ -55,6 +55,21 @@ class Cluster:
         self.workers += started
         return self
 
+    def add(self, name: str, queues: list[str], **env: str) -> WorkerProcess:
+        """Start one more worker whose environment adds ``env`` (FEDQ_SLOWDOWN=4, say)."""
+        worker = self.worker(name, queues, **env)
+        start_workers([worker])
+        self.workers.append(worker)
+        return worker
+
+    def run(self, spec: dict[str, Any], timeout: float = 180) -> tuple[str, JobView]:
+        """Submit ``spec``, wait for it to finish, then stop the cluster."""
+        try:
+            job = self.submit(spec)
+            return job, self.wait(job, timeout)
+        finally:
+            self.stop()
+
     def worker(self, name: str, queues: list[str], **env: str) -> WorkerProcess:
         log = self.home / "logs" / f"{name}-{time.monotonic_ns()}.log"
         return WorkerProcess(f"{name}@test", queues, log, env={**self.env, **env})

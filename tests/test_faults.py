@@ -119,9 +119,7 @@ def test_worker_killed_mid_task_on_rabbitmq(tmp_path: Path, rabbit_vhost: str, r
 def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
-    control = cluster.worker("control", ["control"], FEDQ_FINALIZE_DELAY="3")
-    cluster.workers.append(control.start())
-    control.wait_ready()
+    control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
     cluster.start_beat()
     job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5})
     marker = f"finalizing job {job} round 2".encode()

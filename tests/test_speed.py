@@ -24,16 +24,9 @@ SPEC = {**DIGITS, "num_clients": 3, "clients_per_round": 3, "rounds": 2, "local_
 @pytest.mark.slow
 def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
-    cluster.workers = []
     cluster.start(fast1=["cpu"], fast2=["cpu"], control=["control"])
-    slow = Cluster(tmp_path, {**cluster.env, "FEDQ_SLOWDOWN": "4"})
-    slow.start(slow=["cpu"])
-    cluster.workers += slow.workers
-    try:
-        job = cluster.submit(SPEC)
-        view = cluster.wait(job)
-    finally:
-        cluster.stop()
+    cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="4")
+    job, view = cluster.run(SPEC)
     assert view.status == "completed", view.error
     settings = cluster.settings
     store = open_store(settings.blob_url)
@@ -74,16 +67,10 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
 def test_auto_queue_mix_follows_measured_throughput(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(gpu=["gpu_new"], control=["control"])
-    slow = Cluster(tmp_path, {**cluster.env, "FEDQ_SLOWDOWN": "4"})
-    slow.start(cpu=["cpu"])
-    cluster.workers += slow.workers
+    cluster.add("cpu", ["cpu"], FEDQ_SLOWDOWN="4")
     spec = {**DIGITS, "num_clients": 10, "clients_per_round": 5, "rounds": 2,
             "local_epochs": None, "local_steps": 10, "queues": "auto"}
-    try:
-        job = cluster.submit(spec)
-        view = cluster.wait(job)
-    finally:
-        cluster.stop()
+    job, view = cluster.run(spec)
     assert view.status == "completed", view.error
     with session_scope(cluster.settings.database_url) as s:
         planned = {r.number: r.planned["queues"]

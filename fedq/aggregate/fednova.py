@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from fedq.aggregate.fedavg import _acc_dtype
 from fedq.aggregate.types import Weights
 
 
@@ -30,8 +31,7 @@ def fednova_mean(updates: Iterable[tuple[float, int, Mapping[str, torch.Tensor]]
         if steps <= 0:
             raise ValueError(f"local steps must be positive, got {steps}")
         if acc is None:
-            acc = {k: torch.zeros(v.shape, dtype=torch.float64 if v.dtype == torch.float64
-                                  else torch.float32) for k, v in delta.items()}
+            acc = {k: torch.zeros(v.shape, dtype=_acc_dtype(v.dtype)) for k, v in delta.items()}
         for name, tensor in delta.items():
             acc[name].add_(tensor.to(acc[name].dtype), alpha=weight / steps)
         total_weight += weight
