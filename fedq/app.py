@@ -59,7 +59,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         **extra,
         "broker_url": settings.broker_url,
-        "result_backend": settings.result_backend,
+        "result_backend": _result_backend(settings.result_backend),
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
         # JSON only, in both directions: nothing from another machine is unpickled.
@@ -114,3 +114,11 @@ def _prepare_worker(**_: Any) -> None:
     threads = get_settings().torch_threads
     if threads:
         torch.set_num_threads(threads)
+
+
+def _result_backend(url: str) -> str:
+    """Redis result backends use fedq.backend.RedisBackend (Celery's, minus result
+    subscriptions nobody reads); Celery's ``class+url`` form selects it."""
+    if url.startswith(("redis://", "rediss://")):
+        return f"fedq.backend:RedisBackend+{url}"
+    return url

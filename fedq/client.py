@@ -22,10 +22,11 @@ from fedq.refs import TrainRef, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.training import local_train, pick_device
-from fedq.weights import dumps, loads, raw_size
+from fedq.weights import dump_parts, dumps, loads, raw_size
 
 _GLOBAL_CACHE: OrderedDict[str, Weights] = OrderedDict()
 _GLOBAL_CACHE_SIZE = 2
+_ZERO_DELTAS: dict[tuple[object, float], Weights] = {}
 
 
 def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
@@ -66,6 +67,8 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
     spec = JobSpec.model_validate(ref.spec)
     global_weights, bytes_down = fetch_global(store, ref.model)
+    if spec.zero_compute:
+        return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     idx = torch.from_numpy(client_indices(ds.y_train.numpy(), spec.partition, spec.num_clients,
                                           ref.client, spec.seed))
@@ -86,12 +89,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
         delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
                  for k, v in delta.items()}
-    stored, meta = encode(delta, spec.compression.codec, spec.compression.chunk)
-    meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
-    data = dumps(stored, meta)
-    if spec.compression.zstd:
-        data = zstd_compress(data)
-    up = store.put(update_key(ref.job, ref.round, ref.client, ref.attempt), data)
+    up = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
@@ -100,3 +98,34 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                      extra={"seen": stats.seen, "raw_bytes": raw_size(delta),
                             "train_seconds": stats.seconds,
                             "stopped_by_budget": stats.stopped_by_budget, "amp": stats.amp})
+
+
+def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> BlobRef:
+    stored, meta = encode(delta, spec.compression.codec, spec.compression.chunk)
+    meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
+    key = update_key(ref.job, ref.round, ref.client, ref.attempt)
+    if spec.compression.zstd:
+        return store.put(key, zstd_compress(dumps(stored, meta)))
+    return store.put_parts(key, dump_parts(stored, meta))
+
+
+def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, start: float,
+                  global_weights: Weights, bytes_down: int) -> UpdateRef:
+    """Benchmarks: no data, no model, no training; the update changes every floating
+    weight by a small amount that differs per client, so averaging is real work."""
+    step = 1e-4 * (1 + ref.client % 7)
+    shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in global_weights.items())
+    delta = _ZERO_DELTAS.get((shapes, step))
+    if delta is None:  # the same change every round: made once, so no compute is timed
+        delta = {k: torch.full(shape, step, dtype=dtype) if dtype.is_floating_point
+                 else torch.zeros(shape, dtype=torch.float32)  # as a trained delta
+                 for k, shape, dtype in shapes}
+        _ZERO_DELTAS.clear()
+        _ZERO_DELTAS[(shapes, step)] = delta
+    up = _upload(ref, spec, store, delta)
+    return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
+                     queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
+                     samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
+                     bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
+                     gen=ref.gen, extra={"seen": 1, "raw_bytes": raw_size(delta),
+                                         "train_seconds": 0.0})

@@ -29,17 +29,25 @@ from typing import Any
 from sqlalchemy import select, update
 
 from fedq.aggregate.dp import epsilon
+from fedq.aggregate.types import Weights
 from fedq.app import app
-from fedq.blobs import BlobRef, global_key, open_store, state_key
+from fedq.blobs import BlobRef, BlobStore, global_key, open_store, state_key
+from fedq.blobs.keys import updates_prefix
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.refs import UpdateRef
 from fedq.registry import record_throughput
-from fedq.rounds import evaluate_weights, redispatch, request_round, round_task_ids
+from fedq.rounds import (
+    evaluate_weights,
+    redispatch,
+    request_round,
+    round_task_ids,
+    start_round,
+)
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.strategy import Outcome, apply_server, reduce
-from fedq.weights import dumps, loads
+from fedq.weights import dump_parts, dumps, loads
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +140,7 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
         time.sleep(settings.finalize_delay)
 
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
-    current = loads(store.get(rnd.model), what=f"blob {rnd.model.key}")
+    current = _current_model(store, rnd.model)
     outcome = Outcome(job_id)
     delta = reduce(rnd.spec, store, list(chosen.values()), current, outcome,
                    settings.home / "scratch")
@@ -148,9 +156,12 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
                 error=f"no result by the deadline (attempt {rnd.attempt})"))
     state = loads(store.get(rnd.state), what=f"blob {rnd.state.key}") if rnd.state else {}
     new, new_state = apply_server(rnd.spec, current, delta, state)
-    accuracy, eval_loss = evaluate_weights(rnd.spec, new)
+    every = rnd.spec.eval_every
+    accuracy, eval_loss = evaluate_weights(rnd.spec, new) \
+        if every and (round_number % every == 0 or round_number >= rnd.spec.rounds) \
+        else (None, None)
     meta = {"job": job_id, "round": str(round_number)}
-    blob = store.put(global_key(job_id, round_number), dumps(new, meta))
+    blob = store.put_parts(global_key(job_id, round_number), dump_parts(new, meta))
     state_blob = store.put(state_key(job_id, round_number), dumps(new_state, meta)) \
         if new_state else None
     seconds = (utcnow() - rnd.started_at).total_seconds()
@@ -173,12 +184,48 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
                               total=rnd.spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
+    _LAST_MODEL.clear()
+    _LAST_MODEL[blob.sha256] = new  # the next round's finalize starts from it
+    if rnd.spec.keep_updates is not None and round_number > rnd.spec.keep_updates:
+        _drop_updates(store, job_id, round_number - rnd.spec.keep_updates)
     if not done:
-        request_round(job_id, round_number + 1)
-    log.info("job %s round %d committed: accuracy %.4f, %d clients, %.2fs (finalize %.2fs)",
-             job_id, round_number, accuracy, outcome.accepted, seconds,
-             time.perf_counter() - started)
+        _start_next(settings, job_id, round_number + 1)
+    log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
+             job_id, round_number, "-" if accuracy is None else f"{accuracy:.4f}",
+             outcome.accepted, seconds, time.perf_counter() - started)
     return {"status": "committed", "round": round_number, "accuracy": accuracy}
+
+
+def _drop_updates(store: BlobStore, job_id: str, round_number: int) -> None:
+    """Delete round ``round_number``'s update blobs (``keep_updates``); the rows that
+    describe them stay. A failure is logged, never fatal: it only costs space."""
+    try:
+        store.delete_prefix(updates_prefix(job_id, round_number))
+    except Exception:
+        log.exception("job %s: could not delete round %d's update blobs", job_id,
+                      round_number)
+
+
+def _start_next(settings: Settings, job_id: str, round_number: int) -> None:
+    """Start the next round here and now (one broker hop less than sending start_round
+    to the control queue); if that fails, leave it to a start_round task."""
+    try:
+        start_round(settings, job_id, round_number)
+    except Exception:  # the database or broker hiccupped: a control worker retries
+        log.exception("job %s: starting round %d in finalize failed; queued instead",
+                      job_id, round_number)
+        request_round(job_id, round_number)
+
+
+#: The model this process committed last, by sha256: finalize reads the global model
+#: from the blob store only when another process committed it.
+_LAST_MODEL: dict[str, Weights] = {}
+
+
+def _current_model(store: BlobStore, ref: BlobRef) -> Weights:
+    if ref.sha256 in _LAST_MODEL:
+        return _LAST_MODEL[ref.sha256]
+    return loads(store.get(ref), what=f"blob {ref.key}")
 
 
 def _below_quorum(settings: Settings, job_id: str, round_number: int, rnd: _OpenRound,

@@ -31,6 +31,7 @@ class WorkerProcess:
     pool: str = "solo"
     concurrency: int = 1
     extra_args: Sequence[str] = ()
+    app: str = "fedq"
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -38,7 +39,7 @@ class WorkerProcess:
         return self.name if "@" in self.name else f"celery@{self.name}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", "fedq", "worker",
+        return [sys.executable, "-m", "celery", "-A", self.app, "worker",
                 "-Q", ",".join(self.queues), "-n", self.name, "--pool", self.pool,
                 "-c", str(self.concurrency), "--without-gossip", "--without-mingle",
                 "-l", "INFO", *self.extra_args]

@@ -79,8 +79,8 @@ _KNOWN = {
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
 }
-#: Variables for fedq's own test suite, not settings of fedq.
-_TEST_PREFIX = "FEDQ_TEST_"
+#: Variables for fedq's own test suite and benchmarks, not settings of fedq.
+_TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -92,7 +92,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     """
     env = dict(os.environ if env is None else env)
     for name in env:
-        if name.startswith(_TEST_PREFIX):
+        if name.startswith(_TEST_PREFIXES):
             continue
         if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _KNOWN:
             known = ", ".join(sorted(ENV_PREFIX + k for k in _KNOWN))

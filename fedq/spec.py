@@ -137,6 +137,16 @@ class JobSpec(_Strict):
         default=2, ge=0, description="times a round's missing clients are sent again")
     max_update_norm: float | None = Field(default=None, gt=0, description="reject larger updates")
     seed: int = Field(default=0, ge=0)
+    keep_updates: int | None = Field(
+        default=None, ge=0, description="keep the update blobs of this many latest rounds "
+                                        "(0: delete each round's updates once it commits); "
+                                        "unset: keep all. Global models are always kept")
+    eval_every: int = Field(
+        default=1, ge=0, description="evaluate the global model on the test split every N "
+                                     "rounds and after the last; 0: never")
+    zero_compute: bool = Field(
+        default=False, description="benchmarks: clients skip training and send a small fixed "
+                                   "change of every weight (the round machinery alone)")
 
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":

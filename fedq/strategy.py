@@ -64,9 +64,11 @@ class Outcome:
             update_norm=norm, blob_key=ref.key, blob_sha256=ref.sha256, error=error))
 
 
-def read_update(store: BlobStore, ref: UpdateRef, reference: Weights) -> Weights:
-    """The float32 delta behind ``ref``: sha256-checked, decompressed, decoded."""
-    data = maybe_decompress(store.get(ref.blob))
+def read_update(store: BlobStore, ref: UpdateRef, reference: Weights,
+                data: bytes | None = None) -> Weights:
+    """The float32 delta behind ``ref``: sha256-checked, decompressed, decoded.
+    ``data``: the blob's bytes, when already read (and checked) by the caller."""
+    data = maybe_decompress(store.get(ref.blob) if data is None else data)
     stored, meta = loads_with_meta(data, what=f"blob {ref.key}")
     shapes = {k: tuple(v.shape) for k, v in reference.items()}
     return decode(stored, meta, shapes)
@@ -77,12 +79,14 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     """Stream (ref, delta) of each update that passes verification, clipped if the spec
     says so; record every update in ``outcome``."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
-    for ref in refs:
+    for ref, data in prefetched(store, refs):
         if ref.status != "ok" or ref.key is None or ref.sha256 is None:
             outcome.row(ref, "error", ref.error or "task failed")
             continue
         try:
-            delta = read_update(store, ref, reference)
+            if isinstance(data, Exception):
+                raise data
+            delta = read_update(store, ref, reference, data)
             norm = check_update(delta, reference, spec.max_update_norm)
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
@@ -101,6 +105,32 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
         outcome.throughput.append((ref.worker, int(ref.extra.get("seen", ref.samples)),
                                    float(ref.extra.get("train_seconds", ref.seconds))))
         yield ref, delta
+
+
+def prefetched(store: BlobStore, refs: Sequence[UpdateRef]
+               ) -> Iterator[tuple[UpdateRef, bytes | BlobError | None]]:
+    """(ref, its blob's checked bytes or the error reading them), reading the next
+    blob in a background thread while the caller works on this one: network reads,
+    sha256 and the tensor arithmetic all release the GIL, so on two cores reading
+    overlaps averaging. At most two blobs are held at once."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    def fetch(ref: UpdateRef) -> bytes | BlobError | None:
+        if ref.status != "ok" or ref.key is None or ref.sha256 is None:
+            return None
+        try:
+            return store.get(ref.blob)
+        except BlobError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-prefetch") as pool:
+        ahead: Future[bytes | BlobError | None] | None = None
+        for i, ref in enumerate(refs):
+            current = ahead if ahead is not None else pool.submit(fetch, ref)
+            ahead = pool.submit(fetch, refs[i + 1]) if i + 1 < len(refs) else None
+            data = current.result()
+            yield ref, data
+            del data, current  # let the blob go before the next one is read
 
 
 def _weight(spec: JobSpec, ref: UpdateRef) -> float:

@@ -13,12 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests.services import fresh_pg_database
 
 PG_ADMIN_URL = os.environ.get("FEDQ_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -43,26 +44,9 @@ def free_port() -> int:
 @contextmanager
 def pg_database() -> Iterator[str]:
     """A fresh, empty PostgreSQL database; dropped afterwards."""
-    from sqlalchemy import create_engine, text
-
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT",
-                          connect_args={"connect_timeout": 3})
-    name = f"fedq_test_{uuid.uuid4().hex[:10]}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        missing("PostgreSQL", exc)
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
-    try:
+    with fresh_pg_database(PG_ADMIN_URL, "fedq_test",
+                           lambda exc: missing("PostgreSQL", exc)) as url:
         yield url
-    finally:
-        from fedq.db.session import connect
-
-        connect(url).dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 _redis_dbs = iter(range(1, 16))

@@ -13,13 +13,15 @@ from sqlalchemy import select
 
 from fedq.blobs import BlobRef, open_store
 from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.errors import BlobNotFound
 from fedq.weights import loads
 from tests.cluster import DIGITS, Cluster, base_env
 
 TWO_QUEUES = {**DIGITS, "queues": {"cpu": 2, "gpu_new": 2}}
 
 
-def _check_job(cluster: Cluster, job_id: str, rounds: int, per_round: int) -> None:
+def _check_job(cluster: Cluster, job_id: str, rounds: int, per_round: int,
+               evaluated: set[int] | None = None) -> None:
     """Every round committed once, one row per planned client, run on its planned queue."""
     consumers = {w.hostname: set(w.queues) for w in cluster.workers}
     with session_scope(cluster.settings.database_url) as s:
@@ -38,7 +40,11 @@ def _check_job(cluster: Cluster, job_id: str, rounds: int, per_round: int) -> No
                 assert u.queue == planned[u.client]
                 assert u.queue in consumers[u.worker], (u.worker, u.queue)
                 assert u.samples > 0 and u.steps > 0 and u.bytes_up > 0
-            assert rnd.participants == per_round and rnd.accuracy is not None
+            assert rnd.participants == per_round
+            if evaluated is None or rnd.number in evaluated:
+                assert rnd.accuracy is not None
+            else:
+                assert rnd.accuracy is None
 
 
 @pytest.fixture
@@ -56,10 +62,24 @@ def production(tmp_path: Path, redis_db: str, pg_url: str,
 
 @pytest.mark.slow
 def test_three_rounds_on_redis_postgres_s3_two_queues(production: Cluster) -> None:
-    job_id = production.submit(TWO_QUEUES)
+    # Also: evaluate every 2nd round (and the last); keep only the last round's updates.
+    job_id = production.submit({**TWO_QUEUES, "eval_every": 2, "keep_updates": 1})
     view = production.wait(job_id)
     assert view.status == "completed", view.error
-    _check_job(production, job_id, rounds=3, per_round=4)
+    _check_job(production, job_id, rounds=3, per_round=4, evaluated={2, 3})
+    # Workers hold no result subscriptions (fedq.backend; Celery's kept one per task).
+    import redis
+
+    assert redis.Redis.from_url(production.env["FEDQ_RESULT_BACKEND"]).pubsub_channels(
+        "celery-task-meta-*") == []
+    store = open_store(production.settings.blob_url, production.settings.s3_endpoint_url)
+    for u in production.updates(job_id):
+        ref = BlobRef(u.blob_key, u.blob_sha256, u.bytes_up)
+        if u.round_number < 3:
+            with pytest.raises(BlobNotFound):
+                store.get(ref)
+        else:
+            assert store.get(ref)
     data = production.results_json(job_id)
     assert [r["round"] for r in data["rounds"]] == [1, 2, 3]
     assert len(data["clients"]) == 12

@@ -29,10 +29,11 @@ def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -
     for weight, update in updates:
         if weight < 0:
             raise ValueError(f"negative weight {weight}")
-        if acc is None:
-            acc = {k: torch.zeros(v.shape, dtype=_acc_dtype(v.dtype)) for k, v in update.items()}
-        for name, tensor in update.items():
-            acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)  # in place: no copy of acc
+        if acc is None:  # the first update, scaled, starts the accumulator (one pass)
+            acc = {k: v.to(_acc_dtype(v.dtype)).mul(weight) for k, v in update.items()}
+        else:
+            for name, tensor in update.items():
+                acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)  # in place
         total += weight
     if acc is None:
         raise ValueError("no updates to average")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -29,9 +30,13 @@ def check_update(update: Mapping[str, torch.Tensor], reference: Mapping[str, tor
             raise UpdateRejected(f"tensor {name!r} has dtype {tensor.dtype}, "
                                  f"expected {_wire_dtype(ref.dtype)}")
         if tensor.dtype.is_floating_point:
-            if not bool(torch.isfinite(tensor).all()):
-                raise UpdateRejected(f"tensor {name!r} has non-finite values")
-            sq += float(torch.linalg.vector_norm(tensor.float()) ** 2)
+            # One pass: a NaN or inf anywhere makes the norm non-finite.
+            t_norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
+            if not math.isfinite(t_norm):
+                raise UpdateRejected(f"tensor {name!r} has non-finite values"
+                                     if not bool(torch.isfinite(tensor).all())
+                                     else f"tensor {name!r}: norm overflows float32")
+            sq += t_norm * t_norm
     norm = sq ** 0.5
     if max_norm is not None and norm > max_norm:
         raise UpdateRejected(f"update norm {norm:.4g} exceeds max_update_norm {max_norm:.4g}")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from fedq.errors import BlobIntegrityError
+
+_OVERLAP_HASH_BYTES = 4 << 20
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -65,8 +68,22 @@ class BlobStore(ABC):
 
     def put(self, key: str, data: bytes) -> BlobRef:
         """Store ``data`` under ``key``; return its ref (key, sha256, size)."""
-        self._write(key, data)
-        return BlobRef(key, sha256_hex(data), len(data))
+        if len(data) < _OVERLAP_HASH_BYTES:
+            self._write(key, data)
+            return BlobRef(key, sha256_hex(data), len(data))
+        # Large blobs: hash on a second thread while the bytes are written (hashlib and
+        # socket/file writes release the GIL), instead of one after the other.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-sha256") as pool:
+            digest = pool.submit(sha256_hex, data)
+            self._write(key, data)
+            return BlobRef(key, digest.result(), len(data))
+
+    def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+        """Store the concatenation of ``parts`` (bytes-like) under ``key``. Backends that
+        can write a value in pieces override this to skip joining them."""
+        return self.put(key, b"".join(parts))
 
     def get(self, ref: BlobRef) -> bytes:
         """The bytes of ``ref``, verified against its sha256."""

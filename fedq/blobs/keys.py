@@ -23,3 +23,8 @@ def update_key(job: str, round_number: int, client: int, attempt: int = 1) -> st
     The attempt is in the key so that a straggler from attempt 1 finishing after the
     re-dispatched attempt 2 cannot overwrite the blob attempt 2's ref points at."""
     return f"jobs/{job}/r{round_number:05d}/updates/c{client:06d}-a{attempt}.safetensors"
+
+
+def updates_prefix(job: str, round_number: int) -> str:
+    """Every update blob of round ``round_number``."""
+    return f"jobs/{job}/r{round_number:05d}/updates/"
