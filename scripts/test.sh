@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 .venv/bin/ruff check fedq tests bench
-.venv/bin/mypy
+.venv/bin/mypy -p fedq -p bench
 exec .venv/bin/python -m pytest "$@"

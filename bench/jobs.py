@@ -1,0 +1,178 @@
+"""Benchmarks 3-5: real digits jobs and scale runs on fedq's Redis deployment.
+
+3. Bytes per round for update codecs none / fp16 / int8 / int8+zstd, with each job's
+   final test accuracy.
+4. Heterogeneous time-to-accuracy: 4 workers, one slowed 4x (FEDQ_SLOWDOWN=4); wall
+   time from submit to the first round whose global model reaches 90% test accuracy,
+   waiting for every client vs a per-task time budget.
+5. Scale: 1,000 clients per round on local workers (round time, the control worker's
+   peak memory), and 100 rounds of a tiny model (the control worker's memory over
+   the rounds).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.common import BenchError, Context, Section, Stat
+from bench.fedq_run import JobRun, fedq_cluster, run_job, run_jobs, zero_compute_spec
+
+DIGITS: dict[str, Any] = {"model": "small_cnn", "dataset": "digits", "batch_size": 16,
+                          "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                          "seed": 3}
+
+
+def compression(ctx: Context) -> Section:
+    codecs = [("none", False), ("fp16", False), ("int8", False), ("int8", True)]
+    if ctx.smoke:
+        codecs = [codecs[0], codecs[-1]]
+    rounds = 2 if ctx.smoke else 8
+    sec = Section(
+        "3. Bytes per round by update codec",
+        f"Digits, small_cnn, 8 clients all in every round, {rounds} rounds, 1 local "
+        "epoch, 4 training workers on Redis + PostgreSQL. Bytes: update blobs uploaded "
+        "per round (safetensors header included), mean over the rounds; fp32 is what "
+        "the same deltas take uncompressed. Accuracy: the final global model on the "
+        "held-out test split.",
+        ["codec", "bytes up per round", "vs fp32", "final test accuracy",
+         "vs none (points)"])
+    names = [codec + ("+zstd" if zstd else "") for codec, zstd in codecs]
+    specs = [{**DIGITS, "name": f"bench-{name}", "num_clients": 8, "clients_per_round": 8,
+              "rounds": rounds, "local_epochs": 1,
+              "compression": {"codec": codec, "zstd": zstd}}
+             for name, (codec, zstd) in zip(names, codecs)]
+    with fedq_cluster(ctx, "codecs", 4) as cluster:
+        # Side by side: bytes and accuracy do not depend on timing (same seed, same model).
+        ctx.say(f"codecs: {', '.join(names)}")
+        runs: list[tuple[str, JobRun]] = list(zip(names, run_jobs(cluster, specs)))
+    base_acc = runs[0][1].rounds[-1]["accuracy"]
+    for name, run in runs:
+        done = [r for r in run.rounds if r["status"] == "committed"]
+        up = statistics.mean(r["bytes_up"] for r in done)
+        raw = statistics.mean(r["raw_bytes_up"] for r in done)
+        acc = done[-1]["accuracy"]
+        sec.rows.append([name, f"{up / 1e3:.1f} kB", f"{up / raw * 100:.0f}%", f"{acc:.4f}",
+                         f"{(acc - base_acc) * 100:+.1f}"])
+    return sec
+
+
+def heterogeneous(ctx: Context) -> Section:
+    rounds = 3 if ctx.smoke else 20
+    target = 0.9
+    # A slow learning rate, so that 90% takes several rounds rather than one.
+    common = {**DIGITS, "num_clients": 4, "clients_per_round": 4, "rounds": rounds,
+              "optimizer": {"name": "sgd", "lr": 0.01}}
+    sec = Section(
+        "4. Heterogeneous time-to-accuracy",
+        "Digits, small_cnn, 4 clients on 4 training workers, one of them slowed 4× "
+        "(FEDQ_SLOWDOWN=4: each training step takes four times as long), after a "
+        "one-round warm-up job; SGD with learning rate 0.01, so that 90% takes several "
+        "rounds. Wait-for-all: 2 local epochs per task, every round "
+        "waits for the slow worker. Time-budgeted: each task trains until "
+        "`time_budget_s` (set to the fast workers' median task time in the wait-for-all "
+        "run), `weight_by: processed`. The global model is evaluated every round. "
+        "Time: from "
+        f"the start of round 1 to the commit of the first round whose global model reaches "
+        f"{target:.0%} test accuracy.",
+        ["mode", "time to 90% (s)", "round reaching it", "median round (s)",
+         "final accuracy", "speed-up"])
+    results: dict[str, tuple[float | None, int | None, Stat, float]] = {}
+    epochs = 1 if ctx.smoke else 2
+    with fedq_cluster(ctx, "hetero", 4, slow={3: 4.0}) as cluster:
+        if not ctx.smoke:  # (the smoke deployment's workers have loaded it already)
+            ctx.say("heterogeneous: warm-up (each worker loads the data set once)")
+            run_job(cluster, {**common, "name": "bench-warm-up", "rounds": 1,
+                              "local_epochs": 1})
+        ctx.say("heterogeneous: wait-for-all")
+        wait_all = run_job(cluster, {**common, "name": "bench-wait-all",
+                                     "local_epochs": epochs})
+        fast = _fast_seconds(cluster, wait_all.job)
+        budget = round(statistics.median(fast), 2) if fast else 1.0
+        ctx.say(f"heterogeneous: time-budgeted ({budget} s per task)")
+        budgeted = run_job(cluster, {**common, "name": "bench-budget", "local_epochs": 50,
+                                     "time_budget_s": budget, "weight_by": "processed"})
+        for mode, run in (("wait for all", wait_all), (f"time budget {budget} s", budgeted)):
+            results[mode] = _time_to(run, target)
+    base = results["wait for all"][0]
+    for mode, (t, rnd, per_round, final) in results.items():
+        speed = f"{base / t:.2f}×" if base and t else "—"
+        sec.rows.append([mode, f"{t:.1f}" if t else f"not reached in {rounds} rounds",
+                         str(rnd) if rnd else "—", per_round.fmt(".2f"), f"{final:.4f}",
+                         speed])
+    t_budget = list(results.values())[1][0]
+    sec.target("time-budgeted ≥ 2× faster to 90%",
+               bool(base and t_budget and base / t_budget >= 2),
+               f"{base / t_budget:.2f}×" if base and t_budget else "90% not reached")
+    return sec
+
+
+def _rss_between(run: JobRun, first: int, last: int) -> float:
+    """Median RSS of the control worker while rounds ``first``..``last`` ran.
+
+    A window shorter than the sampling interval (the smoke run's tiny rounds take
+    ~0.03 s) may hold no sample: then the sample nearest to the window stands for it.
+    """
+    done = {r["round"]: r["finished_at"] for r in run.rounds}
+    samples = run.control_rss_mb or []
+    if not samples or last not in done:
+        raise BenchError(f"scale: no memory samples for rounds {first}–{last}")
+    hi = done[last]
+    lo = done.get(max(first, 1), hi)
+    window = [mb for t, mb in samples if lo <= t <= hi]
+    if not window:
+        middle = (lo + hi) / 2
+        window = [min(samples, key=lambda s: abs(s[0] - middle))[1]]
+    return statistics.median(window)
+
+
+def _fast_seconds(cluster: Any, job: str) -> list[float]:
+    """Seconds of the tasks that did not run on the slowed worker (w3)."""
+    return [u.seconds for u in cluster.updates(job)
+            if u.status == "ok" and u.worker and not u.worker.startswith("w3@") and u.seconds]
+
+
+def _time_to(run: JobRun, target: float) -> tuple[float | None, int | None, Stat, float]:
+    done = [r for r in run.rounds if r["status"] == "committed"]
+    start = run.started_at
+    hit = next((r for r in done if (r["accuracy"] or 0) >= target), None)
+    per_round = Stat.of([r["seconds"] for r in done])
+    return ((hit["finished_at"] - start, hit["round"], per_round, done[-1]["accuracy"])
+            if hit else (None, None, per_round, done[-1]["accuracy"]))
+
+
+def scale(ctx: Context) -> Section:
+    clients = 50 if ctx.smoke else 1000
+    long_rounds = 10 if ctx.smoke else 100
+    sec = Section(
+        "5. Scale",
+        f"Zero-compute tiny model (mlp on digits), Redis + PostgreSQL, 2 training workers "
+        f"and a control worker. Wide: {clients} clients in every round, 3 rounds. Long: 4 "
+        f"clients, {long_rounds} rounds. Memory: resident set of the control worker "
+        "(sampled every 0.05 s; peak from the kernel's high-water mark); early: the median "
+        "while the second tenth of the rounds ran, late: while the last tenth ran.",
+        ["run", "round time (s)", "control worker peak (MB)",
+         "control RSS early → late (MB)"])
+    with fedq_cluster(ctx, "scale", 2) as cluster:
+        ctx.say(f"scale: {clients} clients per round")
+        wide = run_job(cluster, zero_compute_spec("tiny", 3, clients, round_timeout_s=1800),
+                       timeout=3600, sample_control=True)
+        sec.rows.append([f"{clients} clients/round × 3 rounds",
+                         Stat.of([r["seconds"] for r in wide.rounds]).fmt(".2f"),
+                         f"{wide.control_peak_mb:.0f}", "—"])
+    with fedq_cluster(ctx, "long", 2) as cluster:
+        ctx.say(f"scale: {long_rounds} rounds")
+        long = run_job(cluster, zero_compute_spec("tiny", long_rounds, 4), timeout=3600,
+                       sample_control=True)
+    tenth = max(1, long_rounds // 10)
+    early = _rss_between(long, tenth, 2 * tenth)
+    late = _rss_between(long, long_rounds - tenth, long_rounds)
+    sec.rows.append([f"4 clients × {long_rounds} rounds",
+                     Stat.of(long.intervals()).fmt(".3f"), f"{long.control_peak_mb:.0f}",
+                     f"{early:.1f} → {late:.1f} ({late - early:+.1f})"])
+    sec.target(f"{long_rounds} rounds: no memory growth of the control worker",
+               late - early <= 1.0,
+               f"{late - early:+.1f} MB between rounds {tenth}–{2 * tenth} and the last "
+               f"{tenth} rounds "
+               f"(growth allowed: ≤ 1 MB, the sampling noise)")
+    return sec

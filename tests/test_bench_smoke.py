@@ -1,0 +1,46 @@
+"""The benchmark suite at smoke sizes, so its code cannot rot (the real figures are in
+docs/benchmarks.md, from `bash scripts/bench.sh`; benchmarks never assert on speed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TITLES = ["1. Round overhead", "2. Aggregation", "3. Bytes per round",
+          "4. Heterogeneous time-to-accuracy", "5. Scale"]
+
+
+def test_bad_arguments_get_one_line_and_no_file(tmp_path: Path) -> None:
+    out = tmp_path / "b.md"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--only", "nope", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--only: unknown benchmark 'nope'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
+    out = tmp_path / "benchmarks.md"
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run(["bash", "scripts/bench.sh", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "command: `bash scripts/bench.sh --smoke --out" in text
+    assert re.search(r"versions: .*flwr 1\.42\.0", text)
+    for title in TITLES:
+        assert f"## {title}" in text, title
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    tiny = rows["tiny (mlp, digits)"]
+    fedq, floor = float(tiny[1].split()[0]), float(tiny[2].split()[0])
+    assert 0 < fedq < 5 and 0 < floor < 5  # seconds per round, measured
+    assert float(rows["int8+zstd"][0].split()[0]) < float(rows["none"][0].split()[0])
+    assert 0.0 < float(rows["none"][2]) <= 1.0  # a real accuracy
