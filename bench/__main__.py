@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import aggregation, jobs, overhead
-from bench.common import ROOT, BenchError, Context, machine, versions
+from bench.common import ROOT, BenchError, Context, commit, machine, versions
 
 #: Below this line docs/benchmarks.md is written by hand and kept across runs.
 MARKER = "<!-- end of generated part -->"
@@ -93,6 +93,7 @@ def _document(sections: list, command: str, seconds: float, args: argparse.Names
         "",
         f"- command: `{command}` (took {seconds / 60:.1f} min)",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- code: fedq commit {commit()}",
         f"- machine: {machine()}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()),
         "- services: Redis, PostgreSQL on 127.0.0.1 (the same machine)",

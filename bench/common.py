@@ -186,6 +186,19 @@ def versions(flower_python: Path | None) -> dict[str, str]:
     return out
 
 
+def commit() -> str:
+    """The checked-out commit, marked when the working tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" with uncommitted changes" if dirty else "")
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
