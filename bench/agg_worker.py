@@ -2,13 +2,15 @@
 
     python bench/agg_worker.py IMPL K SHAPES_JSON REPEATS
 
-IMPL: fedq (fedq.aggregate.weighted_mean, what finalize runs), flower
+IMPL: fedq (fedq.aggregate.Accumulator.mean, what finalize runs: its memory is kept
+from one repeat to the next as finalize keeps it from round to round), flower
 (flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords, what Flower's FedAvg
 runs), flower_legacy (flwr.server.strategy.aggregate.aggregate), axpy (the bound: one
 contiguous K x N float32 buffer summed row by row into one accumulator, torch's
-vectorized add). Updates are built in memory first; the measurement is the
-aggregation alone. Prints one JSON line: seconds per repeat, bytes of one model,
-resident memory before, and the peak above it during the first repeat.
+vectorized add; the accumulator is kept from repeat to repeat too). Updates are built
+in memory first; the measurement is the aggregation alone. Prints one JSON line:
+seconds per repeat, bytes of one model, resident memory before, and the peak above it
+during the first repeat.
 
 Runs with fedq's environment (fedq, axpy) or the Flower one (flower*): it imports
 only what its IMPL needs.
@@ -46,22 +48,24 @@ def main() -> None:
     if impl == "fedq":
         import torch
 
-        from fedq.aggregate import weighted_mean
+        from fedq.aggregate import Accumulator
 
         updates = [{f"t{i}": torch.from_numpy(a) for i, a in enumerate(u)} for u in arrays]
+        accumulator = Accumulator()
 
         def once() -> None:
-            weighted_mean((1.0, u) for u in updates)
+            accumulator.mean((1.0, u) for u in updates)
     elif impl == "axpy":
         import torch
 
         flat = torch.from_numpy(np.concatenate([np.concatenate([a.ravel() for a in u])
                                                 for u in arrays]).reshape(k, -1))
         del arrays[:]
+        acc = torch.empty(flat.shape[1])
 
         def once() -> None:
-            acc = torch.zeros(flat.shape[1])
-            for i in range(k):
+            torch.mul(flat[0], 1.0 / k, out=acc)
+            for i in range(1, k):
                 acc.add_(flat[i], alpha=1.0 / k)
     elif impl == "flower":
         from flwr.app import ArrayRecord, MetricRecord, RecordDict

@@ -15,7 +15,7 @@ from bench.common import ROOT, BenchError, Context, Section, Stat
 from bench.overhead import model_shapes
 
 IMPLS = {
-    "fedq": "fedq `weighted_mean` (what finalize runs)",
+    "fedq": "fedq `Accumulator.mean` (what finalize runs)",
     "flower": "Flower `aggregate_arrayrecords` (its FedAvg)",
     "flower_legacy": "Flower legacy `aggregate`",
     "axpy": "bound: axpy over one contiguous buffer",
@@ -35,8 +35,10 @@ def run(ctx: Context) -> Section:
         f"{'the tiny mlp' if ctx.smoke else 'ResNet-18'}) already in memory. Time: median over "
         f"{repeats} repeats (min–max); GB/s: bytes of the K updates read per second. "
         "Extra peak: resident memory the aggregation adds above the updates, in models "
-        "(1.0 = one model). The bound is a vectorized axpy (torch `add_` with alpha, "
-        "2 threads) over the same bytes laid out in one contiguous buffer.",
+        "(1.0 = one model), measured during the first repeat. The bound is a vectorized "
+        "axpy (torch `add_` with alpha, 2 threads) over the same bytes laid out in one "
+        "contiguous buffer. fedq and the bound both keep their accumulator from one "
+        "repeat to the next (fedq's control worker keeps it from round to round).",
         ["K", "implementation", "seconds", "GB/s", "extra peak (MiB)", "extra peak (models)",
          "÷ bound time"])
     for k in ks:

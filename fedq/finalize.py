@@ -46,7 +46,7 @@ from fedq.rounds import (
 )
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.strategy import Outcome, apply_server, reduce
+from fedq.strategy import MEAN, Outcome, apply_server, reduce
 from fedq.weights import dump_parts, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
     _LAST_MODEL[blob.sha256] = new  # the next round's finalize starts from it
     if rnd.spec.keep_updates is not None and round_number > rnd.spec.keep_updates:
         _drop_updates(store, job_id, round_number - rnd.spec.keep_updates)
-    if not done:
+    if done:
+        MEAN.release()
+    else:
         _start_next(settings, job_id, round_number + 1)
     log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
              job_id, round_number, "-" if accuracy is None else f"{accuracy:.4f}",

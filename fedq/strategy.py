@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fedq.aggregate import check_update, fednova_mean, robust, weighted_mean
+from fedq.aggregate import Accumulator, check_update, fednova_mean, robust
 from fedq.aggregate.compression import decode, maybe_decompress
 from fedq.aggregate.dp import add_gaussian_noise
 from fedq.aggregate.server import ServerOpts, server_step
@@ -141,14 +141,23 @@ def _weight(spec: JobSpec, ref: UpdateRef) -> float:
     return float(ref.samples)
 
 
+#: The memory of FedAvg's mean in this process, kept from round to round (a fresh
+#: model-sized accumulator pays its page faults every round). ``reduce``'s result for
+#: the mean reducer lives in it until the next ``reduce`` in the same thread.
+MEAN = Accumulator()
+
+
 def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
            outcome: Outcome, scratch: Path) -> Weights | None:
-    """The combined delta, or None when fewer than the quorum of updates are usable."""
+    """The combined delta, or None when fewer than the quorum of updates are usable.
+
+    With the mean reducer the delta is ``MEAN``'s memory: use it before the next call.
+    """
     stream = verified(store, refs, reference, spec, outcome)
     name = spec.reducer.name
     try:
         if name == "mean":
-            delta = weighted_mean((_weight(spec, r), d) for r, d in stream)
+            delta = MEAN.mean((_weight(spec, r), d) for r, d in stream)
         elif name == "fednova":
             delta = fednova_mean((_weight(spec, r), r.steps, d) for r, d in stream)
         else:

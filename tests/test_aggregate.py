@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedq.aggregate import apply_delta, check_update, fedavg, fednova_mean, weighted_mean
+from fedq.aggregate import (
+    Accumulator,
+    apply_delta,
+    check_update,
+    fedavg,
+    fednova_mean,
+    weighted_mean,
+)
 from fedq.errors import UpdateRejected
 
 
@@ -55,6 +62,29 @@ def test_weighted_mean_refuses_empty_and_zero_weights() -> None:
         weighted_mean([])
     with pytest.raises(ValueError, match="sum to zero"):
         weighted_mean([(0.0, {"w": torch.ones(1)})])
+
+
+def test_accumulator_reuses_its_memory_while_the_shapes_fit() -> None:
+    # Prepare: round 1 and round 2 of the same model; then a model of another shape.
+    acc = Accumulator()
+    r1 = [(1.0, {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}),
+          (3.0, {"w": torch.tensor([5.0, -2.0]), "n": torch.tensor(7)})]
+    r2 = [(2.0, {"w": torch.tensor([2.0, 2.0]), "n": torch.tensor(1)}),
+          (2.0, {"w": torch.tensor([0.0, 4.0]), "n": torch.tensor(3)})]
+    # Execute
+    first = acc.mean(r1)
+    first_w, first_ptr = first["w"].clone(), first["w"].data_ptr()
+    second = acc.mean(r2)
+    # Assert: hand-computed means; the second wrote into the first's memory.
+    assert torch.equal(first_w, torch.tensor([4.0, -1.0]))
+    assert torch.equal(second["w"], torch.tensor([1.0, 3.0]))
+    assert second["n"].dtype == torch.float32 and float(second["n"]) == 2.0
+    assert second["w"].data_ptr() == first_ptr
+    other = acc.mean([(1.0, {"w": torch.ones(3)})])  # another shape: new memory
+    assert torch.equal(other["w"], torch.ones(3)) and other["w"].data_ptr() != first_ptr
+    with pytest.raises(ValueError, match="sum to zero"):  # a failed mean keeps nothing
+        acc.mean([(0.0, {"w": torch.ones(3)})])
+    assert acc.weights is None
 
 
 def test_apply_delta_keeps_dtype() -> None:

@@ -5,11 +5,14 @@ Clients send deltas (local - global). The server adds the sample-weighted mean o
 deltas to the global model:  w' = w + sum_i n_i * d_i / sum_i n_i.
 
 The mean streams: it holds one float32 accumulator the size of the model and one
-update at a time, so memory is O(model), not O(clients x model).
+update at a time, so memory is O(model), not O(clients x model). An ``Accumulator``
+keeps that memory from one round to the next: a fresh model-sized accumulator pays a
+page fault per 4 kB page every round.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -17,11 +20,15 @@ import torch
 from fedq.aggregate.types import Weights
 
 
-def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
+def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]],
+                  out: Weights | None = None) -> Weights:
     """Sum_i w_i * u_i / sum_i w_i over an iterable of (weight, update), streamed.
 
     Every update must have the same names and shapes as the first (verify before).
     Accumulates in float32 (float64 for float64 tensors); the result is float32/64.
+    ``out``: tensors to accumulate into when their names, shapes and dtypes are those
+    the result would have (the result is then ``out`` itself, overwritten); otherwise
+    new ones are allocated.
     Raises ValueError when there is no update or the weights sum to zero or less.
     """
     acc: Weights | None = None
@@ -30,7 +37,7 @@ def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -
         if weight < 0:
             raise ValueError(f"negative weight {weight}")
         if acc is None:  # the first update, scaled, starts the accumulator (one pass)
-            acc = {k: v.to(_acc_dtype(v.dtype)).mul(weight) for k, v in update.items()}
+            acc = _start(update, weight, out)
         else:
             for name, tensor in update.items():
                 acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)  # in place
@@ -42,6 +49,27 @@ def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -
     for tensor in acc.values():
         tensor.div_(total)
     return acc
+
+
+class Accumulator(threading.local):
+    """The memory of a mean, kept from one ``mean`` call to the next (one per thread).
+
+    ``mean`` returns tensors that the next ``mean`` call in the same thread overwrites
+    when the model's shapes are unchanged: use the result (or copy it) before then.
+    ``release`` lets the memory go (a job is over).
+    """
+
+    def __init__(self) -> None:
+        self.weights: Weights | None = None
+
+    def mean(self, updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
+        """``weighted_mean(updates)``, in the memory of the previous call where it fits."""
+        out, self.weights = self.weights, None  # nothing kept if the mean raises
+        self.weights = weighted_mean(updates, out=out)
+        return self.weights
+
+    def release(self) -> None:
+        self.weights = None
 
 
 def apply_delta(weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> Weights:
@@ -60,6 +88,18 @@ def fedavg(weights: Mapping[str, torch.Tensor],
            deltas: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
     """The new global model: ``weights`` plus the weighted mean of ``deltas``."""
     return apply_delta(weights, weighted_mean(deltas))
+
+
+def _start(update: Mapping[str, torch.Tensor], weight: float, out: Weights | None) -> Weights:
+    """The accumulator holding ``weight * update``: ``out`` where it fits, else new."""
+    fits = out is not None and out.keys() == update.keys() and all(
+        out[k].shape == v.shape and out[k].dtype == _acc_dtype(v.dtype)
+        and out[k].is_contiguous() for k, v in update.items())
+    if out is None or not fits:
+        return {k: v.to(_acc_dtype(v.dtype)).mul(weight) for k, v in update.items()}
+    for name, tensor in update.items():
+        torch.mul(tensor.to(out[name].dtype), weight, out=out[name])
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
