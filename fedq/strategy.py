@@ -80,7 +80,7 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     says so; record every update in ``outcome``."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
     for ref, data in prefetched(store, refs):
-        if ref.status != "ok" or ref.key is None or ref.sha256 is None:
+        if not _has_blob(ref):
             outcome.row(ref, "error", ref.error or "task failed")
             continue
         try:
@@ -116,7 +116,7 @@ def prefetched(store: BlobStore, refs: Sequence[UpdateRef]
     from concurrent.futures import Future, ThreadPoolExecutor
 
     def fetch(ref: UpdateRef) -> bytes | BlobError | None:
-        if ref.status != "ok" or ref.key is None or ref.sha256 is None:
+        if not _has_blob(ref):
             return None
         try:
             return store.get(ref.blob)
@@ -131,6 +131,11 @@ def prefetched(store: BlobStore, refs: Sequence[UpdateRef]
             data = current.result()
             yield ref, data
             del data, current  # let the blob go before the next one is read
+
+
+def _has_blob(ref: UpdateRef) -> bool:
+    """The task succeeded and named the blob of its update."""
+    return ref.status == "ok" and ref.key is not None and ref.sha256 is not None
 
 
 def _weight(spec: JobSpec, ref: UpdateRef) -> float:

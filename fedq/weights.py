@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any, cast
@@ -27,8 +29,6 @@ def dump_parts(weights: Mapping[str, torch.Tensor],
                meta: Mapping[str, str] | None = None) -> list[Any]:
     """The safetensors file of ``weights`` as a list of buffers to be written one after
     the other (the header, then each tensor's own memory, not copied)."""
-    import json
-
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
     header: dict[str, object] = {"__metadata__": dict(meta)} if meta else {}
     offset = 0
@@ -62,15 +62,10 @@ def loads(data: bytes | bytearray, what: str = "blob") -> Weights:
         raise UpdateRejected(f"{what}: not a safetensors file ({exc})") from None
 
 
-
-
 def _views(buf: bytearray, what: str) -> Weights:
     """Parse the safetensors layout (8-byte little-endian header length, a JSON header
     of name -> dtype, shape, data_offsets, then the data) with the checks safetensors
     makes: offsets in bounds, sizes matching shapes, tensors tiling the data exactly."""
-    import json
-    import math
-
     def bad(why: str) -> UpdateRejected:
         return UpdateRejected(f"{what}: not a safetensors file ({why})")
 
@@ -122,9 +117,6 @@ def _views(buf: bytearray, what: str) -> Weights:
 
 def loads_with_meta(data: bytes | bytearray, what: str = "blob") -> tuple[Weights, dict[str, str]]:
     """Tensors and the safetensors metadata (the JSON header's ``__metadata__``)."""
-    import json
-    import struct
-
     tensors = loads(data, what)
     try:
         (length,) = struct.unpack("<Q", data[:8])

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,6 +22,22 @@ _OVERLAP_HASH_BYTES = 4 << 20
 
 def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def write_hashing(write: Callable[[], None], parts: Sequence[Any]) -> str:
+    """Run ``write()`` while a second thread hashes ``parts`` (the bytes-like pieces it
+    writes, in order); the sha256 hex. hashlib and socket/file writes release the GIL,
+    so the two overlap instead of running one after the other."""
+    def digest() -> str:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(part)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-sha256") as pool:
+        hashed = pool.submit(digest)
+        write()
+        return hashed.result()
 
 
 @dataclass(frozen=True)
@@ -71,14 +88,7 @@ class BlobStore(ABC):
         if len(data) < _OVERLAP_HASH_BYTES:
             self._write(key, data)
             return BlobRef(key, sha256_hex(data), len(data))
-        # Large blobs: hash on a second thread while the bytes are written (hashlib and
-        # socket/file writes release the GIL), instead of one after the other.
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-sha256") as pool:
-            digest = pool.submit(sha256_hex, data)
-            self._write(key, data)
-            return BlobRef(key, digest.result(), len(data))
+        return BlobRef(key, write_hashing(lambda: self._write(key, data), [data]), len(data))
 
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """Store the concatenation of ``parts`` (bytes-like) under ``key``. Backends that

@@ -10,14 +10,13 @@ URLs use redis-py for everything.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fedq.blobs.base import BlobRef, BlobStore
+from fedq.blobs.base import BlobRef, BlobStore, write_hashing
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
 
 KEY_PREFIX = "fedq:blob:"
@@ -48,26 +47,18 @@ class RedisBlobStore(BlobStore):
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """SET the parts one after the other on the raw connection (no joined copy),
         hashing them on a second thread meanwhile."""
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return super().put_parts(key, parts)
-        from concurrent.futures import ThreadPoolExecutor
-
         import redis
 
-        def digest() -> str:
-            h = hashlib.sha256()
-            for part in parts:
-                h.update(part)
-            return h.hexdigest()
-
         size = sum(memoryview(p).nbytes for p in parts)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-sha256") as pool:
-            hashed = pool.submit(digest)
-            try:
-                self._reader.set_parts((KEY_PREFIX + key).encode(), parts, size)
-            except (redis.RedisError, OSError) as exc:
-                raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
-            return BlobRef(key, hashed.result(), size)
+        try:
+            sha = write_hashing(
+                lambda: reader.set_parts((KEY_PREFIX + key).encode(), parts, size), parts)
+        except (redis.RedisError, OSError) as exc:
+            raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
+        return BlobRef(key, sha, size)
 
     def _read(self, key: str) -> bytes:
         import redis
