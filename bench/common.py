@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.services import fresh_pg_database
+from fedq.testing.services import fresh_pg_database
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("FEDQ_BENCH_PG_URL",

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchError, Context, pg_database, redis_database, status_mb
-from fedq.procs import start_workers
-from tests.cluster import Cluster, base_env
+from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.procs import start_workers
 
 
 @contextmanager

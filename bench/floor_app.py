@@ -72,7 +72,7 @@ def run_floor(work: Any, redis_url: str, nbytes: int, rounds: int, clients: int,
     the seconds between consecutive rounds' callbacks (the first round not counted)."""
     from pathlib import Path
 
-    from fedq.procs import WorkerProcess, start_workers, stop_workers
+    from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 
     env = {"FLOOR_REDIS_URL": redis_url, "PYTHONPATH": str(Path(__file__).parents[1])}
     logs = Path(work) / f"floor-{time.monotonic_ns()}"

@@ -1,7 +1,11 @@
 """Every error fedq expects to happen, rooted at :class:`FedqError`.
 
-The CLI prints ``str(err)`` as one line and exits with ``err.exit_code``; no
-traceback is shown for these. Anything else is a bug and keeps its traceback.
+The CLI prints ``str(err)`` (one line per mistake) and exits with ``err.exit_code``;
+no traceback is shown for these. Anything else is a bug and keeps its traceback.
+
+Exit codes: 1 other expected failure, 2 bad input (spec, settings), 3 a service is
+unreachable or the schema is old, 4 no such job, 5 the watched job failed, 6 the
+watched job was cancelled, 7 ``fedq watch --timeout`` ran out.
 """
 
 from __future__ import annotations
@@ -61,6 +65,26 @@ class UpdateRejected(FedqError):
 
 class JobNotFound(FedqError):
     """No job with that id."""
+
+    exit_code = 4
+
+
+class JobFailed(FedqError):
+    """The job being watched failed."""
+
+    exit_code = 5
+
+
+class JobCancelled(FedqError):
+    """The job being watched was cancelled."""
+
+    exit_code = 6
+
+
+class WatchTimeout(FedqError):
+    """``fedq watch --timeout`` ran out before the job finished."""
+
+    exit_code = 7
 
 
 class SchemaOutOfDate(FedqError):

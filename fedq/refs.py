@@ -35,6 +35,27 @@ class TrainRef:
 
 
 @dataclass(frozen=True)
+class TrainStats:
+    """How the training went on the worker, beyond what FedAvg needs."""
+
+    seen: int = 0  # samples processed, counting repeats (the ``processed`` weight)
+    train_seconds: float = 0.0  # the training loop alone (no download, upload)
+    raw_bytes: int = 0  # float32 size of the delta before its codec
+    stopped_by_budget: bool = False  # the time budget ended training before its steps did
+    amp: str = "off"  # mixed precision used: bf16 | fp16 | off
+    device: str = "cpu"  # cpu | cuda:N | mps
+    gpu_peak_mb: float | None = None  # peak GPU memory torch allocated in the task
+    gpu_util: float | None = None  # mean GPU utilisation (%) sampled during training
+
+    @classmethod
+    def from_json(cls, data: Any) -> "TrainStats":
+        if not isinstance(data, dict):
+            return cls()
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
 class UpdateRef:
     """What a training task returns: status ok|error, where its update lies, what it did."""
 
@@ -55,7 +76,7 @@ class UpdateRef:
     error: str | None = None
     attempt: int = 1
     gen: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    stats: TrainStats = field(default_factory=TrainStats)
 
     @property
     def blob(self) -> BlobRef:
@@ -73,7 +94,9 @@ class UpdateRef:
                        error=f"malformed result: {str(data)[:200]}")
         known = {f for f in cls.__dataclass_fields__}
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            fields = {k: v for k, v in data.items() if k in known}
+            fields["stats"] = TrainStats.from_json(data.get("stats"))
+            return cls(**fields)
         except TypeError as exc:
             return cls(status="error", job=str(data.get("job", "?")),
                        round=int(data.get("round", -1)), client=int(data.get("client", -1)),

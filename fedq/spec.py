@@ -1,42 +1,50 @@
 """The job spec: what a person writes in ``job.yaml`` and ``fedq submit`` validates.
 
-Unknown keys are refused, and every error names its field, e.g.
-``job.yaml: partition.alpha: Input should be greater than 0``.
+Every mistake is reported, one line each, with the file, line and column, the field
+and, for a misspelt name, a suggestion, e.g.::
+
+    job.yaml:4:3: model_args.widht: unknown argument of small_cnn (did you mean 'width'?)
+    job.yaml:9:1: partition.alpha: Input should be greater than 0
+
+The allowed names of models, datasets, reducers and server optimizers come from their
+registries (fedq/models, fedq/data, fedq/aggregate/reducers, fedq/aggregate/server);
+``model_args`` and ``dataset_args`` are checked against the constructor's signature.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedq.app import TRAINING_QUEUES
+from fedq.aggregate.reducers import REDUCERS, ReducerParams, make_reducer
+from fedq.aggregate.server import SERVER_OPTIMIZERS
+from fedq.data.datasets import DATASETS
+from fedq.data.partition import DirichletPartition, IIDPartition, Partition
+from fedq.engine.names import TRAINING_QUEUES
 from fedq.errors import SpecError
+from fedq.models.registry import MODELS
+
+__all__ = ["DirichletPartition", "IIDPartition", "JobSpec", "load_spec", "parse_spec"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class IIDPartition(_Strict):
-    """Each client gets an equal, uniformly random share of the training set."""
-
-    kind: Literal["iid"] = "iid"
-
-
-class DirichletPartition(_Strict):
-    """Per class, shares drawn from Dirichlet(alpha): small alpha, skewed clients."""
-
-    kind: Literal["dirichlet"]
-    alpha: float = Field(gt=0)
-    min_samples: int = Field(default=2, ge=1, description="each client gets at least this many")
-
-
-Partition = Annotated[IIDPartition | DirichletPartition, Field(discriminator="kind")]
+def _one_of(kind: str, value: str, known: dict[str, Any] | tuple[str, ...]) -> str:
+    """``value`` if it is a known name, else a ValueError with a suggestion."""
+    if value not in known:
+        raise ValueError(f"unknown {kind} {value!r}{_did_you_mean(value, list(known))} "
+                         f"(known: {', '.join(known)})")
+    return value
 
 
 class OptimizerSpec(_Strict):
@@ -52,22 +60,34 @@ class ServerSpec(_Strict):
     """The server optimizer over the aggregated delta (fedq/aggregate/server.py).
     Unset options take the optimizer's defaults."""
 
-    name: Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "diloco"] = "fedavg"
+    name: str = Field(default="fedavg", description="a name from fedq/aggregate/server/")
     lr: float | None = Field(default=None, gt=0)
     momentum: float | None = Field(default=None, ge=0, lt=1, description="or beta_1")
     beta2: float | None = Field(default=None, ge=0, lt=1)
     tau: float | None = Field(default=None, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _one_of("server optimizer", v, SERVER_OPTIMIZERS)
 
 
 class ReducerSpec(_Strict):
     """How client updates are combined (fedq/aggregate/): a weighted mean, FedNova,
     or a robust reducer (unweighted)."""
 
-    name: Literal["mean", "fednova", "median", "trimmed_mean", "krum", "multi_krum",
-                  "bulyan"] = "mean"
+    name: str = Field(default="mean", description="a name from fedq/aggregate/reducers/")
     beta: float = Field(default=0.1, ge=0, lt=0.5, description="trimmed_mean: cut per side")
     f: int = Field(default=1, ge=0, description="krum/multi_krum/bulyan: Byzantine clients")
     m: int | None = Field(default=None, ge=1, description="multi_krum: updates averaged")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _one_of("reducer", v, REDUCERS)
+
+    def params(self) -> ReducerParams:
+        return ReducerParams(beta=self.beta, f=self.f, m=self.m)
 
 
 class DPSpec(_Strict):
@@ -148,41 +168,54 @@ class JobSpec(_Strict):
         default=False, description="benchmarks: clients skip training and send a small fixed "
                                    "change of every weight (the round machinery alone)")
 
+    @field_validator("model")
+    @classmethod
+    def _model_known(cls, v: str) -> str:
+        return _one_of("model", v, MODELS)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_known(cls, v: str) -> str:
+        return _one_of("dataset", v, DATASETS)
+
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":
-        if self.clients_per_round > self.num_clients:
-            raise ValueError(
-                f"clients_per_round ({self.clients_per_round}) exceeds num_clients "
-                f"({self.num_clients})"
-            )
-        if self.quorum > self.clients_per_round:
-            raise ValueError(
-                f"min_clients ({self.quorum}) exceeds clients_per_round "
-                f"({self.clients_per_round})"
-            )
-        self._check_reducer()
-        if self.byzantine and max(self.byzantine.clients) >= self.num_clients:
-            raise ValueError(f"byzantine.clients: client {max(self.byzantine.clients)} "
-                             f"out of range 0..{self.num_clients - 1}")
         if self.local_steps is not None:
             object.__setattr__(self, "local_epochs", None)
-        elif self.local_epochs is None:
-            raise ValueError("set local_epochs or local_steps")
-        self.queue_counts()  # raises on a bad mix
+        problems = list(self.problems())
+        if problems:
+            raise ValueError("\n".join(f"{field}: {msg}" for field, msg in problems))
         return self
 
-    def _check_reducer(self) -> None:
-        r, n = self.reducer, self.quorum
-        if self.dp is not None and r.name != "mean":
-            raise ValueError("dp: central DP needs reducer mean")
-        if r.name in ("krum", "multi_krum") and n <= r.f + 2:
-            raise ValueError(f"reducer.f: {r.name} needs min_clients > f + 2 "
-                             f"(min_clients {n}, f {r.f})")
-        if r.name == "bulyan" and n < 4 * r.f + 3:
-            raise ValueError(f"reducer.f: bulyan needs min_clients >= 4f + 3 "
-                             f"(min_clients {n}, f {r.f})")
-        if r.name == "multi_krum" and r.m is not None and r.m > n - r.f:
-            raise ValueError(f"reducer.m: {r.m} exceeds min_clients - f ({n - r.f})")
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """(field, message) for every rule that involves more than one field."""
+        if self.clients_per_round > self.num_clients:
+            yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
+                                        f"({self.num_clients})")
+        if self.quorum > self.clients_per_round:
+            yield ("min_clients", f"{self.quorum} exceeds clients_per_round "
+                                  f"({self.clients_per_round})")
+        if self.dp is not None and self.reducer.name != "mean":
+            yield ("dp", "central DP needs reducer mean")
+        why = make_reducer(self.reducer.name, self.reducer.params()).problem(self.quorum)
+        if why:  # a round commits with as few as quorum updates: the rule must work there
+            yield ("reducer", f"{self.reducer.name} {why}; min_clients is {self.quorum}")
+        if self.byzantine and max(self.byzantine.clients) >= self.num_clients:
+            yield ("byzantine.clients", f"client {max(self.byzantine.clients)} out of range "
+                                        f"0..{self.num_clients - 1}")
+        if self.local_steps is None and self.local_epochs is None:
+            yield ("local_epochs", "set local_epochs or local_steps")
+        yield from _kwargs_problems("model_args", MODELS[self.model], self.model_args,
+                                    skip=2, owner=self.model)
+        yield from _kwargs_problems("dataset_args", DATASETS[self.dataset], self.dataset_args,
+                                    skip=1, owner=self.dataset)
+        if self.data_dir is not None and not Path(self.data_dir).expanduser().is_dir():
+            yield ("data_dir", f"folder {self.data_dir} does not exist")
+        try:
+            self.queue_counts()
+        except ValueError as exc:
+            field, _, msg = str(exc).partition(": ")
+            yield (field, msg)
 
     @property
     def quorum(self) -> int:
@@ -265,29 +298,121 @@ def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, i
     return {q: n for q, n in counts.items() if n > 0}
 
 
-def _format_error(source: str, exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if p not in ("iid", "dirichlet"))
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+def _did_you_mean(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def parse_spec(data: Any, source: str = "spec") -> JobSpec:
-    """Validate a mapping as a :class:`JobSpec`; raise :class:`SpecError` naming the field."""
+def _kwargs_problems(field: str, fn: Callable[..., Any], args: dict[str, Any], *, skip: int,
+                     owner: str) -> Iterator[tuple[str, str]]:
+    """Check ``args`` against ``fn``'s keyword parameters (after its first ``skip``):
+    unknown names, and values whose type does not match the default's."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = {p.name: p for p in params}
+    for name, value in args.items():
+        if name not in known:
+            names = list(known)
+            yield (f"{field}.{name}", f"unknown argument of {owner}"
+                   f"{_did_you_mean(name, names)} (known: {', '.join(names) or 'none'})")
+            continue
+        default = known[name].default
+        if default is inspect.Parameter.empty or default is None:
+            continue
+        if not _same_kind(value, default):
+            yield (f"{field}.{name}", f"expected {_kind(default)}, got {value!r}")
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            (isinstance(default, float) or float(value).is_integer())
+    if isinstance(default, (tuple, list)):
+        return isinstance(value, (tuple, list))
+    return isinstance(value, type(default))
+
+
+def _kind(default: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", tuple: "a list",
+            list: "a list", str: "a string"}.get(type(default), type(default).__name__)
+
+
+def _fields_at(path: tuple[str | int, ...]) -> list[str]:
+    """The field names the schema allows at ``path`` (for suggestions)."""
+    model: Any = JobSpec
+    for part in path:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        model = _model_of(fields[part].annotation)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation: Any) -> Any:
+    """The BaseModel inside ``Optional[M]``; for a union of several, the first."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _error_lines(source: str, exc: ValidationError,
+                 positions: dict[tuple[str | int, ...], tuple[int, int]]) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if p not in ("iid", "dirichlet"))
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field{_did_you_mean(str(loc[-1]), _fields_at(loc[:-1]))}"
+        if not loc:
+            for part in msg.splitlines():  # the cross-field rules: "field: message" each
+                field, _, text = part.partition(": ")
+                key = tuple(field.split("."))
+                lines.append(f"{_where(source, positions, key)}: {field}: {text}")
+            continue
+        field = ".".join(str(p) for p in loc)
+        lines.append(f"{_where(source, positions, loc)}: {field}: {msg}" if field
+                     else f"{_where(source, positions, ())}: {msg}")
+    return lines
+
+
+def _where(source: str, positions: dict[tuple[str | int, ...], tuple[int, int]],
+           loc: tuple[str | int, ...]) -> str:
+    """``source:line:col`` of the deepest part of ``loc`` the file has, else ``source``."""
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in positions:
+            line, col = positions[loc[:end]]
+            return f"{source}:{line}:{col}"
+    return source
+
+
+def parse_spec(data: Any, source: str = "spec",
+               positions: dict[tuple[str | int, ...], tuple[int, int]] | None = None) -> JobSpec:
+    """Validate a mapping as a :class:`JobSpec`; raise :class:`SpecError` with one line
+    per mistake. ``positions``: (line, column) of each key path, from :func:`load_spec`."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
     try:
-        spec = JobSpec.model_validate(data)
+        return JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(_format_error(source, exc)) from None
-    from fedq.data import check_dataset
-    from fedq.models import check_model
-
-    check_model(spec.model, source)
-    check_dataset(spec, source)
-    return spec
+        lines = _error_lines(source, exc, positions or {})
+    # The fields failed, so the cross-field rules did not run; the constructor arguments
+    # need only their own fields: report those mistakes too.
+    for field, owner, table, skip in (("model_args", "model", MODELS, 2),
+                                      ("dataset_args", "dataset", DATASETS, 1)):
+        name, args = data.get(owner), data.get(field)
+        if isinstance(name, str) and name in table and isinstance(args, dict):
+            for key, msg in _kwargs_problems(field, table[name], args, skip=skip, owner=name):
+                line = f"{_where(source, positions or {}, tuple(key.split('.')))}: {key}: {msg}"
+                if line not in lines:
+                    lines.append(line)
+    raise SpecError("\n".join(lines))
 
 
 def load_spec(path: str | Path) -> JobSpec:
@@ -297,10 +422,34 @@ def load_spec(path: str | Path) -> JobSpec:
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                        f"{first}") from None
-    return parse_spec(data, str(path))
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+            positions = _yaml_positions(yaml.compose(text, Loader=yaml.SafeLoader))
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+    return parse_spec(data, str(path), positions)
+
+
+def _yaml_positions(node: Any, path: tuple[str | int, ...] = ()
+                    ) -> dict[tuple[str | int, ...], tuple[int, int]]:
+    """(line, column), 1-based, of every mapping key in a composed YAML document."""
+    out: dict[tuple[str | int, ...], tuple[int, int]] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            here = (*path, key.value)
+            out[here] = (key.start_mark.line + 1, key.start_mark.column + 1)
+            out.update(_yaml_positions(value, here))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out[(*path, i)] = (item.start_mark.line + 1, item.start_mark.column + 1)
+            out.update(_yaml_positions(item, (*path, i)))
+    return out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import fresh_pg_database
+from fedq.testing.services import fresh_pg_database
 
 PG_ADMIN_URL = os.environ.get("FEDQ_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster import DIGITS, Cluster, base_env
+from fedq.testing.cluster import DIGITS, Cluster, base_env
 
 
 def _submit(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from tests.conftest import free_port, missing
 
 # Tasks that train for a fixed 1.5 s, so a kill lands mid-task.

@@ -7,14 +7,15 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from fedq.app import FINALIZE_ROUND_TASK
 from fedq.blobs import global_key, open_store
-from fedq.client import run_training
+from fedq.coordinator.evaluation import initial_weights
+from fedq.coordinator.rounds import plan_round
 from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
-from fedq.rounds import initial_weights, plan_round
+from fedq.engine.names import FINALIZE_ROUND_TASK
 from fedq.spec import parse_spec
+from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from fedq.weights import dumps
-from tests.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.worker.update import run_training
 
 
 @pytest.fixture(scope="module")

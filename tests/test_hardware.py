@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedq.hardware import (
+from fedq.spec import split_by_throughput
+from fedq.worker.hardware import (
     Gpu,
     HardwareReport,
     amp_mode,
@@ -18,7 +19,6 @@ from fedq.hardware import (
     diagnose,
     queue_problems,
 )
-from fedq.spec import split_by_throughput
 
 DATA = Path(__file__).parent / "data"
 CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]

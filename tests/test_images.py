@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedq.hardware import pins
+from fedq.worker.hardware import pins
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = sorted((ROOT / "worker-images").glob("Dockerfile.*")) + [

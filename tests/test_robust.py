@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedq.aggregate import robust
-from fedq.aggregate.robust import MemorySource
-from fedq.spill import DiskSource
+from fedq.aggregate.clip import clip_update
+from fedq.aggregate.reducers import MemorySource, ReducerParams, make_reducer
+from fedq.aggregate.reducers.bulyan import bulyan, bulyan_select
+from fedq.aggregate.reducers.krum import krum, multi_krum
+from fedq.aggregate.reducers.median import median
+from fedq.aggregate.reducers.trimmed_mean import trimmed_mean
+from fedq.coordinator.spill import DiskSource
 
 
 def _src(values: list[float]) -> MemorySource:
@@ -22,24 +26,45 @@ def _src(values: list[float]) -> MemorySource:
 
 
 def test_hand_computed() -> None:
-    assert float(robust.median(_src([1, 2, 100]))["w"]) == 2.0
-    assert float(robust.median(_src([1, 2, 3, 100]))["w"]) == 2.5
-    assert float(robust.trimmed_mean(_src([1, 2, 3, 100]), beta=0.25)["w"]) == 2.5
+    assert float(median(_src([1, 2, 100]))["w"]) == 2.0
+    assert float(median(_src([1, 2, 3, 100]))["w"]) == 2.5
+    assert float(trimmed_mean(_src([1, 2, 3, 100]), beta=0.25)["w"]) == 2.5
     # Krum, f=1, n=4: score = squared distance to the 1 nearest other:
     # 0 -> 1, 1 -> 1, 3 -> 4, 100 -> 9409: picks 0 (tie with 1; lower index wins)
-    assert float(robust.krum(_src([0, 1, 3, 100]), f=1)["w"]) == 0.0
-    assert float(robust.multi_krum(_src([0, 1, 3, 100]), f=1, m=2)["w"]) == 0.5
-    # Bulyan, f=1, n=7: Krum picks 2, 4, 1, 3, 5 in turn; per coordinate the 3 values
-    # closest to the median 3 are 2, 3, 4 -> 3.0 (the outlier 100 never counts)
-    assert float(robust.bulyan(_src([0, 1, 2, 3, 4, 5, 100]), f=1)["w"]) == 3.0
+    assert float(krum(_src([0, 1, 3, 100]), f=1)["w"]) == 0.0
+    assert float(multi_krum(_src([0, 1, 3, 100]), f=1, m=2)["w"]) == 0.5
+    # Bulyan, f=1, n=7: Krum picks 2, 3, 1, 4 in turn; of 0, 5, 100 the nearest-neighbour
+    # rule picks 0 (0 and 5 score 25). Per coordinate the 3 values closest to the
+    # median 2 of {0, 1, 2, 3, 4} are 1, 2, 3 -> 2.0 (the outlier 100 never counts)
+    assert float(bulyan(_src([0, 1, 2, 3, 4, 5, 100]), f=1)["w"]) == 2.0
+
+
+def test_bulyan_last_pick_uses_the_nearest_neighbour() -> None:
+    """f = 1, n = 7: Krum picks 18, 24, 4, 25 (indices 3, 4, 1, 5); then 3 updates
+    remain (2, 8, 27) and Krum's n - f - 2 = 0 neighbours is undefined. With the nearest
+    neighbour (fedq): 2 and 8 score 36, 27 scores 361; the tie goes to the lower index,
+    2 (index 0). A sum over all distances (the old rule) would pick 8 (index 2)."""
+    values = torch.tensor([2.0, 4, 8, 18, 24, 25, 27], dtype=torch.float64)
+    dist = (values[:, None] - values[None, :]) ** 2
+    assert bulyan_select(dist, f=1) == [0, 1, 3, 4, 5]
+
+
+def test_reducers_check_their_constraints_in_one_place() -> None:
+    assert make_reducer("krum", ReducerParams(f=1)).problem(3) is not None  # n > f + 2
+    assert make_reducer("krum", ReducerParams(f=1)).problem(4) is None
+    assert make_reducer("bulyan", ReducerParams(f=1)).problem(6) is not None  # n >= 4f + 3
+    assert make_reducer("bulyan", ReducerParams(f=1)).problem(7) is None
+    assert make_reducer("multi_krum", ReducerParams(f=1, m=4)).problem(4) is not None
+    with pytest.raises(ValueError, match="krum"):
+        make_reducer("krum", ReducerParams(f=2)).reduce(_src([0, 1, 2, 3]))
 
 
 def test_clip_update() -> None:
-    clipped, norm = robust.clip_update({"w": torch.tensor([3.0, 4.0]),
+    clipped, norm = clip_update({"w": torch.tensor([3.0, 4.0]),
                                         "n": torch.tensor(9)}, 1.0)
     assert norm == 5.0 and torch.allclose(clipped["w"], torch.tensor([0.6, 0.8]))
     assert int(clipped["n"]) == 9
-    same, _ = robust.clip_update({"w": torch.tensor([0.3, 0.4])}, 1.0)
+    same, _ = clip_update({"w": torch.tensor([0.3, 0.4])}, 1.0)
     assert torch.allclose(same["w"], torch.tensor([0.3, 0.4]))
 
 
@@ -70,10 +95,12 @@ def ref_bulyan(x: np.ndarray, f: int) -> np.ndarray:
     chosen = []
     while len(chosen) < len(x) - 2 * f:
         sub = x[remaining]
-        if len(remaining) > f + 2:
-            scores = ref_krum_scores(sub, f)
-        else:
-            scores = np.array([sum(np.sum((a - b) ** 2) for b in sub) for a in sub])
+        # Krum over the remaining set, at least one neighbour (fedq's convention, see
+        # fedq/aggregate/reducers/bulyan.py)
+        d = np.array([[np.sum((a - b) ** 2) for b in sub] for a in sub])
+        nearest = max(1, len(remaining) - f - 2)
+        scores = np.array([np.sort(np.delete(d[i], i))[:nearest].sum()
+                           for i in range(len(sub))])
         chosen.append(remaining.pop(int(np.argmin(scores))))
     sel = x[sorted(chosen)]
     med = np.median(sel, axis=0)
@@ -96,14 +123,14 @@ def test_against_references_on_random_inputs(seed: int) -> None:
 
     for chunk in (4, 1 << 20):  # chunked and whole: the same result
         src = MemorySource(updates)
-        np.testing.assert_allclose(ours(robust.median(src, chunk)), ref_median(flat), rtol=1e-5)
-        np.testing.assert_allclose(ours(robust.trimmed_mean(src, 0.2, chunk)),
+        np.testing.assert_allclose(ours(median(src, chunk)), ref_median(flat), rtol=1e-5)
+        np.testing.assert_allclose(ours(trimmed_mean(src, 0.2, chunk)),
                                    ref_trimmed(flat, 0.2), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ours(robust.multi_krum(src, 2, 4, chunk)),
+        np.testing.assert_allclose(ours(multi_krum(src, 2, 4, chunk)),
                                    ref_multi_krum(flat, 2, 4), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ours(robust.krum(src, 2, chunk)),
+        np.testing.assert_allclose(ours(krum(src, 2, chunk)),
                                    ref_multi_krum(flat, 2, 1), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ours(robust.bulyan(src, 1, chunk)), ref_bulyan(flat, 1),
+        np.testing.assert_allclose(ours(bulyan(src, 1, chunk)), ref_bulyan(flat, 1),
                                    rtol=1e-5, atol=1e-6)
 
 
@@ -126,16 +153,17 @@ def test_peak_memory_is_bounded_by_chunks_not_by_k(tmp_path) -> None:  # type: i
     the reducer's peak memory stays near one model plus K slices, far below K models."""
     script = textwrap.dedent(f"""
         import resource, torch
-        from fedq.aggregate import robust
-        from fedq.spill import DiskSource
+        from fedq.aggregate.reducers.krum import multi_krum_select
+        from fedq.aggregate.reducers.median import median
+        from fedq.coordinator.spill import DiskSource
         K, N, CHUNK = 24, 4_000_000, 1 << 16
         src = DiskSource(__import__("pathlib").Path({str(tmp_path)!r}))
         gen = torch.Generator().manual_seed(0)
         for i in range(K):
             src.add({{"w": torch.randn(N, generator=gen)}})
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = robust.median(src, chunk=CHUNK)
-        picked = robust.multi_krum_select(src, f=2, m=5, chunk=CHUNK)
+        out = median(src, chunk=CHUNK)
+        picked = multi_krum_select(src, f=2, m=5, chunk=CHUNK)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print((after - before) * 1024, K * N * 4, out["w"].shape[0], len(picked))
         src.close()

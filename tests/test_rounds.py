@@ -14,8 +14,8 @@ from sqlalchemy import select
 from fedq.blobs import BlobRef, open_store
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.errors import BlobNotFound
+from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.weights import loads
-from tests.cluster import DIGITS, Cluster, base_env
 
 TWO_QUEUES = {**DIGITS, "queues": {"cpu": 2, "gpu_new": 2}}
 
@@ -67,7 +67,7 @@ def test_three_rounds_on_redis_postgres_s3_two_queues(production: Cluster) -> No
     view = production.wait(job_id)
     assert view.status == "completed", view.error
     _check_job(production, job_id, rounds=3, per_round=4, evaluated={2, 3})
-    # Workers hold no result subscriptions (fedq.backend; Celery's kept one per task).
+    # Workers hold no result subscriptions (fedq.engine.backend; Celery's kept one per task).
     import redis
 
     assert redis.Redis.from_url(production.env["FEDQ_RESULT_BACKEND"]).pubsub_channels(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedq.demo import DEMO_SPEC
+from fedq.cli.demo import DEMO_SPEC
 from fedq.errors import SpecError
 from fedq.spec import load_spec, parse_spec
 
@@ -28,7 +28,19 @@ BASE = {"model": "small_cnn", "dataset": "digits", "num_clients": 4, "clients_pe
          "spec: partition.alpha: Input should be greater than 0"),
         ({"partition": {"kind": "zipf"}}, "spec: partition: Input tag 'zipf' found"),
         ({"optimizer": {"lr": "fast"}}, "spec: optimizer.lr: Input should be a valid number"),
-        ({"clients_per_round": 9}, "clients_per_round (9) exceeds num_clients (4)"),
+        ({"clients_per_round": 9}, "spec: clients_per_round: 9 exceeds num_clients (4)"),
+            ({"model_args": {"widht": 8}},
+             "spec: model_args.widht: unknown argument of small_cnn (did you mean 'width'?)"),
+            ({"model_args": {"width": "wide"}}, "spec: model_args.width: expected an integer"),
+            ({"dataset_args": {"n_trian": 5}}, "spec: dataset_args.n_trian: unknown argument"),
+            ({"reducer": {"name": "krumm"}}, "spec: reducer.name: unknown reducer 'krumm' (did "
+                                             "you mean 'krum'?)"),
+            ({"server": {"name": "fedadm"}}, "unknown server optimizer 'fedadm' (did you mean "
+                                             "'fedadam'?)"),
+            ({"servr": {"name": "fedadam"}}, "spec: servr: unknown field (did you mean "
+                                             "'server'?)"),
+            ({"reducer": {"name": "bulyan", "f": 1}, "min_clients": 2},
+             "spec: reducer: bulyan needs at least 4f + 3 updates"),
         ({"queues": {"tpu": 2}}, "queues: unknown queue 'tpu'"),
         ({"queues": {"cpu": 1, "gpu_new": 2}}, "queues: counts sum to 3"),
         ({"model": "gpt5"}, "spec: model: unknown model 'gpt5'"),
@@ -62,11 +74,46 @@ def test_examples_are_valid_and_demo_matches_digits_example() -> None:
     assert yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text()) == DEMO_SPEC
 
 
-def test_bad_yaml_is_one_line(tmp_path: Path) -> None:
+def test_bad_yaml_is_one_line_with_its_position(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
-    path.write_text("model: [unclosed\n")
-    with pytest.raises(SpecError, match=r"job.yaml: not valid YAML"):
+    path.write_text("model: small_cnn\nqueues: {cpu: 2\nrounds: 1\n")
+    with pytest.raises(SpecError, match=r"job.yaml:3:\d+: not valid YAML: expected ','"):
         load_spec(path)
+
+
+def test_every_mistake_is_reported_with_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("model: small_cnn\n"
+                    "model_args: {widht: 8}\n"
+                    "dataset: digits\n"
+                    "dataset_args:\n"
+                    "  n_trian: 5\n"
+                    "num_clients: 4\n"
+                    "clients_per_round: 2\n"
+                    "rounds: 0\n"
+                    "reducer: {name: krumm}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    lines = str(info.value).splitlines()
+    assert sorted(line.split(": ")[1] for line in lines) == [
+        "dataset_args.n_trian", "model_args.widht", "reducer.name", "rounds"]
+    where = {line.split(": ")[1]: line.split(": ")[0] for line in lines}
+    assert where["rounds"] == f"{path}:8:1"
+    assert where["model_args.widht"] == f"{path}:2:14"
+    assert where["dataset_args.n_trian"] == f"{path}:5:3"
+    assert where["reducer.name"] == f"{path}:9:11"
+
+
+def test_allowed_names_come_from_the_registries() -> None:
+    from fedq.aggregate.reducers import REDUCERS
+    from fedq.aggregate.server import SERVER_OPTIMIZERS
+
+    for name in REDUCERS:
+        f = {"f": 0} if name in ("krum", "multi_krum", "bulyan") else {}
+        parse_spec({**BASE, "num_clients": 8, "clients_per_round": 8, "min_clients": 8,
+                    "reducer": {"name": name, **f}})
+    for name in SERVER_OPTIMIZERS:
+        parse_spec({**BASE, "server": {"name": name}})
 
 
 def test_cli_submit_invalid_spec_writes_nothing(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from sqlalchemy import select
 from fedq.aggregate import apply_delta, weighted_mean
 from fedq.blobs import BlobRef, global_key, open_store
 from fedq.db import ClientUpdate, Round, Worker, session_scope
+from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.weights import loads
-from tests.cluster import DIGITS, Cluster, base_env
 
 BUDGET = 1.5
 SPEC = {**DIGITS, "num_clients": 3, "clients_per_round": 3, "rounds": 2, "local_epochs": 100,

@@ -17,7 +17,7 @@ from fedq.aggregate.compression import (
     zstd_compress,
 )
 from fedq.aggregate.dp import add_gaussian_noise, epsilon
-from fedq.aggregate.server import ServerOpts, server_step
+from fedq.aggregate.server import make_server
 from fedq.weights import dumps, loads_with_meta, raw_size
 
 W = {"w": torch.tensor([1.0]), "n": torch.tensor(4, dtype=torch.int64)}
@@ -25,9 +25,9 @@ D = {"w": torch.tensor([0.5]), "n": torch.tensor(1.0)}
 
 
 def _two_steps(name: str, **opts: float) -> tuple[float, float]:
-    o = ServerOpts.default(name, **opts)
-    w1, s1 = server_step(W, D, {}, o)
-    w2, _ = server_step(w1, D, s1, o)
+    o = make_server(name, **opts)
+    w1, s1 = o.step(W, D, {})
+    w2, _ = o.step(w1, D, s1)
     assert int(w1["n"]) == 5 and w1["n"].dtype == torch.int64  # integer buffers: plain delta
     return float(w1["w"]), float(w2["w"])
 
@@ -74,7 +74,7 @@ def test_diloco_outer_nesterov() -> None:
 
 def test_server_step_is_pure() -> None:
     state = {"m.w": torch.tensor([0.2])}
-    server_step(W, D, state, ServerOpts.default("fedavgm"))
+    make_server("fedavgm").step(W, D, state)
     assert torch.equal(state["m.w"], torch.tensor([0.2])) and float(W["w"]) == 1.0
 
 

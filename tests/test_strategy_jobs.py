@@ -12,8 +12,8 @@ import torch
 
 from fedq.blobs import BlobRef, open_store
 from fedq.db import Job, session_scope
+from fedq.testing.cluster import DIGITS, Cluster, base_env, record
 from fedq.weights import loads
-from tests.cluster import DIGITS, Cluster, base_env, record
 
 SMALL = {**DIGITS, "num_clients": 8, "clients_per_round": 3, "rounds": 2}
 STRATEGIES: dict[str, dict] = {

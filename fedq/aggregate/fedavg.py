@@ -93,14 +93,14 @@ def fedavg(weights: Mapping[str, torch.Tensor],
 def _start(update: Mapping[str, torch.Tensor], weight: float, out: Weights | None) -> Weights:
     """The accumulator holding ``weight * update``: ``out`` where it fits, else new."""
     fits = out is not None and out.keys() == update.keys() and all(
-        out[k].shape == v.shape and out[k].dtype == _acc_dtype(v.dtype)
+        out[k].shape == v.shape and out[k].dtype == acc_dtype(v.dtype)
         and out[k].is_contiguous() for k, v in update.items())
     if out is None or not fits:
-        return {k: v.to(_acc_dtype(v.dtype)).mul(weight) for k, v in update.items()}
+        return {k: v.to(acc_dtype(v.dtype)).mul(weight) for k, v in update.items()}
     for name, tensor in update.items():
         torch.mul(tensor.to(out[name].dtype), weight, out=out[name])
     return out
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -14,15 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedq.errors import DataUnavailable, SpecError, UnknownDataset
-
-if TYPE_CHECKING:
-    from fedq.spec import JobSpec
+from fedq.errors import DataUnavailable, UnknownDataset
 
 # The test split never depends on a job's seed, so accuracies compare across jobs.
 SPLIT_SEED = 20240601
@@ -48,7 +45,7 @@ def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, tor
             torch.from_numpy(((test - mean) / std).astype(np.float32)))
 
 
-def _digits(data_dir: Path | None, **_: Any) -> Dataset:
+def _digits(data_dir: Path | None) -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -61,7 +58,7 @@ def _digits(data_dir: Path | None, **_: Any) -> Dataset:
                    torch.from_numpy(y_te).long(), 10)
 
 
-def _cifar10(data_dir: Path | None, **_: Any) -> Dataset:
+def _cifar10(data_dir: Path | None) -> Dataset:
     from torchvision.datasets import CIFAR10
 
     if data_dir is None:
@@ -83,7 +80,7 @@ def _cifar10(data_dir: Path | None, **_: Any) -> Dataset:
 
 def _synthetic(data_dir: Path | None, n_train: int = 10_000, n_test: int = 2_000,
                shape: tuple[int, ...] | list[int] = (3, 32, 32), num_classes: int = 10,
-               noise: float = 2.0, **_: Any) -> Dataset:
+               noise: float = 2.0) -> Dataset:
     gen = torch.Generator().manual_seed(SPLIT_SEED)
     shape = tuple(shape)
     means = torch.randn((num_classes, *shape), generator=gen)
@@ -112,12 +109,3 @@ def load_dataset(name: str, data_dir: str | Path | None = None,
     if name not in DATASETS:
         raise UnknownDataset(f"dataset: unknown dataset {name!r} (known: {', '.join(DATASETS)})")
     return _load(name, str(data_dir) if data_dir else None, json.dumps(args or {}, sort_keys=True))
-
-
-def check_dataset(spec: "JobSpec", source: str = "spec") -> None:
-    """Refuse a spec whose dataset is unknown or whose data_dir is missing."""
-    if spec.dataset not in DATASETS:
-        raise UnknownDataset(f"{source}: dataset: unknown dataset {spec.dataset!r} "
-                             f"(known: {', '.join(DATASETS)})")
-    if spec.data_dir is not None and not Path(spec.data_dir).expanduser().is_dir():
-        raise SpecError(f"{source}: data_dir: folder {spec.data_dir} does not exist")

@@ -9,10 +9,29 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from fedq.spec import DirichletPartition, IIDPartition
+
+class IIDPartition(BaseModel):
+    """Each client gets an equal, uniformly random share of the training set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(BaseModel):
+    """Per class, shares drawn from Dirichlet(alpha): small alpha, skewed clients."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["dirichlet"]
+    alpha: float = Field(gt=0)
+    min_samples: int = Field(default=2, ge=1, description="each client gets at least this many")
+
+
+Partition = Annotated[IIDPartition | DirichletPartition, Field(discriminator="kind")]
 
 
 def partition_indices(labels: np.ndarray, partition: IIDPartition | DirichletPartition,

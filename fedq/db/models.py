@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -21,6 +22,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def aware(ts: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were written as UTC."""
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
 class Base(DeclarativeBase):
@@ -113,6 +119,13 @@ class ClientUpdate(Base):
     blob_key: Mapped[str | None] = mapped_column(String(300), default=None)
     blob_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    # How it trained (fedq.refs.TrainStats): loop seconds, device, AMP, budget stop, GPU.
+    train_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    device: Mapped[str | None] = mapped_column(String(32), default=None)
+    amp: Mapped[str | None] = mapped_column(String(8), default=None)
+    stopped_by_budget: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)
+    gpu_util: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -1,5 +1,9 @@
-"""The model zoo: ``build_model(name, input_shape, num_classes, **kwargs)``."""
+"""The model zoo: ``build_model(name, input_shape, num_classes, **kwargs)``.
 
+A model module registers its constructors on import; the built-in ones are imported here.
+"""
+
+from fedq.models import cnn, resnet  # noqa: F401  (register the built-in models)
 from fedq.models.registry import MODELS, build_model, check_model, register
 
 __all__ = ["MODELS", "build_model", "check_model", "register"]

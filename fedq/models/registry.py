@@ -24,7 +24,6 @@ def register(name: str) -> Callable[[ModelFactory], ModelFactory]:
 
 
 def check_model(name: str, source: str = "spec") -> None:
-    _load_builtin()
     if name not in MODELS:
         raise UnknownModel(f"{source}: model: unknown model {name!r} "
                            f"(known: {', '.join(sorted(MODELS))})")
@@ -36,7 +35,3 @@ def build_model(
     """A freshly initialised model; seed torch before calling for reproducible weights."""
     check_model(name)
     return MODELS[name](input_shape, num_classes, **kwargs)
-
-
-def _load_builtin() -> None:
-    from fedq.models import cnn, resnet  # noqa: F401  (registers on import)

@@ -1,44 +1,49 @@
-"""Coordination tasks on the ``control`` queue: start a round, finalize a round."""
+"""Coordination tasks on the ``control`` queue: start and finalize rounds, register
+workers, run the watchdog.
+
+Each imports the coordinator inside the task: every worker loads this module (the
+app includes it), and a training worker should not load the coordinator's stack
+(the database layer, the aggregation pipeline) at start-up for tasks it never runs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fedq.app import (
+from fedq.engine.app import app
+from fedq.engine.names import (
     CONTROL_TIME_LIMIT,
     FINALIZE_ROUND_TASK,
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
     WATCHDOG_TASK,
-    app,
 )
 from fedq.settings import get_settings
 
 
 @app.task(name=START_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
 def start_round(job_id: str, round_number: int) -> dict[str, Any]:
-    from fedq import rounds
+    from fedq.coordinator import rounds
 
     return rounds.start_round(get_settings(), job_id, round_number)
 
 
 @app.task(name=FINALIZE_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
 def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[str, Any]:
-    from fedq import finalize
+    from fedq.coordinator import finalize
 
     return finalize.finalize_round(get_settings(), results, job_id, round_number)
 
 
 @app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
 def register_worker(hostname: str, queues: list[str], hardware: dict[str, Any]) -> str:
-    from fedq import registry
+    from fedq.coordinator import roster
 
-    registry.record_worker(get_settings().database_url, hostname, queues, hardware)
+    roster.record_worker(get_settings().database_url, hostname, queues, hardware)
     return hostname
 
 
 @app.task(name=WATCHDOG_TASK, time_limit=CONTROL_TIME_LIMIT)
 def watchdog() -> list[dict[str, Any]]:
-    from fedq.watchdog import run_watchdog
+    from fedq.coordinator.watchdog import run_watchdog
 
     return run_watchdog(get_settings())

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from celery import Task
 
-from fedq.app import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT, app
-from fedq.blobs import BlobStore, open_store
+from fedq.engine.app import app
+from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
+from fedq.process import PROCESS
 from fedq.settings import get_settings
-
-
-@lru_cache(maxsize=1)
-def _store() -> BlobStore:
-    settings = get_settings()
-    return open_store(settings.blob_url, settings.s3_endpoint_url)
 
 
 @app.task(name=TRAIN_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
           time_limit=TRAIN_TIME_LIMIT)
 def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     """Train one client for one round; returns an UpdateRef (never raises)."""
-    from fedq.client import run_training
+    # Deferred: torch and the model zoo load once per worker process (worker_init).
+    from fedq.worker.update import run_training
 
+    settings = get_settings()
     worker = self.request.hostname or "unknown"
     delivered = (self.request.delivery_info or {}).get("routing_key")
     if delivered:
         ref = {**ref, "queue": delivered}
-    return run_training(ref, _store(), worker)
+    return run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
+                        worker)

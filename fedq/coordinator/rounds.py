@@ -2,7 +2,7 @@
 
 ``start_round`` writes the round row (unique per job and number: a duplicate delivery
 writes nothing and dispatches nothing), then dispatches a chord of training tasks
-whose body is ``finalize_round`` (fedq/finalize.py). ``redispatch`` sends a round's
+whose body is ``finalize_round`` (fedq/coordinator/finalize.py). ``redispatch`` sends a round's
 missing clients again, once per attempt, however many watchdogs ask.
 """
 
@@ -15,15 +15,17 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import torch
+from celery import chord
 from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
-from fedq.aggregate.types import Weights
-from fedq.app import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK, app
 from fedq.blobs import BlobRef
+from fedq.coordinator.roster import queue_throughput
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
+from fedq.engine.app import app
+from fedq.engine.broker import live_queues
+from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.refs import TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
@@ -119,8 +121,6 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
 def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
              plan: Sequence[Assignment], *, attempt: int, gen: int) -> None:
     """Send the chord: one ``train`` per assignment on its queue, ``finalize_round`` after."""
-    from celery import chord
-
     spec_json = spec.to_json()
     header = [
         app.signature(TRAIN_TASK,
@@ -141,34 +141,8 @@ def request_round(job_id: str, round_number: int) -> None:
 
 def _live_throughput(settings: Settings) -> dict[str, float]:
     """Queue -> summed measured throughput of its live consumers (for ``queues: auto``)."""
-    from fedq.jobs import live_queues
-    from fedq.registry import queue_throughput
-
     try:
         live = live_queues(timeout=1.0)
     except Exception:  # no answer: plan as if nothing is measured
         return {}
     return queue_throughput(settings.database_url, live)
-
-
-def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:
-    """(accuracy, loss) of ``weights`` on the dataset's held-out test split."""
-    from fedq.data import load_dataset
-    from fedq.models import build_model
-    from fedq.training import evaluate, pick_device
-
-    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
-    model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
-    model.load_state_dict(weights)
-    return evaluate(model, ds.x_test, ds.y_test, device=pick_device())
-
-
-def initial_weights(spec: JobSpec) -> Weights:
-    """The round-0 global model, a function of (model, dataset shape, seed)."""
-    from fedq.data import load_dataset
-    from fedq.models import build_model
-    from fedq.weights import state_of
-
-    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
-    torch.manual_seed(spec.seed)
-    return state_of(build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args))

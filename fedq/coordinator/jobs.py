@@ -9,41 +9,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 
-from fedq.app import app
 from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
+from fedq.coordinator.evaluation import initial_weights
+from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db.models import utcnow
 from fedq.db.session import ensure_schema
-from fedq.errors import JobNotFound, ServiceUnavailable
+from fedq.engine.app import app
+from fedq.engine.broker import check_broker
+from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
 from fedq.settings import Settings
-from fedq.spec import JobSpec
+from fedq.spec import JobSpec, describe
+from fedq.weights import dumps
 
 FINISHED = ("completed", "failed", "cancelled")
-
-
-def check_broker(timeout: float = 5.0) -> None:
-    """Raise :class:`ServiceUnavailable` unless the broker accepts a connection."""
-    try:
-        with app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=timeout)
-    except Exception as exc:  # kombu raises transport-specific errors
-        from fedq.settings import get_settings, redact
-
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ServiceUnavailable(f"broker {redact(get_settings().broker_url)} is not "
-                                 f"reachable: {first}") from None
-
-
-def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
-    """Queue name -> hostnames of live workers consuming it (Celery inspect)."""
-    replies = app.control.inspect(timeout=timeout).active_queues() or {}
-    out: dict[str, list[str]] = {}
-    for worker, queues in replies.items():
-        for q in queues or []:
-            out.setdefault(q["name"], []).append(worker)
-    return out
 
 
 def submit(settings: Settings, spec: JobSpec) -> str:
@@ -57,12 +39,14 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     store.check()
     ensure_schema(settings.database_url)
 
-    from fedq.rounds import initial_weights, request_round
-    from fedq.weights import dumps
-
+    try:
+        weights = initial_weights(spec)
+    except (TypeError, ValueError, RuntimeError) as exc:  # the spec's model cannot be built
+        raise SpecError(f"model {spec.model} with {spec.model_args or 'no arguments'} cannot "
+                        f"be built for dataset {spec.dataset}: {exc}") from None
     job_id = uuid.uuid4().hex[:12]
     try:
-        blob = store.put(global_key(job_id, 0), dumps(initial_weights(spec), {"job": job_id}))
+        blob = store.put(global_key(job_id, 0), dumps(weights, {"job": job_id}))
         with session_scope(settings.database_url) as s:
             s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status="running",
                       total_rounds=spec.rounds, committed_round=0, global_key=blob.key,
@@ -87,13 +71,8 @@ def _remove(settings: Settings, job_id: str) -> None:
 def cancel(settings: Settings, job_id: str) -> int:
     """Stop a running job: no more dispatch, its open round closed, its outstanding
     training tasks revoked. Returns how many task ids were revoked."""
-    from sqlalchemy import update
-
-    from fedq.db.models import utcnow
-    from fedq.errors import FedqError
-    from fedq.rounds import round_task_ids
-
     get_job(settings, job_id)
+    check_broker()  # before anything changes: revoking needs it
     with session_scope(settings.database_url) as s:
         moved = s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
                           .values(status="cancelled", error="cancelled by user",
@@ -107,18 +86,20 @@ def cancel(settings: Settings, job_id: str) -> int:
             ids += [t for tids in round_task_ids(job_id, rnd).values() for t in tids]
             rnd.status, rnd.error, rnd.finished_at = "failed", "cancelled", utcnow()
     if ids:
-        app.control.revoke(ids)
+        try:
+            app.control.revoke(ids)
+        except Exception as exc:  # kombu raises transport-specific errors
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ServiceUnavailable(
+                f"job {job_id} is cancelled (no more rounds start), but its {len(ids)} "
+                f"open task(s) could not be revoked: broker unreachable: {first}; they "
+                "finish and are recorded as late") from None
     return len(ids)
 
 
 def resume(settings: Settings, job_id: str) -> int:
     """Restart a failed or cancelled job from its last committed round; returns the
     round it restarts at. Rounds after the last committed one are discarded."""
-    from sqlalchemy import delete, update
-
-    from fedq.errors import FedqError
-    from fedq.rounds import request_round
-
     check_broker()
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
@@ -172,8 +153,6 @@ def list_jobs(settings: Settings, limit: int = 20) -> list[JobView]:
 def _view(s: Any, job: Job) -> JobView:
     acc = s.scalar(select(Round.accuracy).where(Round.job_id == job.id,
                                                 Round.number == job.committed_round))
-    from fedq.spec import describe
-
     return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
                    acc, job.error, job.created_at.isoformat(timespec="seconds"),
                    describe(JobSpec.model_validate(job.spec)))
@@ -210,11 +189,12 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "processed": r.processed, "steps": r.steps,
                  "seconds": r.seconds, "loss": r.loss, "bytes_up": r.bytes_up,
                  "raw_bytes": r.raw_bytes, "bytes_down": r.bytes_down,
-                 "update_norm": r.update_norm,
+                 "update_norm": r.update_norm, "train_seconds": r.train_seconds,
+                 "device": r.device, "amp": r.amp, "stopped_by_budget": r.stopped_by_budget,
+                 "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util,
                  "error": r.error} for r in rows]
 
 
 
-__all__ = ["FINISHED", "JobView", "cancel", "check_broker", "client_results",
-           "get_job", "list_jobs", "live_queues", "resume", "round_results",
-           "submit"]
+__all__ = ["FINISHED", "JobView", "cancel", "client_results", "get_job", "list_jobs",
+           "resume", "round_results", "submit"]

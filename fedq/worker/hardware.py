@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedq.engine.names import GPU_QUEUES
+
 NEW_MIN_CC = (7, 5)
 LEGACY_MIN_CC = (5, 0)
-GPU_QUEUES = ("gpu_new", "gpu_sm61")
-PINS_FILE = Path(__file__).resolve().parent / "pins.toml"
+PINS_FILE = Path(__file__).resolve().parents[1] / "pins.toml"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,12 @@ from typing import Any
 
 from rich.console import Console
 
-from fedq.procs import WorkerProcess, start_workers, stop_workers
+from fedq.cli.output import follow, results_table
+from fedq.coordinator.jobs import get_job, round_results, submit
+from fedq.db.session import ensure_schema
+from fedq.settings import get_settings
+from fedq.spec import parse_spec
+from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 
 #: Same as examples/digits.yaml (a test keeps the two equal).
 DEMO_SPEC: dict[str, Any] = {
@@ -56,15 +61,8 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
     env = embedded_env(home)
     os.environ.clear()
     os.environ.update(env)
-    from fedq.settings import get_settings
-
     get_settings.cache_clear()
     settings = get_settings()
-
-    from fedq.cli import follow, results_table
-    from fedq.db.session import ensure_schema
-    from fedq.jobs import get_job, round_results, submit
-    from fedq.spec import parse_spec
 
     ensure_schema(settings.database_url)  # before the workers start using it
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery.signals import celeryd_after_setup, worker_ready
 
-from fedq.app import CONTROL_QUEUE, REGISTER_WORKER_TASK
+from fedq.engine.names import CONTROL_QUEUE, REGISTER_WORKER_TASK
 
 log = logging.getLogger(__name__)
 REFUSED_EXIT_CODE = 3
@@ -28,8 +28,8 @@ def _queues(app: Any) -> list[str]:
 
 @celeryd_after_setup.connect
 def check_hardware(sender: str, instance: Any, **_: Any) -> None:
-    from fedq.hardware import GPU_QUEUES, probe, queue_problems
     from fedq.settings import get_settings
+    from fedq.worker.hardware import GPU_QUEUES, probe, queue_problems
 
     queues = _queues(instance.app)
     if not any(q in GPU_QUEUES for q in queues) or get_settings().skip_hardware_check:
@@ -44,7 +44,7 @@ def check_hardware(sender: str, instance: Any, **_: Any) -> None:
 
 @worker_ready.connect
 def register(sender: Any, **_: Any) -> None:
-    from fedq.hardware import probe
+    from fedq.worker.hardware import probe
 
     try:
         report = probe(run_smoke=False).to_json()

@@ -23,7 +23,7 @@ TRAIN_TASK = "fedq.train"
 START_ROUND_TASK = "fedq.start_round"
 FINALIZE_ROUND_TASK = "fedq.finalize_round"
 REGISTER_WORKER_TASK = "fedq.register_worker"
-WATCHDOG_TASK = "fedq.watchdog"
+WATCHDOG_TASK = "fedq.coordinator.watchdog"
 
 # A training task may run for a long time on a slow machine; control tasks are short.
 TRAIN_SOFT_TIME_LIMIT = 3600
@@ -55,7 +55,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     queues = [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in ALL_QUEUES]
     extra: dict[str, Any] = {}
     if settings.embedded_broker:
-        extra["broker_transport"] = "fedq.transport:Transport"  # atomic message files
+        extra["broker_transport"] = "fedq.engine.transport:Transport"  # atomic message files
     return {
         **extra,
         "broker_url": settings.broker_url,
@@ -96,7 +96,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                                           "expires": settings.watchdog_interval}},
         },
         "beat_schedule_filename": str(settings.home / "beat-schedule"),
-        "include": ["fedq.tasks.train", "fedq.tasks.control", "fedq.worker"],
+        "include": ["fedq.tasks.train", "fedq.tasks.control", "fedq.worker.signals"],
     }
 
 
@@ -109,7 +109,7 @@ def _prepare_worker(**_: Any) -> None:
     """Set torch's threads and import the training stack before the first task arrives."""
     import torch
 
-    import fedq.client  # noqa: F401  (torch, torchvision, the model zoo)
+    import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
 
     threads = get_settings().torch_threads
     if threads:
@@ -117,8 +117,8 @@ def _prepare_worker(**_: Any) -> None:
 
 
 def _result_backend(url: str) -> str:
-    """Redis result backends use fedq.backend.RedisBackend (Celery's, minus result
+    """Redis result backends use fedq.engine.backend.RedisBackend (Celery's, minus result
     subscriptions nobody reads); Celery's ``class+url`` form selects it."""
     if url.startswith(("redis://", "rediss://")):
-        return f"fedq.backend:RedisBackend+{url}"
+        return f"fedq.engine.backend:RedisBackend+{url}"
     return url

@@ -17,11 +17,11 @@ import yaml
 from celery import Celery
 from sqlalchemy import select
 
-from fedq.app import celery_config
+from fedq.coordinator.jobs import FINISHED, JobView, get_job
 from fedq.db import ClientUpdate, Round, session_scope
-from fedq.jobs import FINISHED, JobView, get_job
-from fedq.procs import WorkerProcess, start_workers, stop_workers
+from fedq.engine.app import celery_config
 from fedq.settings import Settings, load_settings
+from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 
 DIGITS = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 6,
           "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 16,

@@ -1,4 +1,4 @@
-"""What a training worker does with a :class:`~fedq.refs.TrainRef`.
+"""One client update: what a training worker does with a :class:`~fedq.refs.TrainRef`.
 
 It fetches the global model (cached by sha256), derives its own data shard,
 trains, uploads its delta under a deterministic key and returns an
@@ -9,7 +9,6 @@ fails never runs its body, so failure is reported as an error ref.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 import torch
 
@@ -18,26 +17,22 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.data import client_indices, load_dataset
 from fedq.models import build_model
-from fedq.refs import TrainRef, UpdateRef
+from fedq.models.device import pick_device
+from fedq.process import PROCESS
+from fedq.refs import TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
-from fedq.training import local_train, pick_device
 from fedq.weights import dump_parts, dumps, loads, raw_size
-
-_GLOBAL_CACHE: OrderedDict[str, Weights] = OrderedDict()
-_GLOBAL_CACHE_SIZE = 2
-_ZERO_DELTAS: dict[tuple[object, float], Weights] = {}
+from fedq.worker.loop import local_train
 
 
 def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
-    """The global model for ``ref`` and the bytes downloaded (0 on a cache hit)."""
-    if ref.sha256 in _GLOBAL_CACHE:
-        _GLOBAL_CACHE.move_to_end(ref.sha256)
-        return _GLOBAL_CACHE[ref.sha256], 0
+    """The global model for ``ref`` and the bytes downloaded (0 when the process kept it)."""
+    kept = PROCESS.model(ref.sha256)
+    if kept is not None:
+        return kept, 0
     weights = loads(store.get(ref), what=f"blob {ref.key}")
-    _GLOBAL_CACHE[ref.sha256] = weights
-    while len(_GLOBAL_CACHE) > _GLOBAL_CACHE_SIZE:
-        _GLOBAL_CACHE.popitem(last=False)
+    PROCESS.keep_model(ref.sha256, weights)
     return weights, ref.size
 
 
@@ -95,9 +90,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
                      seconds=time.perf_counter() - start, bytes_up=up.size,
                      bytes_down=bytes_down, attempt=ref.attempt, gen=ref.gen,
-                     extra={"seen": stats.seen, "raw_bytes": raw_size(delta),
-                            "train_seconds": stats.seconds,
-                            "stopped_by_budget": stats.stopped_by_budget, "amp": stats.amp})
+                     stats=TrainStats(seen=stats.seen, train_seconds=stats.seconds,
+                                      raw_bytes=raw_size(delta),
+                                      stopped_by_budget=stats.stopped_by_budget, amp=stats.amp,
+                                      device=stats.device, gpu_peak_mb=stats.gpu_peak_mb,
+                                      gpu_util=stats.gpu_util))
 
 
 def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> BlobRef:
@@ -115,17 +112,16 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
     weight by a small amount that differs per client, so averaging is real work."""
     step = 1e-4 * (1 + ref.client % 7)
     shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in global_weights.items())
-    delta = _ZERO_DELTAS.get((shapes, step))
+    delta = PROCESS.zero_deltas.get((shapes, step))
     if delta is None:  # the same change every round: made once, so no compute is timed
         delta = {k: torch.full(shape, step, dtype=dtype) if dtype.is_floating_point
                  else torch.zeros(shape, dtype=torch.float32)  # as a trained delta
                  for k, shape, dtype in shapes}
-        _ZERO_DELTAS.clear()
-        _ZERO_DELTAS[(shapes, step)] = delta
+        PROCESS.zero_deltas.clear()
+        PROCESS.zero_deltas[(shapes, step)] = delta
     up = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
                      bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
-                     gen=ref.gen, extra={"seen": 1, "raw_bytes": raw_size(delta),
-                                         "train_seconds": 0.0})
+                     gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta)))

@@ -17,8 +17,18 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from fedq.aggregate.fedavg import _acc_dtype
+from fedq.aggregate.fedavg import Accumulator, acc_dtype
+from fedq.aggregate.reducers.base import Contribution, StreamReducer
 from fedq.aggregate.types import Weights
+
+
+class FedNova(StreamReducer):
+    name = "fednova"
+    paper = "Wang et al. 2020, arXiv:2007.07481"
+    weighted = True
+
+    def reduce(self, updates: Iterable[Contribution], acc: Accumulator) -> Weights:
+        return fednova_mean((c.weight, c.steps, c.delta) for c in updates)
 
 
 def fednova_mean(updates: Iterable[tuple[float, int, Mapping[str, torch.Tensor]]]) -> Weights:
@@ -31,7 +41,7 @@ def fednova_mean(updates: Iterable[tuple[float, int, Mapping[str, torch.Tensor]]
         if steps <= 0:
             raise ValueError(f"local steps must be positive, got {steps}")
         if acc is None:
-            acc = {k: torch.zeros(v.shape, dtype=_acc_dtype(v.dtype)) for k, v in delta.items()}
+            acc = {k: torch.zeros(v.shape, dtype=acc_dtype(v.dtype)) for k, v in delta.items()}
         for name, tensor in delta.items():
             acc[name].add_(tensor.to(acc[name].dtype), alpha=weight / steps)
         total_weight += weight

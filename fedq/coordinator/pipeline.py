@@ -6,16 +6,18 @@ read -> verify -> clip -> reduce -> (DP noise) -> server optimizer:
    decoded from its codec (fp16, int8) to float32, and verified against the global
    model (names, shapes, dtypes, finite, ``max_update_norm``).
 2. With ``clip_norm`` (or DP) it is clipped to that L2 norm.
-3. The reducer combines the accepted updates: ``mean`` (weighted by samples or samples
-   processed) and ``fednova`` stream one update at a time; the robust reducers
+3. The reducer (a plug-in from fedq/aggregate/reducers/) combines the accepted
+   updates: stream reducers (mean, FedNova) take one update at a time; source reducers
    (median, trimmed mean, Krum, multi-Krum, Bulyan; unweighted) read the updates slice
-   by slice from a scratch folder (fedq/spill.py).
+   by slice from a scratch folder (fedq/coordinator/spill.py).
 4. With ``dp``, the mean of the clipped updates uses the fixed denominator
    clients_per_round and gets Gaussian noise (fedq/aggregate/dp.py).
-5. The server optimizer turns the delta into the new model and optimizer state.
+5. The server optimizer (fedq/aggregate/server/) turns the delta into the new model
+   and optimizer state.
 
 The math lives in fedq/aggregate/ (pure functions); this module feeds it from the
-blob store and records what happened to each update.
+blob store and records what happened to each update as an :class:`UpdateRecord`
+(finalize writes them as rows).
 """
 
 from __future__ import annotations
@@ -27,26 +29,37 @@ from pathlib import Path
 
 import torch
 
-from fedq.aggregate import Accumulator, check_update, fednova_mean, robust
+from fedq.aggregate import Accumulator, check_update
+from fedq.aggregate.clip import clip_update
 from fedq.aggregate.compression import decode, maybe_decompress
 from fedq.aggregate.dp import add_gaussian_noise
-from fedq.aggregate.server import ServerOpts, server_step
+from fedq.aggregate.reducers import Contribution, SourceReducer, StreamReducer, make_reducer
+from fedq.aggregate.server import make_server
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobStore
-from fedq.db import ClientUpdate
+from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
 from fedq.refs import UpdateRef
 from fedq.spec import JobSpec
-from fedq.spill import DiskSource
 from fedq.weights import loads_with_meta, raw_size
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """What happened to one client's result: ok (averaged), rejected, error, late."""
+
+    ref: UpdateRef
+    status: str
+    error: str | None = None
+    norm: float | None = None  # L2 norm of the delta as sent (before any clipping)
+    raw_bytes: int = 0  # float32 size of the decoded delta
 
 
 @dataclass
 class Outcome:
-    """What happened to a round's updates: one row each, and the totals."""
+    """What happened to a round's updates: one record each, and the totals."""
 
-    job_id: str
-    rows: list[ClientUpdate] = field(default_factory=list)
+    records: list[UpdateRecord] = field(default_factory=list)
     accepted: int = 0
     samples: int = 0
     loss_sum: float = 0.0
@@ -54,14 +67,15 @@ class Outcome:
     usable: set[int] = field(default_factory=set)
     throughput: list[tuple[str, int, float]] = field(default_factory=list)
 
-    def row(self, ref: UpdateRef, status: str, error: str | None = None,
-            norm: float | None = None, raw: int = 0) -> None:
-        self.rows.append(ClientUpdate(
-            job_id=self.job_id, round_number=ref.round, client=ref.client, status=status,
-            queue=ref.queue, worker=ref.worker, samples=ref.samples,
-            processed=int(ref.extra.get("seen", 0)), steps=ref.steps, seconds=ref.seconds,
-            loss=ref.loss, bytes_up=ref.bytes_up, raw_bytes=raw, bytes_down=ref.bytes_down,
-            update_norm=norm, blob_key=ref.key, blob_sha256=ref.sha256, error=error))
+    def record(self, ref: UpdateRef, status: str, error: str | None = None,
+               norm: float | None = None, raw: int = 0) -> None:
+        self.records.append(UpdateRecord(ref, status, error, norm, raw))
+
+    @property
+    def rejected(self) -> list[int]:
+        """Clients whose ok result failed verification."""
+        return [r.ref.client for r in self.records
+                if r.ref.status == "ok" and r.status != "ok"]
 
 
 def read_update(store: BlobStore, ref: UpdateRef, reference: Weights,
@@ -81,7 +95,7 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
     for ref, data in prefetched(store, refs):
         if not _has_blob(ref):
-            outcome.row(ref, "error", ref.error or "task failed")
+            outcome.record(ref, "error", ref.error or "task failed")
             continue
         try:
             if isinstance(data, Exception):
@@ -91,19 +105,19 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
         except (BlobError, UpdateRejected, ValueError) as exc:
-            outcome.row(ref, "rejected", str(exc))
+            outcome.record(ref, "rejected", str(exc))
             continue
         if clip is not None:
-            delta, _ = robust.clip_update(delta, clip)
+            delta, _ = clip_update(delta, clip)
         raw = raw_size(delta)
-        outcome.row(ref, "ok", norm=norm, raw=raw)
+        outcome.record(ref, "ok", norm=norm, raw=raw)
         outcome.accepted += 1
         outcome.raw_bytes += raw
         outcome.usable.add(ref.client)
         outcome.samples += ref.samples
         outcome.loss_sum += (ref.loss or 0.0) * ref.samples
-        outcome.throughput.append((ref.worker, int(ref.extra.get("seen", ref.samples)),
-                                   float(ref.extra.get("train_seconds", ref.seconds))))
+        outcome.throughput.append((ref.worker, ref.stats.seen or ref.samples,
+                                   ref.stats.train_seconds or ref.seconds))
         yield ref, delta
 
 
@@ -142,36 +156,30 @@ def _weight(spec: JobSpec, ref: UpdateRef) -> float:
     if spec.dp is not None:
         return 1.0  # DP-FedAvg: every clipped update counts alike
     if spec.weight_by == "processed":
-        return float(ref.extra.get("seen") or ref.samples)
+        return float(ref.stats.seen or ref.samples)
     return float(ref.samples)
 
 
-#: The memory of FedAvg's mean in this process, kept from round to round (a fresh
-#: model-sized accumulator pays its page faults every round). ``reduce``'s result for
-#: the mean reducer lives in it until the next ``reduce`` in the same thread.
-MEAN = Accumulator()
-
-
 def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
-           outcome: Outcome, scratch: Path) -> Weights | None:
+           outcome: Outcome, scratch: Path, acc: Accumulator) -> Weights | None:
     """The combined delta, or None when fewer than the quorum of updates are usable.
 
-    With the mean reducer the delta is ``MEAN``'s memory: use it before the next call.
-    """
+    ``acc``: the memory a stream reducer may reuse for its result (the result is then
+    valid until ``acc``'s next use)."""
     stream = verified(store, refs, reference, spec, outcome)
-    name = spec.reducer.name
+    reducer = make_reducer(spec.reducer.name, spec.reducer.params())
     try:
-        if name == "mean":
-            delta = MEAN.mean((_weight(spec, r), d) for r, d in stream)
-        elif name == "fednova":
-            delta = fednova_mean((_weight(spec, r), r.steps, d) for r, d in stream)
+        if isinstance(reducer, StreamReducer):
+            delta = reducer.reduce(
+                (Contribution(_weight(spec, r), r.steps, d) for r, d in stream), acc)
         else:
+            assert isinstance(reducer, SourceReducer)
             with DiskSource(scratch) as source:
                 for _, d in stream:
                     source.add(d)
                 if len(source) < spec.quorum:
                     return None
-                delta = _robust(spec, source)
+                delta = reducer.reduce(source)
     except ValueError:  # nothing usable to average
         return None
     if outcome.accepted < spec.quorum:
@@ -185,25 +193,9 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
     return delta
 
 
-def _robust(spec: JobSpec, source: DiskSource) -> Weights:
-    r = spec.reducer
-    if r.name == "median":
-        return robust.median(source)
-    if r.name == "trimmed_mean":
-        return robust.trimmed_mean(source, r.beta)
-    if r.name == "krum":
-        return robust.krum(source, r.f)
-    if r.name == "multi_krum":
-        return robust.multi_krum(source, r.f, r.m or len(source) - r.f)
-    return robust.bulyan(source, r.f)
-
-
-def server_opts(spec: JobSpec) -> ServerOpts:
-    s = spec.server
-    return ServerOpts.default(s.name, lr=s.lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
-
-
 def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
                  state: Weights) -> tuple[Weights, Weights]:
     """The new global model and server optimizer state."""
-    return server_step(weights, delta, state, server_opts(spec))
+    s = spec.server
+    server = make_server(s.name, lr=s.lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
+    return server.step(weights, delta, state)

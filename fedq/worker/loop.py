@@ -1,13 +1,14 @@
-"""The local training loop a client runs, and the evaluation the coordinator runs.
+"""The local training loop a client runs.
 
-Reads top to bottom: pick the device, shuffle with a seeded generator, step the
-optimizer over mini-batches for the epoch or step budget, report what was done.
+Reads top to bottom: shuffle with a seeded generator, step the optimizer over
+mini-batches for the epoch or step budget, report what was done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from fedq.spec import OptimizerSpec
+from fedq.worker.hardware import amp_mode
 
 
 @dataclass(frozen=True)
@@ -26,14 +28,9 @@ class LocalStats:
     seconds: float  # wall time of the loop
     stopped_by_budget: bool  # the time budget ended training before its steps did
     amp: str  # mixed precision used: bf16 | fp16 | off
-
-
-def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    device: str = "cpu"  # where it trained
+    gpu_peak_mb: float | None = None  # peak GPU memory torch allocated
+    gpu_util: float | None = None  # mean GPU utilisation (%), sampled while training
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -46,9 +43,7 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
 
 
 def device_amp(device: torch.device) -> str:
-    """The mixed-precision mode for ``device`` (see fedq.hardware.amp_mode)."""
-    from fedq.hardware import amp_mode
-
+    """The mixed-precision mode for ``device`` (see fedq.worker.hardware.amp_mode)."""
     if device.type != "cuda":
         return "off"
     return amp_mode(torch.cuda.get_device_capability(device))
@@ -81,6 +76,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
                 if amp != "off" else contextlib.nullcontext())
     anchor = ([p.detach().clone() for p in model.parameters()] if prox_mu > 0 else [])
+    sampler = _UtilSampler(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     loss_sum, seen, step, by_budget = 0.0, 0, 0, False
     while step < total_steps and not by_budget:
@@ -113,20 +111,33 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             step += 1
             if slowdown > 1:
                 time.sleep((slowdown - 1) * (time.perf_counter() - step_start))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
     return LocalStats(samples=n, steps=step, seen=seen, loss=loss_sum / max(step, 1),
-                      seconds=time.perf_counter() - started, stopped_by_budget=by_budget,
-                      amp=amp)
+                      seconds=seconds, stopped_by_budget=by_budget, amp=amp, device=str(device),
+                      gpu_peak_mb=torch.cuda.max_memory_allocated(device) / 2**20
+                      if device.type == "cuda" else None,
+                      gpu_util=sampler.stop() if sampler else None)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
-             device: torch.device, batch_size: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
-    model.to(device).eval()
-    correct, loss_sum = 0, 0.0
-    for start in range(0, len(y), batch_size):
-        xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
-        logits = model(xb)  # (B, classes)
-        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == yb).sum())
-    return correct / len(y), loss_sum / len(y)
+class _UtilSampler(threading.Thread):
+    """Samples the GPU's utilisation (NVML, through torch) every 0.2 s while training."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(daemon=True, name="fedq-gpu-util")
+        self.device, self.samples = device, list[float]()
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)))
+            except Exception:  # no NVML on this machine: report nothing
+                return
+
+    def stop(self) -> float | None:
+        self.done.set()
+        self.join(1.0)
+        return sum(self.samples) / len(self.samples) if self.samples else None

@@ -11,7 +11,7 @@ afterwards does not help: redis-py keeps each channel until the confirmation is 
 and nothing reads that connection.
 
 Inside a worker (where Celery says joining a result would block) this backend does
-not register results as pending; everywhere else it is Celery's. ``fedq.app`` selects
+not register results as pending; everywhere else it is Celery's. ``fedq.engine.app`` selects
 it for ``redis://`` and ``rediss://`` result backends.
 """
 

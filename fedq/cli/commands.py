@@ -6,21 +6,23 @@ import csv
 import functools
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from fedq.errors import FedqError
+from fedq.cli.output import clients_table, err, fmt, follow, out, results_table, status_style
+from fedq.errors import FedqError, JobCancelled, JobFailed
 
 F = TypeVar("F", bound=Callable[..., Any])
-# Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
-out = Console(width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+EXIT_CODES = """\b
+Exit codes: 0 ok; 1 other expected failure; 2 bad input (spec, settings);
+3 service unreachable or schema out of date; 4 no such job; 5 the watched job
+failed; 6 it was cancelled; 7 watch --timeout ran out."""
 
 
 def expected_errors(fn: F) -> F:
@@ -31,13 +33,15 @@ def expected_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FedqError as exc:
-            err.print(f"[bold red]fedq: error:[/] {exc}", highlight=False, soft_wrap=True)
+            for line in str(exc).splitlines() or [type(exc).__name__]:
+                err.print(f"[bold red]fedq: error:[/] {escape(line)}", highlight=False,
+                          soft_wrap=True)
             sys.exit(exc.exit_code)
 
     return wrapper  # type: ignore[return-value]
 
 
-@click.group()
+@click.group(epilog=EXIT_CODES)
 @click.version_option(package_name="fedq")
 def main() -> None:
     """fedq: federated training across the machines you already own, on Celery."""
@@ -57,8 +61,8 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
     """Validate each SPEC (YAML or JSON) and start its job; prints one job id per line.
 
     All specs are validated before any job starts."""
-    from fedq.jobs import live_queues
-    from fedq.jobs import submit as submit_job
+    from fedq.coordinator.jobs import submit as submit_job
+    from fedq.engine.broker import live_queues
     from fedq.spec import load_spec
 
     specs = [load_spec(path) for path in spec_paths]
@@ -84,7 +88,7 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
 @expected_errors
 def status(job_id: str | None, as_json: bool) -> None:
     """Show one job, or the most recent jobs."""
-    from fedq.jobs import get_job, list_jobs
+    from fedq.coordinator.jobs import get_job, list_jobs
 
     settings = _settings()
     jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
@@ -96,62 +100,25 @@ def status(job_id: str | None, as_json: bool) -> None:
         return
     table = Table("job", "name", "status", "round", "accuracy", "created", "error")
     for j in jobs:
-        table.add_row(j.id, j.name, _status_style(j.status),
-                      f"{j.committed_round}/{j.total_rounds}", _fmt(j.accuracy, ".4f"),
+        table.add_row(j.id, j.name, status_style(j.status),
+                      f"{j.committed_round}/{j.total_rounds}", fmt(j.accuracy, ".4f"),
                       j.created_at, (j.error or "")[:80])
     out.print(table)
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES)
 @click.argument("job_id")
 @click.option("--interval", default=0.5, show_default=True, help="seconds between polls")
 @click.option("--timeout", default=0.0, help="give up after this many seconds (0: never)")
 @expected_errors
 def watch(job_id: str, interval: float, timeout: float) -> None:
-    """Follow JOB round by round until it finishes; exit 1 if it fails."""
+    """Follow JOB round by round until it finishes. Exits 0 when it completed, 5 when
+    it failed, 6 when it was cancelled, 7 on --timeout, 4 for an unknown JOB."""
     view = follow(job_id, interval=interval, timeout=timeout or None)
-    sys.exit(0 if view.status == "completed" else 1)
-
-
-def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
-           console: Console = out) -> Any:
-    """Show a progress bar and a line per committed round until JOB finishes."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from fedq.jobs import FINISHED, get_job, round_results
-
-    settings = _settings()
-    view = get_job(settings, job_id)
-    shown = 0
-    deadline = time.monotonic() + timeout if timeout else None
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[acc]}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        bar = progress.add_task(f"job {job_id}", total=view.total_rounds, acc="")
-        while True:
-            view = get_job(settings, job_id)
-            rows = round_results(settings, job_id)
-            for row in rows[shown:]:
-                if row["status"] == "training":
-                    break
-                progress.console.print(
-                    f"round {row['round']:>3}  {_status_style(row['status'])}  "
-                    f"accuracy {_fmt(row['accuracy'], '.4f')}  "
-                    f"clients {row['participants'] or 0}/{row['planned']}  "
-                    f"{_fmt(row['seconds'], '.2f')}s", highlight=False)
-                shown += 1
-            acc = f"accuracy {view.accuracy:.4f}" if view.accuracy is not None else ""
-            progress.update(bar, completed=view.committed_round, acc=acc)
-            if view.status in FINISHED:
-                break
-            if deadline and time.monotonic() > deadline:
-                raise FedqError(f"job {job_id} still {view.status} after {timeout:.0f}s")
-            time.sleep(interval)
-    style = "green" if view.status == "completed" else "red"
-    console.print(f"job {job_id} [{style}]{view.status}[/] at round "
-                  f"{view.committed_round}/{view.total_rounds}"
-                  + (f": {view.error}" if view.error else ""), highlight=False)
-    return view
+    if view.status == "failed":
+        raise JobFailed(f"job {job_id} failed: {view.error}")
+    if view.status == "cancelled":
+        raise JobCancelled(f"job {job_id} was cancelled")
 
 
 @main.command()
@@ -159,7 +126,7 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
 @expected_errors
 def cancel(job_id: str) -> None:
     """Stop JOB: no more rounds, outstanding training tasks revoked."""
-    from fedq.jobs import cancel as cancel_job
+    from fedq.coordinator.jobs import cancel as cancel_job
 
     revoked = cancel_job(_settings(), job_id)
     click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
@@ -170,7 +137,7 @@ def cancel(job_id: str) -> None:
 @expected_errors
 def resume(job_id: str) -> None:
     """Restart a failed or cancelled JOB from its last committed round."""
-    from fedq.jobs import resume as resume_job
+    from fedq.coordinator.jobs import resume as resume_job
 
     start = resume_job(_settings(), job_id)
     click.echo(f"job {job_id} resumed at round {start}")
@@ -180,10 +147,12 @@ def resume(job_id: str) -> None:
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="print JSON (rounds and client rows)")
 @click.option("--csv", "as_csv", is_flag=True, help="print CSV (one line per round)")
+@click.option("--clients", "per_client", is_flag=True,
+              help="also a table per client update: device, AMP, samples/s, GPU use")
 @expected_errors
-def results(job_id: str, as_json: bool, as_csv: bool) -> None:
+def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
     """Per-round table of JOB: accuracy, loss, seconds, participants, bytes."""
-    from fedq.jobs import ROUND_FIELDS, client_results, get_job, round_results
+    from fedq.coordinator.jobs import ROUND_FIELDS, client_results, get_job, round_results
 
     settings = _settings()
     view = get_job(settings, job_id)
@@ -197,28 +166,8 @@ def results(job_id: str, as_json: bool, as_csv: bool) -> None:
         writer.writerows(rows)
     else:
         out.print(results_table(view, rows))
-
-
-def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"job {view.id} ({view.name}): {view.status}, "
-                        f"{view.committed_round}/{view.total_rounds} rounds\n{view.strategy}")
-    compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
-    private = any(r["epsilon"] is not None for r in rows)
-    names = ["round", "status", "accuracy", "eval loss", "train loss", "seconds", "clients",
-             "samples", "MB up", "MB down"]
-    names += ["ratio"] if compressed else []
-    names += ["epsilon"] if private else []
-    for name in names:
-        table.add_column(name, justify="left" if name == "status" else "right")
-    for r in rows:
-        cells = [str(r["round"]), _status_style(r["status"]), _fmt(r["accuracy"], ".4f"),
-                 _fmt(r["eval_loss"], ".4f"), _fmt(r["train_loss"], ".4f"),
-                 _fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
-                 str(r["samples"] or 0), _mb(r["bytes_up"]), _mb(r["bytes_down"])]
-        cells += [_fmt(r["compression_ratio"], ".2f") + "x"] if compressed else []
-        cells += [_fmt(r["epsilon"], ".3f")] if private else []
-        table.add_row(*cells)
-    return table
+        if per_client:
+            out.print(clients_table(client_results(settings, job_id)))
 
 
 @main.command()
@@ -226,9 +175,11 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
 @expected_errors
 def workers(timeout: float) -> None:
     """Workers: live status (Celery inspect), hardware and measured throughput."""
-    from fedq.app import app
-    from fedq.registry import list_workers
+    from fedq.coordinator.roster import list_workers
+    from fedq.engine.app import app
+    from fedq.engine.broker import check_broker
 
+    check_broker()
     insp = app.control.inspect(timeout=timeout)
     queues = insp.active_queues() or {}
     active = insp.active() or {}
@@ -249,7 +200,7 @@ def workers(timeout: float) -> None:
             info.get("queues") or [])
         table.add_row(host, "[green]live[/]" if live else "[dim]gone[/]", names,
                       str(len(active.get(host, []))) if live else "-", hardware,
-                      str(hw.get("torch", "-")), _fmt(info.get("samples_per_second"), ".0f"),
+                      str(hw.get("torch", "-")), fmt(info.get("samples_per_second"), ".0f"),
                       str(info.get("tasks_done", 0)), str(info.get("last_seen", "-")))
     out.print(table)
 
@@ -261,7 +212,7 @@ def doctor(as_json: bool) -> None:
     """Check this machine: hardware class, torch build vs GPU, a kernel smoke test.
 
     Exits 1 when the installed torch cannot drive a GPU here, with the fix."""
-    from fedq.hardware import amp_mode, arch_covers, diagnose, image_for, probe
+    from fedq.worker.hardware import amp_mode, arch_covers, diagnose, image_for, probe
 
     report = probe()
     problems = diagnose(report)
@@ -321,23 +272,9 @@ def upgrade() -> None:
 @expected_errors
 def demo(rounds: int | None, n_workers: int, home: str) -> None:
     """Train on scikit-learn's digits over real Celery workers, with no servers."""
-    from fedq.demo import run_demo
+    from fedq.cli.demo import run_demo
 
     sys.exit(run_demo(Path(home), rounds=rounds, n_workers=n_workers, console=out))
-
-
-def _status_style(status: str) -> str:
-    color = {"committed": "green", "completed": "green", "running": "cyan",
-             "training": "cyan", "failed": "red", "cancelled": "yellow"}.get(status, "white")
-    return f"[{color}]{status}[/]"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _mb(value: int | None) -> str:
-    return "-" if value is None else f"{value / 1e6:.2f}"
 
 
 if __name__ == "__main__":

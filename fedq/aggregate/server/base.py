@@ -1,0 +1,82 @@
+"""The server-optimizer interface: how the aggregated client delta moves the global model.
+
+The pseudo-gradient is g = -d, where d is the aggregated client delta (clients send
+local - global). An optimizer updates one floating-point tensor at a time from its
+delta and its own state (``m`` and/or ``v``, tensors of the same shape); the state is
+stored with every committed round, so a resumed job continues exactly. Integer buffers
+(BatchNorm counters) take the plain delta.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from fedq.aggregate.fedavg import apply_delta
+from fedq.aggregate.types import Weights
+
+
+@dataclass(frozen=True)
+class ServerOpts:
+    """Hyper-parameters; each optimizer uses the ones it needs."""
+
+    lr: float = 1.0
+    momentum: float = 0.0  # fedavgm / diloco momentum; beta_1 for the adaptive ones
+    beta2: float = 0.99
+    tau: float = 1e-9
+
+
+class ServerOptimizer(ABC):
+    """One server optimizer. Subclasses set ``name``, ``paper`` and ``defaults``."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    defaults: ClassVar[ServerOpts]
+
+    def __init__(self, opts: ServerOpts | None = None) -> None:
+        self.opts = opts or self.defaults
+
+    @abstractmethod
+    def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the step to add to the weights, the new state) for one float32 tensor's
+        delta ``d``; ``state`` holds this tensor's ``m``/``v`` (empty at first)."""
+
+    def step(self, weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+             state: Mapping[str, torch.Tensor]) -> tuple[Weights, Weights]:
+        """The new weights and state. ``state`` maps ``m.<tensor>`` / ``v.<tensor>``.
+        Pure: the inputs are not modified."""
+        steps: Weights = {}
+        new_state: Weights = {}
+        for name, d in delta.items():
+            if not weights[name].dtype.is_floating_point:
+                steps[name] = d  # integer buffers: the plain averaged delta
+                continue
+            mine = {k: state[f"{k}.{name}"] for k in ("m", "v") if f"{k}.{name}" in state}
+            steps[name], after = self.update(d.to(torch.float32), mine)
+            new_state.update({f"{k}.{name}": v for k, v in after.items()})
+        return apply_delta(weights, steps), new_state
+
+
+class Adaptive(ServerOptimizer):
+    """Reddi et al. 2021, "Adaptive Federated Optimization" (arXiv:2003.00295),
+    Algorithm 2: m = b1 m + (1 - b1) d; v from :meth:`second_moment`;
+    step = lr * m / (sqrt(v) + tau)."""
+
+    paper = "Reddi et al. 2021, arXiv:2003.00295"
+
+    @abstractmethod
+    def second_moment(self, v: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+        """The new v from the previous ``v`` (zeros at first) and ``sq`` = d * d."""
+
+    def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        o = self.opts
+        m = (1 - o.momentum) * d if "m" not in state else \
+            o.momentum * state["m"] + (1 - o.momentum) * d
+        v = self.second_moment(state["v"] if "v" in state else torch.zeros_like(d), d * d)
+        return o.lr * m / (torch.sqrt(v) + o.tau), {"m": m, "v": v}

@@ -1,0 +1,5 @@
+"""The ``fedq`` command: it parses and prints; the work is in library functions."""
+
+from fedq.cli.commands import main
+
+__all__ = ["main"]

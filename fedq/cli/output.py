@@ -1,0 +1,110 @@
+"""What the CLI prints: consoles, the live follow of a job, tables and number formats."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fedq.errors import WatchTimeout
+
+# Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
+           console: Console = out) -> Any:
+    """Show a progress bar and a line per committed round until JOB finishes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedq.coordinator.jobs import FINISHED, get_job, round_results
+    from fedq.settings import get_settings
+
+    settings = get_settings()
+    view = get_job(settings, job_id)
+    shown = 0
+    deadline = time.monotonic() + timeout if timeout else None
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[acc]}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        bar = progress.add_task(f"job {job_id}", total=view.total_rounds, acc="")
+        while True:
+            view = get_job(settings, job_id)
+            rows = round_results(settings, job_id)
+            for row in rows[shown:]:
+                if row["status"] == "training":
+                    break
+                progress.console.print(
+                    f"round {row['round']:>3}  {status_style(row['status'])}  "
+                    f"accuracy {fmt(row['accuracy'], '.4f')}  "
+                    f"clients {row['participants'] or 0}/{row['planned']}  "
+                    f"{fmt(row['seconds'], '.2f')}s", highlight=False)
+                shown += 1
+            acc = f"accuracy {view.accuracy:.4f}" if view.accuracy is not None else ""
+            progress.update(bar, completed=view.committed_round, acc=acc)
+            if view.status in FINISHED:
+                break
+            if deadline and time.monotonic() > deadline:
+                raise WatchTimeout(f"job {job_id} still {view.status} after {timeout:.0f}s")
+            time.sleep(interval)
+    style = "green" if view.status == "completed" else "red"
+    console.print(f"job {job_id} [{style}]{view.status}[/] at round "
+                  f"{view.committed_round}/{view.total_rounds}"
+                  + (f": {view.error}" if view.error else ""), highlight=False)
+    return view
+
+
+def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"job {view.id} ({view.name}): {view.status}, "
+                        f"{view.committed_round}/{view.total_rounds} rounds\n{view.strategy}")
+    compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
+    private = any(r["epsilon"] is not None for r in rows)
+    names = ["round", "status", "accuracy", "eval loss", "train loss", "seconds", "clients",
+             "samples", "MB up", "MB down"]
+    names += ["ratio"] if compressed else []
+    names += ["epsilon"] if private else []
+    for name in names:
+        table.add_column(name, justify="left" if name == "status" else "right")
+    for r in rows:
+        cells = [str(r["round"]), status_style(r["status"]), fmt(r["accuracy"], ".4f"),
+                 fmt(r["eval_loss"], ".4f"), fmt(r["train_loss"], ".4f"),
+                 fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
+                 str(r["samples"] or 0), mb(r["bytes_up"]), mb(r["bytes_down"])]
+        cells += [fmt(r["compression_ratio"], ".2f") + "x"] if compressed else []
+        cells += [fmt(r["epsilon"], ".3f")] if private else []
+        table.add_row(*cells)
+    return table
+
+
+def clients_table(rows: list[dict[str, Any]]) -> Table:
+    """One line per client update: how it trained and what happened to it."""
+    table = Table("round", "client", "status", "worker", "device", "amp", "steps", "samples/s",
+                  "train s", "MB up", "norm", "GPU MB", "GPU %", "note")
+    for r in rows:
+        rate = (r["processed"] / r["train_seconds"]) if r.get("train_seconds") else None
+        note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
+        table.add_row(str(r["round"]), str(r["client"]), status_style(r["status"]),
+                      r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",
+                      str(r["steps"]), fmt(rate, ".0f"), fmt(r.get("train_seconds"), ".2f"),
+                      mb(r["bytes_up"]), fmt(r["update_norm"], ".3g"),
+                      fmt(r.get("gpu_peak_mb"), ".0f"), fmt(r.get("gpu_util"), ".0f"),
+                      (note or "")[:60])
+    return table
+
+
+def status_style(status: str) -> str:
+    color = {"committed": "green", "completed": "green", "running": "cyan",
+             "training": "cyan", "failed": "red", "cancelled": "yellow"}.get(status, "white")
+    return f"[{color}]{status}[/]"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"

@@ -1,0 +1,42 @@
+"""The coordinator's view of a model: its round-0 weights and its test accuracy."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedq.aggregate.types import Weights
+from fedq.data import load_dataset
+from fedq.models import build_model
+from fedq.models.device import pick_device
+from fedq.spec import JobSpec
+from fedq.weights import state_of
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
+             device: torch.device, batch_size: int = 1024) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
+    model.to(device).eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
+        logits = model(xb)  # (B, classes)
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == yb).sum())
+    return correct / len(y), loss_sum / len(y)
+
+
+def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:
+    """(accuracy, loss) of ``weights`` on the dataset's held-out test split."""
+    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
+    model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
+    model.load_state_dict(weights)
+    return evaluate(model, ds.x_test, ds.y_test, device=pick_device())
+
+
+def initial_weights(spec: JobSpec) -> Weights:
+    """The round-0 global model, a function of (model, dataset shape, seed)."""
+    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
+    torch.manual_seed(spec.seed)
+    return state_of(build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args))

@@ -1,0 +1,342 @@
+"""Finalizing a round: collect, verify, aggregate, commit exactly once.
+
+``finalize_round`` runs when a round's chord fires and when the watchdog finds a round
+past its deadline or stuck. It gathers every result of the round from the result
+backend (by the deterministic task ids, all attempts) plus any passed in, one per
+client. Then:
+
+- some client has no result yet and the deadline has not passed: wait;
+- at least ``quorum`` usable updates: aggregate, evaluate and commit, recording
+  clients without a result as ``missing``;
+- otherwise re-dispatch the clients without a usable update (at most
+  ``max_redispatch`` times), and past that fail the job with a reason.
+
+That choice is :func:`fedq.coordinator.policy.decide`, a pure function; this module
+reads the round, calls it, and does what it says.
+
+The commit is ``UPDATE rounds SET status='committed' ... WHERE status='training'`` in
+the same transaction as the client rows and the job's new model pointer, so only one
+delivery, chord or watchdog, commits. A result that reaches a finalized round is
+recorded as ``late`` and used nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+
+from fedq.aggregate.dp import epsilon
+from fedq.aggregate.types import Weights
+from fedq.blobs import BlobRef, BlobStore, global_key, state_key
+from fedq.blobs.keys import updates_prefix
+from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator.pipeline import Outcome, UpdateRecord, apply_server, reduce
+from fedq.coordinator.policy import (
+    Commit,
+    Fail,
+    Redispatch,
+    RoundState,
+    Wait,
+    decide,
+    pick_results,
+)
+from fedq.coordinator.roster import record_throughput
+from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
+from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db.models import aware, utcnow
+from fedq.engine.app import app
+from fedq.engine.broker import live_queues
+from fedq.process import PROCESS
+from fedq.refs import UpdateRef
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import dump_parts, dumps, loads
+
+log = logging.getLogger(__name__)
+
+
+def collect_results(task_ids: dict[int, list[str]]) -> list[Any]:
+    """Every finished training result in the result backend for these task ids."""
+    found = []
+    for ids in task_ids.values():
+        for tid in ids:
+            meta = app.backend.get_task_meta(tid)
+            if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
+                found.append(meta["result"])
+    return found
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """A round in training, as read from the database."""
+
+    spec: JobSpec
+    model: BlobRef
+    state: RoundState
+    started_at: datetime
+    queues: dict[int, str]  # client -> queue
+    task_ids: dict[int, list[str]]
+    server_state: BlobRef | None  # the server optimizer's state after the previous round
+
+
+def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound | None:
+    """The round if it is training in a running job, else None."""
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == round_number))
+        if job is None or rnd is None or rnd.status != "training" or job.status != "running":
+            return None
+        spec = JobSpec.model_validate(job.spec)
+        clients = tuple(rnd.planned["clients"])
+        return OpenRound(
+            spec=spec, model=BlobRef(job.global_key, job.global_sha256, job.global_size),
+            state=RoundState(job=job_id, number=round_number, gen=rnd.id, attempt=rnd.attempt,
+                             clients=clients,
+                             deadline=aware(rnd.deadline) if rnd.deadline else None,
+                             quorum=spec.quorum, max_redispatch=spec.max_redispatch),
+            started_at=aware(rnd.started_at),
+            queues=dict(zip(clients, rnd.planned["queues"], strict=True)),
+            task_ids=round_task_ids(job_id, rnd),
+            server_state=BlobRef(job.state_key, job.state_sha256 or "", job.state_size or 0)
+            if job.state_key else None)
+
+
+def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
+                   round_number: int) -> dict[str, Any]:
+    """Decide round ``round_number`` (fedq/coordinator/policy.py) and do what it says:
+    wait, commit, re-dispatch or fail. Safe to call any number of times, from any
+    number of processes."""
+    started = time.perf_counter()
+    rnd = open_round(settings, job_id, round_number)
+    if rnd is None:
+        late = record_late(settings, results, job_id, round_number)
+        return {"status": "skipped", "reason": "round not open", "late": late}
+    chosen = pick_results([*results, *collect_results(rnd.task_ids)], rnd.state)
+    now = utcnow()
+    decision = decide(rnd.state, chosen, now)
+    if isinstance(decision, Wait):
+        return {"status": "waiting", "pending": list(decision.pending)}
+    log.info("finalizing job %s round %d (attempt %d, %d results): %s", job_id, round_number,
+             rnd.state.attempt, len(chosen), type(decision).__name__.lower())
+    outcome = Outcome()
+    if isinstance(decision, Commit):
+        if settings.finalize_delay:  # fault injection: widen the window for crash tests
+            time.sleep(settings.finalize_delay)
+        done = _aggregate_and_commit(settings, rnd, chosen, decision, outcome, started)
+        if done is not None:
+            return done
+        # Too few updates passed verification: decide again without the rejected ones.
+        decision = decide(rnd.state, chosen, now, rejected=outcome.rejected)
+        if isinstance(decision, Commit):  # the reducer found nothing usable after all
+            decision = decide(rnd.state, chosen, now, rejected=list(rnd.state.clients))
+    else:
+        outcome.records += [UpdateRecord(ref, "error", ref.error or "task failed")
+                            for ref in chosen.values() if ref.status != "ok"]
+    if isinstance(decision, Redispatch):
+        if redispatch(settings, job_id, round_number, rnd.state.attempt, decision.clients):
+            return {"status": "redispatched", "clients": list(decision.clients),
+                    "attempt": decision.attempt}
+        return {"status": "skipped", "reason": "re-dispatched by another delivery"}
+    assert isinstance(decision, Fail)
+    return _fail(settings, rnd, decision, outcome)
+
+
+def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, UpdateRef],
+                          decision: Commit, outcome: Outcome,
+                          started: float) -> dict[str, Any] | None:
+    """Verify, reduce, step the server optimizer, evaluate, write blobs, commit. None when
+    fewer than the quorum of updates pass verification (nothing is written then)."""
+    spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    current = _current_model(store, rnd.model)
+    delta = reduce(spec, store, list(chosen.values()), current, outcome,
+                   settings.home / "scratch", PROCESS.accumulator)
+    if delta is None:
+        return None
+    rows = _rows(job_id, outcome.records)
+    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status="missing",
+                          queue=rnd.queues[c],
+                          error=f"no result by the deadline (attempt {rnd.state.attempt})")
+             for c in decision.missing]
+    server_state = loads(store.get(rnd.server_state), what=f"blob {rnd.server_state.key}") \
+        if rnd.server_state else {}
+    new, new_state = apply_server(spec, current, delta, server_state)
+    every = spec.eval_every
+    accuracy, eval_loss = evaluate_weights(spec, new) \
+        if every and (number % every == 0 or number >= spec.rounds) else (None, None)
+    meta = {"job": job_id, "round": str(number)}
+    blob = store.put_parts(global_key(job_id, number), dump_parts(new, meta))
+    state_blob = store.put(state_key(job_id, number), dumps(new_state, meta)) \
+        if new_state else None
+    seconds = (utcnow() - rnd.started_at).total_seconds()
+    dp = spec.dp
+    metrics = {
+        "participants": outcome.accepted, "samples": outcome.samples,
+        "train_loss": outcome.loss_sum / max(outcome.samples, 1), "eval_loss": eval_loss,
+        "accuracy": accuracy, "seconds": seconds,
+        "bytes_up": sum(r.bytes_up or 0 for r in rows),
+        "raw_bytes_up": outcome.raw_bytes,
+        "bytes_down": sum(r.bytes_down or 0 for r in rows),
+        "global_key": blob.key, "global_sha256": blob.sha256,
+        "epsilon": epsilon(number, noise_multiplier=dp.noise_multiplier,
+                           sample_rate=spec.clients_per_round / spec.num_clients,
+                           delta=dp.delta) if dp else None,
+    }
+    committed, done = _commit(settings, job_id, rnd.state.gen, rows,
+                              throughput=outcome.throughput, metrics=metrics, blob=blob,
+                              state=state_blob, round_number=number, total=spec.rounds)
+    if not committed:
+        return {"status": "skipped", "reason": "round committed by another delivery"}
+    PROCESS.keep_model(blob.sha256, new, only=True)  # the next round's finalize starts here
+    if spec.keep_updates is not None and number > spec.keep_updates:
+        _drop_updates(store, job_id, number - spec.keep_updates)
+    if done:
+        PROCESS.accumulator.release()
+    else:
+        _start_next(settings, job_id, number + 1)
+    log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
+             job_id, number, "-" if accuracy is None else f"{accuracy:.4f}",
+             outcome.accepted, seconds, time.perf_counter() - started)
+    return {"status": "committed", "round": number, "accuracy": accuracy}
+
+
+def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
+    """One client_updates row per record."""
+    return [ClientUpdate(
+        job_id=job_id, round_number=r.ref.round, client=r.ref.client, status=r.status,
+        queue=r.ref.queue, worker=r.ref.worker, samples=r.ref.samples,
+        processed=r.ref.stats.seen, steps=r.ref.steps, seconds=r.ref.seconds,
+        loss=r.ref.loss, bytes_up=r.ref.bytes_up, raw_bytes=r.raw_bytes,
+        bytes_down=r.ref.bytes_down, update_norm=r.norm, blob_key=r.ref.key,
+        blob_sha256=r.ref.sha256, error=r.error,
+        train_seconds=r.ref.stats.train_seconds if r.ref.status == "ok" else None,
+        device=r.ref.stats.device if r.ref.status == "ok" else None,
+        amp=r.ref.stats.amp if r.ref.status == "ok" else None,
+        stopped_by_budget=r.ref.stats.stopped_by_budget if r.ref.status == "ok" else None,
+        gpu_peak_mb=r.ref.stats.gpu_peak_mb, gpu_util=r.ref.stats.gpu_util)
+        for r in records]
+
+
+def _drop_updates(store: BlobStore, job_id: str, round_number: int) -> None:
+    """Delete round ``round_number``'s update blobs (``keep_updates``); the rows that
+    describe them stay. A failure is logged, never fatal: it only costs space."""
+    try:
+        store.delete_prefix(updates_prefix(job_id, round_number))
+    except Exception:
+        log.exception("job %s: could not delete round %d's update blobs", job_id,
+                      round_number)
+
+
+def _start_next(settings: Settings, job_id: str, round_number: int) -> None:
+    """Start the next round here and now (one broker hop less than sending start_round
+    to the control queue); if that fails, leave it to a start_round task."""
+    try:
+        start_round(settings, job_id, round_number)
+    except Exception:  # the database or broker hiccupped: a control worker retries
+        log.exception("job %s: starting round %d in finalize failed; queued instead",
+                      job_id, round_number)
+        request_round(job_id, round_number)
+
+
+def _current_model(store: BlobStore, ref: BlobRef) -> Weights:
+    """The global model: the one this process committed last, else read from the store."""
+    kept = PROCESS.model(ref.sha256)
+    return kept if kept is not None else loads(store.get(ref), what=f"blob {ref.key}")
+
+
+def _fail(settings: Settings, rnd: OpenRound, decision: Fail,
+          outcome: Outcome) -> dict[str, Any]:
+    """Fail the job with a reason a person can act on; record every client's row."""
+    number, job_id = rnd.state.number, rnd.state.job
+    queues = sorted({rnd.queues[c] for c in decision.clients})
+    try:
+        live: set[str] | None = set(live_queues(timeout=1.0))
+    except Exception:  # no answer: say nothing about consumers
+        live = None
+    idle = [q for q in queues if live is not None and q not in live]
+    errors = sorted({r.error for r in outcome.records if r.error})
+    reason = (f"round {number}: {decision.usable} usable update(s) of "
+              f"{len(rnd.state.clients)} after {rnd.state.attempt} attempt(s); quorum is "
+              f"{rnd.state.quorum}. Clients without an update: "
+              f"{', '.join(map(str, decision.clients))} on queue(s) {', '.join(queues)}"
+              + (f" (no live worker consumes {', '.join(idle)}: start one with "
+                 f"`celery -A fedq worker -Q {idle[0]}`)" if idle else "")
+              + (f"; errors: {'; '.join(errors)[:1000]}" if errors else "")
+              + f". Fix that, then `fedq resume {job_id}`.")
+    rows = _rows(job_id, outcome.records)
+    reported = {r.client for r in rows}
+    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status="missing",
+                          queue=rnd.queues[c], error="no result")
+             for c in rnd.state.clients if c not in reported]
+    _commit(settings, job_id, rnd.state.gen, rows, failed=reason)
+    return {"status": "failed", "reason": reason}
+
+
+def record_late(settings: Settings, results: Sequence[Any], job_id: str,
+                round_number: int) -> int:
+    """Record results that reached an already finalized round as ``late`` (their
+    updates are never averaged into any model). Returns how many were recorded."""
+    late = 0
+    refs = [UpdateRef.from_json(r) for r in results]
+    refs = [r for r in refs if r.job == job_id and r.round == round_number and r.status == "ok"]
+    if not refs:
+        return 0
+    with session_scope(settings.database_url) as s:
+        rows = {r.client: r for r in s.scalars(select(ClientUpdate).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number))}
+        for ref in refs:
+            row = rows.get(ref.client)
+            if row is not None and row.status == "missing":
+                fresh = _rows(job_id, [UpdateRecord(ref, "late",
+                                                    "arrived after the round was finalized")])[0]
+                for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
+                               "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error",
+                               "train_seconds", "device", "amp", "stopped_by_budget",
+                               "gpu_peak_mb", "gpu_util"):
+                    setattr(row, column, getattr(fresh, column))
+                row.status = "late"
+                late += 1
+    return late
+
+
+def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,
+            throughput: Sequence[tuple[str, int, float]] = (),
+            failed: str | None = None, metrics: dict[str, Any] | None = None,
+            blob: BlobRef | None = None, state: BlobRef | None = None,
+            round_number: int = 0, total: int = 0) -> tuple[bool, bool]:
+    """One transaction: claim the round, write client rows, move the job. Returns
+    (committed, job_done); (False, _) when another delivery got there first."""
+    now = utcnow()
+    with session_scope(settings.database_url) as s:
+        values: dict[str, Any] = {"status": "failed" if failed else "committed",
+                                  "finished_at": now, "error": failed}
+        values.update(metrics or {})
+        claimed = s.execute(update(Round).where(Round.id == round_id,
+                                                Round.status == "training").values(**values))
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            s.rollback()
+            return False, False
+        s.add_all(rows)
+        record_throughput(s, throughput)
+        job = s.get(Job, job_id)
+        assert job is not None
+        done = True
+        if failed:
+            job.status, job.error, job.finished_at = "failed", failed, now
+        else:
+            assert blob is not None
+            job.committed_round = round_number
+            job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+            if state is not None:
+                job.state_key, job.state_sha256, job.state_size = (state.key, state.sha256,
+                                                                   state.size)
+            done = round_number >= total
+            if done:
+                job.status, job.finished_at = "completed", now
+    return True, done

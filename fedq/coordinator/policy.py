@@ -1,0 +1,138 @@
+"""The round's decisions as pure functions: no database, broker or clock of their own.
+
+:func:`pick_results` chooses one result per planned client from whatever arrived
+(chord results, results read back from the backend, duplicates, results of other
+rounds); :func:`decide` turns (round state, chosen results, now) into one of
+:class:`Wait`, :class:`Commit`, :class:`Redispatch`, :class:`Fail`;
+:func:`repair` is the watchdog's choice for a running job. ``finalize_round`` and the
+watchdog call them and do the I/O; tests/test_policy.py drives every branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from fedq.refs import UpdateRef
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """What the decision needs to know of an open round."""
+
+    job: str
+    number: int
+    gen: int  # the round row's id: tells a resumed round from the one it replaced
+    attempt: int  # dispatch attempt now in flight (1 = the first)
+    clients: tuple[int, ...]
+    deadline: datetime | None
+    quorum: int  # usable updates a commit needs
+    max_redispatch: int  # re-dispatches allowed before the job fails
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Some clients still owe a result and the deadline has not passed."""
+
+    pending: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Aggregate ``usable``; record ``missing`` (no result at all) as missing."""
+
+    usable: tuple[int, ...]
+    missing: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Redispatch:
+    """Send ``clients`` again as dispatch attempt ``attempt``."""
+
+    clients: tuple[int, ...]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Too few usable updates after every allowed attempt: fail the job."""
+
+    clients: tuple[int, ...]  # those without a usable update
+    usable: int
+
+
+Decision = Wait | Commit | Redispatch | Fail
+
+
+def pick_results(results: Iterable[Any], state: RoundState) -> dict[int, UpdateRef]:
+    """One result per planned client of this round: an ok one if any (earliest attempt
+    first), else the error of the latest attempt. Results of other jobs, rounds or
+    generations (a resumed round), and of unplanned clients, are ignored."""
+    chosen: dict[int, UpdateRef] = {}
+    wanted = set(state.clients)
+    for raw in results:
+        ref = UpdateRef.from_json(raw)
+        if (ref.job, ref.round, ref.gen) != (state.job, state.number, state.gen) or \
+                ref.client not in wanted:
+            continue
+        have = chosen.get(ref.client)
+        if have is None or _better(ref, have):
+            chosen[ref.client] = ref
+    return dict(sorted(chosen.items()))
+
+
+def _better(new: UpdateRef, have: UpdateRef) -> bool:
+    if have.status != "ok":
+        return new.status == "ok" or new.attempt > have.attempt
+    return new.status == "ok" and new.attempt < have.attempt
+
+
+def unsettled(chosen: dict[int, UpdateRef], state: RoundState) -> tuple[int, ...]:
+    """Clients still owed a result: none yet, or only a failure of an earlier attempt
+    (the re-dispatched task has not reported)."""
+    return tuple(c for c in state.clients
+                 if c not in chosen or (chosen[c].status != "ok"
+                                        and chosen[c].attempt < state.attempt))
+
+
+def decide(state: RoundState, chosen: dict[int, UpdateRef], now: datetime,
+           rejected: Sequence[int] = ()) -> Decision:
+    """What to do with the round now. ``rejected``: clients whose ok result failed
+    verification (known only after their blobs were read: call again with them)."""
+    pending = unsettled(chosen, state)
+    if pending and (state.deadline is None or now < state.deadline):
+        return Wait(pending)
+    usable = tuple(c for c in state.clients
+                   if c in chosen and chosen[c].status == "ok" and c not in rejected)
+    if len(usable) >= state.quorum:
+        return Commit(usable, tuple(c for c in state.clients if c not in chosen))
+    retry = tuple(c for c in state.clients if c not in usable)
+    if state.attempt <= state.max_redispatch:
+        return Redispatch(retry, state.attempt + 1)
+    return Fail(retry, len(usable))
+
+
+Repair = Literal["start", "deadline", "check"]
+
+
+def repair(job_updated: datetime, round_status: str | None, started: datetime | None,
+           deadline: datetime | None, now: datetime, grace: timedelta) -> Repair | None:
+    """The watchdog's choice for a running job's next round:
+
+    - ``start``: no round row for a grace period (a lost ``start_round``);
+    - ``deadline``: the round is training past its deadline: finalize it;
+    - ``check``: training for longer than the grace period: finalize if every client
+      reported (a chord body lost with a killed control worker), else it waits;
+    - None: nothing to do.
+    """
+    if round_status is None:
+        return "start" if now - job_updated > grace else None
+    if round_status != "training":
+        return None
+    if deadline is not None and now >= deadline:
+        return "deadline"
+    if started is not None and now - started > grace:
+        return "check"
+    return None

@@ -1,0 +1,85 @@
+"""The watchdog: repairs what a chord cannot. Celery beat runs it on the control queue
+every ``FEDQ_WATCHDOG_INTERVAL`` seconds (never a countdown task per round: ETA tasks
+longer than Redis' visibility timeout are redelivered again and again).
+
+For each running job it looks at the round after the last committed one and asks
+:func:`fedq.coordinator.policy.repair` what to do:
+
+- ``start``: no row for a grace period (the control worker died between a commit and
+  the next ``start_round``, or the message was lost): request the round;
+- ``deadline``: training past its deadline: finalize it (commit with the quorum,
+  re-dispatch the missing clients, or fail the job);
+- ``check``: training for longer than the grace period: finalize, which commits if
+  every client reported (a chord body lost with a killed control worker) and otherwise
+  only waits.
+
+Every repair is idempotent (unique round rows, conditional UPDATEs), so two watchdogs
+running at once, or a watchdog racing a chord, do no harm.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from fedq.coordinator.finalize import finalize_round
+from fedq.coordinator.policy import repair
+from fedq.coordinator.rounds import request_round
+from fedq.db import Job, Round, session_scope
+from fedq.db.models import aware, utcnow
+from fedq.db.session import ensure_schema
+from fedq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NextRound:
+    """A running job and the round after its last committed one (None: no row yet)."""
+
+    job: str
+    number: int
+    job_updated: datetime
+    status: str | None
+    started: datetime | None
+    deadline: datetime | None
+
+
+def scan(settings: Settings) -> list[NextRound]:
+    with session_scope(settings.database_url) as s:
+        out = []
+        for job in s.scalars(select(Job).where(Job.status == "running")):
+            number = job.committed_round + 1
+            rnd = s.scalar(select(Round).where(Round.job_id == job.id, Round.number == number))
+            out.append(NextRound(
+                job.id, number, aware(job.updated_at), rnd.status if rnd else None,
+                aware(rnd.started_at) if rnd else None,
+                aware(rnd.deadline) if rnd and rnd.deadline else None))
+        return out
+
+
+def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
+    """One pass over the running jobs; returns what it did, one dict per action."""
+    ensure_schema(settings.database_url)
+    grace = timedelta(seconds=max(2 * settings.watchdog_interval, 5.0))
+    now = utcnow()
+    actions: list[dict[str, Any]] = []
+    for item in scan(settings):
+        what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace)
+        if what == "start":
+            request_round(item.job, item.number)
+            actions.append({"job": item.job, "round": item.number, "action": "start"})
+        elif what is not None:
+            result = finalize_round(settings, [], item.job, item.number)
+            if what == "check" and result.get("status") == "waiting":
+                continue  # clients still training: nothing was stuck
+            why = "deadline" if what == "deadline" else "stuck"
+            actions.append({"job": item.job, "round": item.number,
+                            "action": f"finalize ({why})", "result": result.get("status")})
+    for action in actions:
+        log.warning("fedq watchdog: %s", action)
+    return actions

@@ -1,0 +1,23 @@
+"""Queue and task names, and the time limits of each task type.
+
+Imported by both sides of the wire and by the job spec; no Celery import here, so
+the spec and the aggregation math can name queues without loading Celery.
+"""
+
+from __future__ import annotations
+
+CONTROL_QUEUE = "control"
+TRAINING_QUEUES = ("gpu_new", "gpu_sm61", "cpu")
+GPU_QUEUES = ("gpu_new", "gpu_sm61")
+ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
+
+TRAIN_TASK = "fedq.train"
+START_ROUND_TASK = "fedq.start_round"
+FINALIZE_ROUND_TASK = "fedq.finalize_round"
+REGISTER_WORKER_TASK = "fedq.register_worker"
+WATCHDOG_TASK = "fedq.watchdog"
+
+# A training task may run for a long time on a slow machine; control tasks are short.
+TRAIN_SOFT_TIME_LIMIT = 3600
+TRAIN_TIME_LIMIT = 3900
+CONTROL_TIME_LIMIT = 600

@@ -1,0 +1,67 @@
+"""The one owner of what a fedq process keeps between tasks.
+
+A Celery worker process runs many tasks; some things are worth keeping from one to
+the next, and each is kept here, nowhere else:
+
+- ``models``: global models by sha256 — a training worker keeps the last two it
+  downloaded (a round's tasks share one), the control worker the model it committed
+  last (the next round's finalize starts from it without a read);
+- ``accumulator``: FedAvg's model-sized mean buffer, reused round to round (a fresh one
+  pays a page fault per 4 kB page every round); released when a job ends;
+- ``store``: one blob store client per URL (connection pools);
+- ``zero_deltas``: the benchmark-only fixed update of ``zero_compute`` jobs.
+
+Pure memoisation (a dataset loaded from its arguments, a partition from its seed,
+a database engine per URL) stays beside its function as ``functools.lru_cache``.
+``PROCESS.clear()`` drops everything (tests; a worker never needs to).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from fedq.aggregate import Accumulator
+from fedq.aggregate.types import Weights
+from fedq.blobs import BlobStore, open_store
+
+#: Global models a process keeps at once.
+MODEL_CACHE_SIZE = 2
+
+
+@dataclass
+class ProcessState:
+    models: OrderedDict[str, Weights] = field(default_factory=OrderedDict)
+    accumulator: Accumulator = field(default_factory=Accumulator)
+    stores: dict[tuple[str, str | None], BlobStore] = field(default_factory=dict)
+    zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
+
+    def model(self, sha256: str) -> Weights | None:
+        """The kept model with this sha256, if any (and mark it recently used)."""
+        weights = self.models.get(sha256)
+        if weights is not None:
+            self.models.move_to_end(sha256)
+        return weights
+
+    def keep_model(self, sha256: str, weights: Weights, *, only: bool = False) -> None:
+        """Keep ``weights`` under ``sha256``; ``only``: drop every other model first."""
+        if only:
+            self.models.clear()
+        self.models[sha256] = weights
+        while len(self.models) > MODEL_CACHE_SIZE:
+            self.models.popitem(last=False)
+
+    def store(self, url: str, s3_endpoint_url: str | None = None) -> BlobStore:
+        key = (url, s3_endpoint_url)
+        if key not in self.stores:
+            self.stores[key] = open_store(url, s3_endpoint_url)
+        return self.stores[key]
+
+    def clear(self) -> None:
+        self.models.clear()
+        self.accumulator.release()
+        self.stores.clear()
+        self.zero_deltas.clear()
+
+
+PROCESS = ProcessState()
