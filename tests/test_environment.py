@@ -14,13 +14,17 @@ import yaml
 from fedq.testing.cluster import DIGITS, Cluster, base_env
 
 
+def _fedq(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
+    full.update({"FEDQ_HOME": str(tmp_path / "home"), **env})
+    return subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=full,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
 def _submit(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump(DIGITS))
-    full = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
-    full.update({"FEDQ_HOME": str(tmp_path / "home"), **env})
-    return subprocess.run([sys.executable, "-m", "fedq.cli", "submit", str(spec)], env=full,
-                          capture_output=True, text=True, timeout=120, check=False)
+    return _fedq(tmp_path, "submit", str(spec), **env)
 
 
 def _one_line(proc: subprocess.CompletedProcess[str], code: int, text: str) -> None:
@@ -67,6 +71,23 @@ def test_unreachable_s3_blob_store(tmp_path: Path) -> None:
     _no_job_written(tmp_path)
 
 
+def test_workers_with_the_broker_down_is_one_line(tmp_path: Path) -> None:
+    _one_line(_fedq(tmp_path, "workers", FEDQ_BROKER_URL="redis://127.0.0.1:1/0"), 3,
+              "broker redis://127.0.0.1:1/0 is not reachable")
+
+
+@pytest.mark.parametrize("command", [("watch", "nosuchjob"), ("results", "nosuchjob"),
+                                     ("status", "nosuchjob"), ("cancel", "nosuchjob")])
+def test_unknown_job_exits_4(tmp_path: Path, command: tuple[str, ...]) -> None:
+    _one_line(_fedq(tmp_path, *command), 4, "no job 'nosuchjob'")
+
+
+def test_exit_codes_are_in_the_help(tmp_path: Path) -> None:
+    for args in (("--help",), ("watch", "--help")):
+        proc = _fedq(tmp_path, *args)
+        assert proc.returncode == 0 and "4 no such job" in " ".join(proc.stdout.split())
+
+
 def test_unknown_setting_is_refused(tmp_path: Path) -> None:
     _one_line(_submit(tmp_path, FEDQ_BROKER="redis://oops"), 2, "unknown setting FEDQ_BROKER")
 
@@ -85,5 +106,26 @@ def test_cancel_revokes_and_stops(tmp_path: Path) -> None:
         assert [r.status for r in cluster.rounds(job)] == ["failed"]
         again = cluster.fedq("cancel", job, check=False)
         assert again.returncode == 1 and "is cancelled, not running" in again.stderr
+        watched = cluster.fedq("watch", job, check=False)
+        assert watched.returncode == 6 and f"job {job} was cancelled" in watched.stderr
+        resumed = cluster.fedq("resume", job)
+        assert "resumed at round 1" in resumed.stdout
+        timed = cluster.fedq("watch", job, "--timeout", "1", check=False)
+        assert timed.returncode == 7 and "still running after 1s" in timed.stderr
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_doctor_smoke_trains_one_round_on_this_machine(tmp_path: Path) -> None:
+    proc = _fedq(tmp_path, "doctor", "--smoke", "--json", "--steps", "2", "--batch-size", "16",
+                 "--home", str(tmp_path / "smoke"))
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    report = json.loads(proc.stdout)
+    smoke = report["smoke"]
+    assert smoke["queue"] == report["hardware_class"] == "cpu"
+    assert smoke["steps"] == 2 and smoke["samples"] == 32 and smoke["samples_per_second"] > 0
+    assert smoke["device"] == "cpu" and smoke["amp"] == "off" and smoke["gpu_peak_mb"] is None
+    assert smoke["bytes_up"] > 40e6  # a whole ResNet-18 delta came back

@@ -5,7 +5,9 @@ runs these tests and writes the table)."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.testing.procs import WorkerProcess
 from tests.conftest import free_port, missing
 
 # Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
@@ -35,11 +38,31 @@ def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: 
     return sum(1 for u in updates if u.status != "ok")
 
 
-def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str) -> None:
+def _task_in_hand(worker: WorkerProcess, job: str, number: int) -> int | None:
+    """The client whose training task of round ``number`` the worker's log shows
+    received and not finished (the worker is mid-task), or None."""
+    log = worker.log_path.read_text(errors="replace")
+    received = re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] received",
+                          log)
+    finished = set(re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] "
+                              r"succeeded", log))
+    open_ = [int(c) for c in received if c not in finished]
+    return open_[-1] if open_ else None
+
+
+def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str) -> int:
+    """SIGKILL ``victim`` while it trains a client of round ``number``; returns the client."""
     cluster.wait_for_round(job, number)
-    time.sleep(0.7)  # the round's tasks are running now (each trains for 1.5 s)
-    cluster.by_name(victim).kill()
+    worker = cluster.by_name(victim)
+    deadline = time.monotonic() + 30
+    while (client := _task_in_hand(worker, job, number)) is None:
+        assert time.monotonic() < deadline, worker.tail()
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside its 1.5 s of training
+    assert _task_in_hand(worker, job, number) == client  # still mid-task
+    worker.kill()
     cluster.replace(victim)
+    return client
 
 
 def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
@@ -47,12 +70,16 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
     job = cluster.submit({**SLOW_TASKS, "rounds": rounds})
-    for number, victim in kills.items():
-        _kill_mid_round(cluster, job, number, victim)
+    killed = {number: _kill_mid_round(cluster, job, number, victim)
+              for number, victim in kills.items()}
     view = cluster.wait(job, timeout=240)
     assert view.status == "completed", view.error
     lost = _assert_each_round_once(cluster, job, rounds=rounds, per_round=3)
     assert lost == 0
+    rows = {(u.round_number, u.client): u for u in cluster.updates(job)}
+    for number, client in killed.items():  # the killed task's client was trained again
+        row = rows[(number, client)]
+        assert row.status == "ok" and row.worker is not None, row.error
     if broker == "Redis":
         # Redis would redeliver only after the visibility timeout (2 h): the watchdog
         # re-dispatched the killed worker's client at the round deadline instead.
@@ -188,6 +215,49 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     finally:
         cluster.stop()
         redis_proc.kill()
+
+
+@pytest.mark.slow
+def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
+        redis_cluster: Cluster) -> None:
+    """A laptop that sleeps: SIGSTOP a worker mid-task, past the round's deadline; the
+    round commits without it; SIGCONT; its update arrives, is recorded late and is in no
+    model; the next round runs as usual."""
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
+    cluster.start_beat()
+    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "min_clients": 2, "max_redispatch": 0})
+    cluster.wait_for_round(job, 2)
+    sleeper = cluster.by_name("w1")
+    deadline = time.monotonic() + 30
+    while (client := _task_in_hand(sleeper, job, 2)) is None:
+        assert time.monotonic() < deadline, sleeper.tail()
+        time.sleep(0.05)
+    sleeper.kill(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while [r.status for r in cluster.rounds(job)][:2] != ["committed", "committed"]:
+            assert time.monotonic() < deadline, "round 2 did not commit without the sleeper"
+            time.sleep(0.2)
+    finally:
+        sleeper.kill(signal.SIGCONT)
+    view = cluster.wait(job, timeout=180)
+    assert view.status == "completed", view.error
+    rounds = {r.number: r for r in cluster.rounds(job)}
+    assert rounds[2].participants == 2
+    deadline = time.monotonic() + 30
+    while (row := {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
+           ).status != "late":
+        assert row.status == "missing", row.status
+        assert time.monotonic() < deadline, "the sleeper's update was never recorded late"
+        time.sleep(0.2)
+    assert row.worker == "w1@test" and row.blob_key is not None
+    # never averaged: round 2's model is the mean of the two on-time updates
+    assert rounds[2].participants == 2 and rounds[3].participants == 3
+    assert all(u.status == "ok" for u in cluster.updates(job) if u.round_number == 3)
+    record_outcome("a worker paused (SIGSTOP) mid-task past the deadline, then resumed",
+                   "SIGSTOP/SIGCONT of a training worker in round 2",
+                   "committed without it; its update recorded late", 3, 0)
 
 
 @pytest.mark.slow

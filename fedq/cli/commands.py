@@ -207,8 +207,15 @@ def workers(timeout: float) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--smoke", is_flag=True,
+              help="then train one real round here: a worker on this machine's queue, "
+                   "ResNet-18 on CIFAR-shaped data; prints samples/s and GPU use")
+@click.option("--steps", default=200, show_default=True, help="--smoke: training steps")
+@click.option("--batch-size", default=256, show_default=True, help="--smoke: batch size")
+@click.option("--home", default=".fedq/smoke", show_default=True,
+              help="--smoke: folder for its state")
 @expected_errors
-def doctor(as_json: bool) -> None:
+def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -> None:
     """Check this machine: hardware class, torch build vs GPU, a kernel smoke test.
 
     Exits 1 when the installed torch cannot drive a GPU here, with the fix."""
@@ -217,9 +224,19 @@ def doctor(as_json: bool) -> None:
     report = probe()
     problems = diagnose(report)
     cls = report.hardware_class
-    if as_json:
+    if as_json and not smoke:
         click.echo(json.dumps({**report.to_json(), "problems": problems}, indent=2))
         sys.exit(1 if problems else 0)
+    if as_json:  # --smoke --json: the report and the round, one document
+        if problems:
+            click.echo(json.dumps({**report.to_json(), "problems": problems}, indent=2))
+            sys.exit(1)
+        from fedq.cli.smoke import run_smoke
+
+        measured = run_smoke(Path(home), report, steps=steps, batch_size=batch_size)
+        click.echo(json.dumps({**report.to_json(), "problems": [], "smoke": measured},
+                              indent=2))
+        return
     out.print(f"host      {report.hostname}", highlight=False)
     out.print(f"torch     {report.torch} (CUDA build {report.cuda or 'none'}), driver "
               f"{report.driver or 'none'}", highlight=False)
@@ -246,6 +263,18 @@ def doctor(as_json: bool) -> None:
             err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
         sys.exit(1)
     out.print("[green]ok[/]: this machine can train for fedq")
+    if smoke:
+        from fedq.cli.smoke import run_smoke
+
+        with out.status(f"training one round of ResNet-18 on queue {cls} ({steps} steps)"):
+            m = run_smoke(Path(home), report, steps=steps, batch_size=batch_size)
+        table = Table("queue", "device", "AMP", "steps x batch", "samples/s", "train s",
+                      "GPU peak MB", "GPU util %", "round s", title="smoke round")
+        table.add_row(m["queue"], m["device"], m["amp"], f"{m['steps']} x {m['batch_size']}",
+                      fmt(m["samples_per_second"], ".0f"), fmt(m["train_seconds"], ".2f"),
+                      fmt(m["gpu_peak_mb"], ".0f"), fmt(m["gpu_util_percent"], ".0f"),
+                      fmt(m["round_seconds"], ".2f"))
+        out.print(table)
 
 
 @main.group()

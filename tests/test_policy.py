@@ -1,0 +1,115 @@
+"""The round's decisions (fedq/coordinator/policy.py), table-driven: every branch of
+pick_results, decide and the watchdog's repair, with no services."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from fedq.coordinator.policy import (
+    Commit,
+    Fail,
+    Redispatch,
+    RoundState,
+    Wait,
+    decide,
+    pick_results,
+    repair,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+DEADLINE = T0 + timedelta(seconds=60)
+BEFORE, AFTER = T0 + timedelta(seconds=10), T0 + timedelta(seconds=61)
+
+
+def state(attempt: int = 1, quorum: int = 2, max_redispatch: int = 1) -> RoundState:
+    return RoundState(job="j", number=3, gen=7, attempt=attempt, clients=(0, 1, 2),
+                      deadline=DEADLINE, quorum=quorum, max_redispatch=max_redispatch)
+
+
+def ref(client: int, status: str = "ok", attempt: int = 1, **kw: Any) -> dict[str, Any]:
+    return {"status": status, "job": "j", "round": 3, "client": client, "queue": "cpu",
+            "worker": "w", "attempt": attempt, "gen": 7, "key": f"k{client}-{attempt}",
+            "sha256": "0" * 64, "samples": 10, **kw}
+
+
+@pytest.mark.parametrize(("results", "expected"), [
+    # no result
+    ([], {}),
+    # an ok result
+    ([ref(0)], {0: ("ok", 1)}),
+    # duplicate delivery of the same result: one
+    ([ref(0), ref(0)], {0: ("ok", 1)}),
+    # ok beats an error, whatever the order
+    ([ref(0, "error"), ref(0, attempt=2)], {0: ("ok", 2)}),
+    ([ref(0, attempt=2), ref(0, "error")], {0: ("ok", 2)}),
+    # two ok results (a re-dispatched task and the original): the earliest attempt
+    ([ref(0, attempt=2), ref(0, attempt=1)], {0: ("ok", 1)}),
+    # two errors: the latest attempt's
+    ([ref(0, "error", attempt=1), ref(0, "error", attempt=2)], {0: ("error", 2)}),
+    # another round, another generation (a resumed round), another job, unplanned client
+    ([ref(0, round=2), ref(1, gen=6), ref(2, job="x"), ref(9)], {}),
+    # malformed: ignored (it becomes an error ref of job '?')
+    (["garbage", {"status": "ok"}], {}),
+])
+def test_pick_results(results: list[Any], expected: dict[int, tuple[str, int]]) -> None:
+    chosen = pick_results(results, state())
+    assert {c: (r.status, r.attempt) for c, r in chosen.items()} == expected
+
+
+@pytest.mark.parametrize(("st", "results", "now", "rejected", "expected"), [
+    # all reported before the deadline: commit
+    (state(), [ref(0), ref(1), ref(2)], BEFORE, (), Commit((0, 1, 2), ())),
+    # one missing before the deadline: wait for it
+    (state(), [ref(0), ref(1)], BEFORE, (), Wait((2,))),
+    # one missing at the deadline, quorum met: commit, record it missing
+    (state(), [ref(0), ref(1)], AFTER, (), Commit((0, 1), (2,))),
+    # an error counts as reported: commit the two ok ones without waiting
+    (state(), [ref(0), ref(1), ref(2, "error")], BEFORE, (), Commit((0, 1), ())),
+    # an error of an earlier attempt while attempt 2 runs: wait for the re-dispatched task
+    (state(attempt=2), [ref(0), ref(1), ref(2, "error")], BEFORE, (), Wait((2,))),
+    # ... and at the deadline: commit with what is there
+    (state(attempt=2), [ref(0), ref(1), ref(2, "error")], AFTER, (), Commit((0, 1), ())),
+    # below quorum at the deadline, re-dispatch allowed: send the two without an update
+    (state(), [ref(0)], AFTER, (), Redispatch((1, 2), 2)),
+    # below quorum after the last allowed attempt: fail
+    (state(attempt=2), [ref(0)], AFTER, (), Fail((1, 2), 1)),
+    (state(max_redispatch=0), [ref(0)], AFTER, (), Fail((1, 2), 1)),
+    # all errors before the deadline: nothing pending, below quorum: re-dispatch now
+    (state(), [ref(0, "error"), ref(1, "error"), ref(2, "error")], BEFORE, (),
+     Redispatch((0, 1, 2), 2)),
+    # verification rejected one of three: still the quorum of two
+    (state(), [ref(0), ref(1), ref(2)], BEFORE, (2,), Commit((0, 1), ())),
+    # ... rejected two: below quorum, re-dispatch them
+    (state(), [ref(0), ref(1), ref(2)], BEFORE, (1, 2), Redispatch((1, 2), 2)),
+    # no deadline set: wait as long as it takes
+    (RoundState("j", 3, 7, 1, (0, 1), None, 1, 0), [ref(0)], AFTER, (), Wait((1,))),
+])
+def test_decide(st: RoundState, results: list[Any], now: datetime, rejected: tuple[int, ...],
+                expected: object) -> None:
+    assert decide(st, pick_results(results, st), now, rejected) == expected
+
+
+GRACE = timedelta(seconds=10)
+
+
+@pytest.mark.parametrize(("job_updated", "status", "started", "deadline", "expected"), [
+    # committed a while ago and no next round: the start was lost
+    (T0, None, None, None, "start"),
+    # committed just now: its start_round is on its way
+    (AFTER - timedelta(seconds=5), None, None, None, None),
+    # training, past its deadline
+    (T0, "training", T0, DEADLINE, "deadline"),
+    # training, young
+    (T0, "training", AFTER - timedelta(seconds=5), DEADLINE + timedelta(hours=1), None),
+    # training longer than the grace period, before its deadline: check for a lost chord
+    (T0, "training", T0, DEADLINE + timedelta(hours=1), "check"),
+    # finished rounds need nothing
+    (T0, "committed", T0, DEADLINE, None),
+    (T0, "failed", T0, DEADLINE, None),
+])
+def test_watchdog_repair(job_updated: datetime, status: str | None, started: datetime | None,
+                         deadline: datetime | None, expected: str | None) -> None:
+    assert repair(job_updated, status, started, deadline, AFTER, GRACE) == expected
