@@ -20,7 +20,7 @@ from rich.console import Console
 from fedq.cli.output import follow, results_table
 from fedq.coordinator.jobs import get_job, round_results, submit
 from fedq.db.session import ensure_schema
-from fedq.settings import get_settings
+from fedq.settings import Settings, get_settings
 from fedq.spec import parse_spec
 from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 
@@ -52,10 +52,9 @@ def embedded_env(home: Path) -> dict[str, str]:
     return env
 
 
-def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
-             console: Console) -> int:
-    """Run the demo; returns the exit code (0 when the job completed)."""
-    started = time.perf_counter()
+def use_embedded(home: Path) -> Settings:
+    """Point this process (and the workers it starts) at a fresh embedded default under
+    ``home``, with its schema made before any worker uses it."""
     if home.exists():
         shutil.rmtree(home)
     env = embedded_env(home)
@@ -63,8 +62,15 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
     os.environ.update(env)
     get_settings.cache_clear()
     settings = get_settings()
+    ensure_schema(settings.database_url)
+    return settings
 
-    ensure_schema(settings.database_url)  # before the workers start using it
+
+def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
+             console: Console) -> int:
+    """Run the demo; returns the exit code (0 when the job completed)."""
+    started = time.perf_counter()
+    settings = use_embedded(home)
 
     spec = parse_spec({**DEMO_SPEC, **({"rounds": rounds} if rounds else {})}, "demo spec")
     logs = home / "logs"

@@ -11,17 +11,13 @@ from a GPU machine.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from fedq.cli.demo import embedded_env
+from fedq.cli.demo import use_embedded
 from fedq.coordinator.jobs import client_results, get_job, round_results, submit
-from fedq.db.session import ensure_schema
 from fedq.errors import FedqError
-from fedq.settings import get_settings
 from fedq.spec import parse_spec
 from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 from fedq.worker.hardware import HardwareReport
@@ -42,14 +38,7 @@ def smoke_spec(queue: str, steps: int, batch_size: int) -> dict[str, Any]:
 def run_smoke(home: Path, report: HardwareReport, *, steps: int,
               batch_size: int) -> dict[str, Any]:
     """Run the round; returns what was measured. Raises FedqError when it fails."""
-    if home.exists():
-        shutil.rmtree(home)
-    env = embedded_env(home)
-    os.environ.clear()
-    os.environ.update(env)
-    get_settings.cache_clear()
-    settings = get_settings()
-    ensure_schema(settings.database_url)
+    settings = use_embedded(home)
     queue = report.hardware_class
     spec = parse_spec(smoke_spec(queue, steps, batch_size), "smoke spec")
     logs = home / "logs"

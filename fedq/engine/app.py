@@ -10,25 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init
 from kombu import Exchange, Queue
 
+from fedq.engine.names import (
+    ALL_QUEUES,
+    CONTROL_QUEUE,
+    FINALIZE_ROUND_TASK,
+    REGISTER_WORKER_TASK,
+    START_ROUND_TASK,
+    WATCHDOG_TASK,
+)
 from fedq.settings import Settings, get_settings
-
-CONTROL_QUEUE = "control"
-TRAINING_QUEUES = ("gpu_new", "gpu_sm61", "cpu")
-ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
-
-TRAIN_TASK = "fedq.train"
-START_ROUND_TASK = "fedq.start_round"
-FINALIZE_ROUND_TASK = "fedq.finalize_round"
-REGISTER_WORKER_TASK = "fedq.register_worker"
-WATCHDOG_TASK = "fedq.coordinator.watchdog"
-
-# A training task may run for a long time on a slow machine; control tasks are short.
-TRAIN_SOFT_TIME_LIMIT = 3600
-TRAIN_TIME_LIMIT = 3900
-CONTROL_TIME_LIMIT = 600
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -102,18 +94,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 app = Celery("fedq")
 app.add_defaults(lambda: celery_config(get_settings()))
-
-
-@worker_init.connect
-def _prepare_worker(**_: Any) -> None:
-    """Set torch's threads and import the training stack before the first task arrives."""
-    import torch
-
-    import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
-
-    threads = get_settings().torch_threads
-    if threads:
-        torch.set_num_threads(threads)
 
 
 def _result_backend(url: str) -> str:

@@ -1,5 +1,7 @@
 """What happens when a Celery worker process starts.
 
+- ``worker_init``: torch's thread count is set and the training stack imported, before
+  the first task arrives;
 - ``celeryd_after_setup``: a worker that consumes a GPU queue checks its hardware and
   torch build first, and refuses to start (exit 3, one line) when it would fail at its
   first kernel or when its GPU belongs to another class.
@@ -14,12 +16,27 @@ import os
 import sys
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_ready
+from celery.signals import celeryd_after_setup, worker_init, worker_ready
 
 from fedq.engine.names import CONTROL_QUEUE, REGISTER_WORKER_TASK
 
 log = logging.getLogger(__name__)
 REFUSED_EXIT_CODE = 3
+
+
+@worker_init.connect
+def prepare(**_: Any) -> None:
+    """Set torch's threads and import the training stack before the first task arrives
+    (deferred to here: ``fedq.worker.signals`` is imported by every process that loads
+    the app, and only workers need torch)."""
+    import torch
+
+    import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
+    from fedq.settings import get_settings
+
+    threads = get_settings().torch_threads
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def _queues(app: Any) -> list[str]:
