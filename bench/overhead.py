@@ -24,7 +24,7 @@ def model_shapes(model: str) -> tuple[list[list[int]], int]:
     from fedq.models import build_model
     from fedq.spec import JobSpec
 
-    spec = JobSpec.model_validate(zero_compute_spec(model, 1, CLIENTS))
+    spec = JobSpec.stored(zero_compute_spec(model, 1, CLIENTS))
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     state = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args) \
         .state_dict()

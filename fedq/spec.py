@@ -22,15 +22,38 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from fedq.aggregate.reducers import REDUCERS, ReducerParams, make_reducer
-from fedq.aggregate.server import SERVER_OPTIMIZERS
-from fedq.data.datasets import DATASETS
 from fedq.data.partition import DirichletPartition, IIDPartition, Partition
 from fedq.engine.names import TRAINING_QUEUES
 from fedq.errors import SpecError
-from fedq.models.registry import MODELS
+
+# The registries (models, data sets, reducers, server optimizers) import torch, which
+# takes seconds. They are imported inside the checks below, which a stored spec (one
+# validated at submit, read back by `fedq status`, a worker or finalize) skips: see
+# JobSpec.stored.
+
+
+def _registries() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(MODELS, DATASETS, REDUCERS, SERVER_OPTIMIZERS)."""
+    from fedq.aggregate.reducers import REDUCERS
+    from fedq.aggregate.server import SERVER_OPTIMIZERS
+    from fedq.data.datasets import DATASETS
+    from fedq.models.registry import MODELS
+
+    return MODELS, DATASETS, REDUCERS, SERVER_OPTIMIZERS
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("stored"))
 
 __all__ = ["DirichletPartition", "IIDPartition", "JobSpec", "load_spec", "parse_spec"]
 
@@ -68,8 +91,8 @@ class ServerSpec(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _known(cls, v: str) -> str:
-        return _one_of("server optimizer", v, SERVER_OPTIMIZERS)
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else _one_of("server optimizer", v, _registries()[3])
 
 
 class ReducerSpec(_Strict):
@@ -83,10 +106,13 @@ class ReducerSpec(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _known(cls, v: str) -> str:
-        return _one_of("reducer", v, REDUCERS)
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else _one_of("reducer", v, _registries()[2])
 
-    def params(self) -> ReducerParams:
+    def params(self) -> Any:
+        """The reducer's :class:`~fedq.aggregate.reducers.ReducerParams`."""
+        from fedq.aggregate.reducers import ReducerParams
+
         return ReducerParams(beta=self.beta, f=self.f, m=self.m)
 
 
@@ -168,20 +194,28 @@ class JobSpec(_Strict):
         default=False, description="benchmarks: clients skip training and send a small fixed "
                                    "change of every weight (the round machinery alone)")
 
+    @classmethod
+    def stored(cls, data: dict[str, Any]) -> "JobSpec":
+        """A spec validated at submit and read back (from the database or a TrainRef):
+        its shape is checked again, its names against the registries are not."""
+        return cls.model_validate(data, context={"stored": True})
+
     @field_validator("model")
     @classmethod
-    def _model_known(cls, v: str) -> str:
-        return _one_of("model", v, MODELS)
+    def _model_known(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else _one_of("model", v, _registries()[0])
 
     @field_validator("dataset")
     @classmethod
-    def _dataset_known(cls, v: str) -> str:
-        return _one_of("dataset", v, DATASETS)
+    def _dataset_known(cls, v: str, info: ValidationInfo) -> str:
+        return v if _stored(info) else _one_of("dataset", v, _registries()[1])
 
     @model_validator(mode="after")
-    def _check(self) -> "JobSpec":
+    def _check(self, info: ValidationInfo) -> "JobSpec":
         if self.local_steps is not None:
             object.__setattr__(self, "local_epochs", None)
+        if _stored(info):
+            return self
         problems = list(self.problems())
         if problems:
             raise ValueError("\n".join(f"{field}: {msg}" for field, msg in problems))
@@ -189,6 +223,9 @@ class JobSpec(_Strict):
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """(field, message) for every rule that involves more than one field."""
+        from fedq.aggregate.reducers import make_reducer
+
+        models, datasets, _, _ = _registries()
         if self.clients_per_round > self.num_clients:
             yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
                                         f"({self.num_clients})")
@@ -205,9 +242,9 @@ class JobSpec(_Strict):
                                         f"0..{self.num_clients - 1}")
         if self.local_steps is None and self.local_epochs is None:
             yield ("local_epochs", "set local_epochs or local_steps")
-        yield from _kwargs_problems("model_args", MODELS[self.model], self.model_args,
+        yield from _kwargs_problems("model_args", models[self.model], self.model_args,
                                     skip=2, owner=self.model)
-        yield from _kwargs_problems("dataset_args", DATASETS[self.dataset], self.dataset_args,
+        yield from _kwargs_problems("dataset_args", datasets[self.dataset], self.dataset_args,
                                     skip=1, owner=self.dataset)
         if self.data_dir is not None and not Path(self.data_dir).expanduser().is_dir():
             yield ("data_dir", f"folder {self.data_dir} does not exist")
@@ -404,8 +441,9 @@ def parse_spec(data: Any, source: str = "spec",
         lines = _error_lines(source, exc, positions or {})
     # The fields failed, so the cross-field rules did not run; the constructor arguments
     # need only their own fields: report those mistakes too.
-    for field, owner, table, skip in (("model_args", "model", MODELS, 2),
-                                      ("dataset_args", "dataset", DATASETS, 1)):
+    models, datasets, _, _ = _registries()
+    for field, owner, table, skip in (("model_args", "model", models, 2),
+                                      ("dataset_args", "dataset", datasets, 1)):
         name, args = data.get(owner), data.get(field)
         if isinstance(name, str) and name in table and isinstance(args, dict):
             for key, msg in _kwargs_problems(field, table[name], args, skip=skip, owner=name):

@@ -148,7 +148,10 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
     control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
     cluster.start_beat()
-    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5})
+    # A long deadline: only the watchdog's stuck-round check can repair round 2 (with
+    # the 6 s deadline a slow restart would leave it to the deadline path instead).
+    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5,
+                          "round_timeout_s": 60})
     marker = f"finalizing job {job} round 2".encode()
     deadline = time.monotonic() + 120
     while marker not in control.log_path.read_bytes():
@@ -226,7 +229,7 @@ def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
-    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "min_clients": 2, "max_redispatch": 0})
+    job = cluster.submit({**SLOW_TASKS, "rounds": 3, "min_clients": 2})
     cluster.wait_for_round(job, 2)
     sleeper = cluster.by_name("w1")
     deadline = time.monotonic() + 30

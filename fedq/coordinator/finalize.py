@@ -92,7 +92,7 @@ def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound 
         rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == round_number))
         if job is None or rnd is None or rnd.status != "training" or job.status != "running":
             return None
-        spec = JobSpec.model_validate(job.spec)
+        spec = JobSpec.stored(job.spec)
         clients = tuple(rnd.planned["clients"])
         return OpenRound(
             spec=spec, model=BlobRef(job.global_key, job.global_sha256, job.global_size),
@@ -135,9 +135,10 @@ def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
         decision = decide(rnd.state, chosen, now, rejected=outcome.rejected)
         if isinstance(decision, Commit):  # the reducer found nothing usable after all
             decision = decide(rnd.state, chosen, now, rejected=list(rnd.state.clients))
-    else:
-        outcome.records += [UpdateRecord(ref, "error", ref.error or "task failed")
-                            for ref in chosen.values() if ref.status != "ok"]
+    else:  # below the quorum without reading a blob: record what arrived as it is
+        outcome.records += [UpdateRecord(ref, "ok") if ref.status == "ok" else
+                            UpdateRecord(ref, "error", ref.error or "task failed")
+                            for ref in chosen.values()]
     if isinstance(decision, Redispatch):
         if redispatch(settings, job_id, round_number, rnd.state.attempt, decision.clients):
             return {"status": "redispatched", "clients": list(decision.clients),

@@ -13,7 +13,6 @@ from sqlalchemy import delete, select, update
 
 from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
-from fedq.coordinator.evaluation import initial_weights
 from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import utcnow
@@ -23,7 +22,6 @@ from fedq.engine.broker import check_broker
 from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
 from fedq.settings import Settings
 from fedq.spec import JobSpec, describe
-from fedq.weights import dumps
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -38,6 +36,10 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
     ensure_schema(settings.database_url)
+
+    # Deferred: torch builds the initial model; status, results and watch never need it.
+    from fedq.coordinator.evaluation import initial_weights
+    from fedq.weights import dumps
 
     try:
         weights = initial_weights(spec)
@@ -155,7 +157,7 @@ def _view(s: Any, job: Job) -> JobView:
                                                 Round.number == job.committed_round))
     return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
                    acc, job.error, job.created_at.isoformat(timespec="seconds"),
-                   describe(JobSpec.model_validate(job.spec)))
+                   describe(JobSpec.stored(job.spec)))
 
 
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",

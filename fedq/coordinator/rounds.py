@@ -70,7 +70,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             return {"status": "skipped", "reason": "job not running"}
         if job.committed_round != round_number - 1:
             return {"status": "skipped", "reason": f"job is at round {job.committed_round}"}
-        spec = JobSpec.model_validate(job.spec)
+        spec = JobSpec.stored(job.spec)
         model = BlobRef(job.global_key, job.global_sha256, job.global_size)
         plan = plan_round(spec, round_number,
                           _live_throughput(settings) if spec.queues == "auto" else None)
@@ -98,7 +98,7 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
         job = s.get(Job, job_id)
         if job is None or job.status != "running":
             return False
-        spec = JobSpec.model_validate(job.spec)
+        spec = JobSpec.stored(job.spec)
         won = s.execute(
             update(Round)
             .where(Round.job_id == job_id, Round.number == round_number,

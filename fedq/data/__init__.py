@@ -1,8 +1,24 @@
 """Datasets and partitioners. A training task derives its own shard from
-(dataset, partition, client, seed); raw data never crosses the network."""
+(dataset, partition, client, seed); raw data never crosses the network.
 
-from fedq.data.datasets import DATASETS, Dataset, load_dataset
-from fedq.data.partition import client_indices, partition_indices
+The data sets import torch; they load on first use (PEP 562), so the job spec can
+name a partition without it.
+"""
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "client_indices",
-           "partition_indices"]
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DATASETS", "Dataset", "load_dataset", "client_indices", "partition_indices"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DATASETS", "Dataset", "load_dataset"):
+        from fedq.data import datasets
+
+        return getattr(datasets, name)
+    if name in ("client_indices", "partition_indices"):
+        from fedq.data import partition
+
+        return getattr(partition, name)
+    raise AttributeError(f"module 'fedq.data' has no attribute {name!r}")

@@ -60,7 +60,7 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
 
 
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
-    spec = JobSpec.model_validate(ref.spec)
+    spec = JobSpec.stored(ref.spec)
     global_weights, bytes_down = fetch_global(store, ref.model)
     if spec.zero_compute:
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down)
