@@ -46,6 +46,7 @@ class TrainStats:
     device: str = "cpu"  # cpu | cuda:N | mps
     gpu_peak_mb: float | None = None  # peak GPU memory torch allocated in the task
     gpu_util: float | None = None  # mean GPU utilisation (%) sampled during training
+    tokens: int = 0  # language models: tokens processed (samples processed x context)
 
     @classmethod
     def from_json(cls, data: Any) -> "TrainStats":

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from fedq.data.partition import DirichletPartition, IIDPartition, Partition
+from fedq.data.partition import ByGroupPartition, DirichletPartition, IIDPartition, Partition
 from fedq.engine.names import TRAINING_QUEUES
 from fedq.errors import SpecError
 
@@ -55,7 +55,8 @@ def _registries() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[
 def _stored(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("stored"))
 
-__all__ = ["DirichletPartition", "IIDPartition", "JobSpec", "load_spec", "parse_spec"]
+__all__ = ["ByGroupPartition", "DirichletPartition", "IIDPartition", "JobSpec", "load_spec",
+           "parse_spec"]
 
 
 class _Strict(BaseModel):
@@ -77,6 +78,20 @@ class OptimizerSpec(_Strict):
     lr: float = Field(default=0.05, gt=0)
     momentum: float = Field(default=0.0, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0)
+    beta2: float = Field(default=0.999, gt=0, lt=1, description="adam/adamw second moment")
+    warmup_steps: int = Field(default=0, ge=0, description="linear warm-up of the lr")
+    schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="lr after warm-up: constant, or cosine decay to "
+                                        "final_lr_fraction x lr over schedule_steps")
+    schedule_steps: int | None = Field(
+        default=None, ge=1, description="cosine horizon in inner steps per client "
+                                        "(default: rounds x local_steps)")
+    final_lr_fraction: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float | None = Field(default=None, gt=0, description="clip the gradient norm")
+    keep_state: bool = Field(
+        default=False, description="keep this client's optimizer state and step count "
+                                   "from round to round on the worker's disk (DiLoCo's "
+                                   "inner AdamW); a worker restart keeps it")
 
 
 class ServerSpec(_Strict):
@@ -242,6 +257,10 @@ class JobSpec(_Strict):
                                         f"0..{self.num_clients - 1}")
         if self.local_steps is None and self.local_epochs is None:
             yield ("local_epochs", "set local_epochs or local_steps")
+        if self.optimizer.schedule == "cosine" and self.optimizer.schedule_steps is None \
+                and self.local_steps is None:
+            yield ("optimizer.schedule_steps", "a cosine schedule needs schedule_steps (or "
+                                               "local_steps, to derive it)")
         yield from _kwargs_problems("model_args", models[self.model], self.model_args,
                                     skip=2, owner=self.model)
         yield from _kwargs_problems("dataset_args", datasets[self.dataset], self.dataset_args,
@@ -296,6 +315,12 @@ class JobSpec(_Strict):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    @property
+    def schedule_steps(self) -> int | None:
+        """The inner lr schedule's horizon in steps per client."""
+        o = self.optimizer
+        return o.schedule_steps or (self.rounds * self.local_steps if self.local_steps else None)
 
 
 def describe(spec: JobSpec) -> str:
@@ -403,7 +428,7 @@ def _error_lines(source: str, exc: ValidationError,
                  positions: dict[tuple[str | int, ...], tuple[int, int]]) -> list[str]:
     lines = []
     for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if p not in ("iid", "dirichlet"))
+        loc = tuple(p for p in err["loc"] if p not in ("iid", "dirichlet", "by_group"))
         msg = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown field{_did_you_mean(str(loc[-1]), _fields_at(loc[:-1]))}"

@@ -42,7 +42,11 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
                     f"round {row['round']:>3}  {status_style(row['status'])}  "
                     f"accuracy {fmt(row['accuracy'], '.4f')}  "
                     f"clients {row['participants'] or 0}/{row['planned']}  "
-                    f"{fmt(row['seconds'], '.2f')}s", highlight=False)
+                    f"{fmt(row['seconds'], '.2f')}s"
+                    + (f"  val loss {fmt(row['eval_loss'], '.3f')}  "
+                       f"{row['tokens_per_second']:,.0f} tokens/s  "
+                       f"{mb(row['bytes_up'])} MB up" if row["tokens_per_second"] else ""),
+                    highlight=False)
                 shown += 1
             acc = f"accuracy {view.accuracy:.4f}" if view.accuracy is not None else ""
             progress.update(bar, completed=view.committed_round, acc=acc)
@@ -63,8 +67,10 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
                         f"{view.committed_round}/{view.total_rounds} rounds\n{view.strategy}")
     compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
     private = any(r["epsilon"] is not None for r in rows)
+    text = any(r["tokens"] for r in rows)
     names = ["round", "status", "accuracy", "eval loss", "train loss", "seconds", "clients",
              "samples", "MB up", "MB down"]
+    names += ["perplexity", "tokens/s"] if text else []
     names += ["ratio"] if compressed else []
     names += ["epsilon"] if private else []
     for name in names:
@@ -74,6 +80,8 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
                  fmt(r["eval_loss"], ".4f"), fmt(r["train_loss"], ".4f"),
                  fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
                  str(r["samples"] or 0), mb(r["bytes_up"]), mb(r["bytes_down"])]
+        cells += [fmt(r["perplexity"], ".2f"), fmt(r["tokens_per_second"], ",.0f")] if text \
+            else []
         cells += [fmt(r["compression_ratio"], ".2f") + "x"] if compressed else []
         cells += [fmt(r["epsilon"], ".3f")] if private else []
         table.add_row(*cells)
@@ -82,10 +90,13 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
 
 def clients_table(rows: list[dict[str, Any]]) -> Table:
     """One line per client update: how it trained and what happened to it."""
-    table = Table("round", "client", "status", "worker", "device", "amp", "steps", "samples/s",
+    text = any(r.get("tokens") for r in rows)
+    table = Table("round", "client", "status", "worker", "device", "amp", "steps",
+                  "tokens/s" if text else "samples/s",
                   "train s", "MB up", "norm", "GPU MB", "GPU %", "note")
     for r in rows:
-        rate = (r["processed"] / r["train_seconds"]) if r.get("train_seconds") else None
+        done = (r.get("tokens") or 0) if text else r["processed"]
+        rate = done / r["train_seconds"] if r.get("train_seconds") else None
         note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
         table.add_row(str(r["round"]), str(r["client"]), status_style(r["status"]),
                       r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",

@@ -16,15 +16,17 @@ from fedq.weights import state_of
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
              device: torch.device, batch_size: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on (x, y)."""
+    """(accuracy, mean cross-entropy) of ``model`` on (x, y): per example for a
+    classifier, per token (nats per byte) for a language model."""
     model.to(device).eval()
     correct, loss_sum = 0, 0.0
     for start in range(0, len(y), batch_size):
         xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
-        logits = model(xb)  # (B, classes)
+        logits = model(xb).flatten(0, -2)  # (B, classes) or (B * T, vocab)
+        yb = yb.flatten()
         loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
         correct += int((logits.argmax(dim=1) == yb).sum())
-    return correct / len(y), loss_sum / len(y)
+    return correct / y.numel(), loss_sum / y.numel()
 
 
 def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:

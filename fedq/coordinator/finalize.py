@@ -220,7 +220,8 @@ def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
         device=r.ref.stats.device if r.ref.status == "ok" else None,
         amp=r.ref.stats.amp if r.ref.status == "ok" else None,
         stopped_by_budget=r.ref.stats.stopped_by_budget if r.ref.status == "ok" else None,
-        gpu_peak_mb=r.ref.stats.gpu_peak_mb, gpu_util=r.ref.stats.gpu_util)
+        gpu_peak_mb=r.ref.stats.gpu_peak_mb, gpu_util=r.ref.stats.gpu_util,
+        tokens=r.ref.stats.tokens if r.ref.status == "ok" else None)
         for r in records]
 
 
@@ -299,7 +300,7 @@ def record_late(settings: Settings, results: Sequence[Any], job_id: str,
                 for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
                                "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error",
                                "train_seconds", "device", "amp", "stopped_by_budget",
-                               "gpu_peak_mb", "gpu_util"):
+                               "gpu_peak_mb", "gpu_util", "tokens"):
                     setattr(row, column, getattr(fresh, column))
                 row.status = "late"
                 late += 1

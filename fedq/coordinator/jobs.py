@@ -5,11 +5,12 @@ The CLI calls these; so do the tests.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 
 from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
@@ -162,7 +163,8 @@ def _view(s: Any, job: Job) -> JobView:
 
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
                 "participants", "planned", "samples", "bytes_up", "raw_bytes_up",
-                "compression_ratio", "bytes_down", "epsilon", "error")
+                "compression_ratio", "bytes_down", "epsilon", "tokens", "tokens_per_second",
+                "perplexity", "error")
 
 
 def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
@@ -171,6 +173,12 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
     with session_scope(settings.database_url) as s:
         rounds = s.scalars(select(Round).where(Round.job_id == job_id)
                            .order_by(Round.number)).all()
+        # language models: the tokens trained into each round's model (PostgreSQL sums
+        # come back as Decimal)
+        tokens = {number: int(total) for number, total in s.execute(
+            select(ClientUpdate.round_number, func.sum(ClientUpdate.tokens))
+            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == "ok")
+            .group_by(ClientUpdate.round_number)).tuples() if total}
         return [{"round": r.number, "status": r.status, "accuracy": r.accuracy,
                  "eval_loss": r.eval_loss, "train_loss": r.train_loss, "seconds": r.seconds,
                  "participants": r.participants, "planned": len(r.planned.get("clients", [])),
@@ -178,6 +186,11 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "compression_ratio": (r.raw_bytes_up / r.bytes_up
                                        if r.bytes_up and r.raw_bytes_up else None),
                  "bytes_down": r.bytes_down, "epsilon": r.epsilon,
+                 "tokens": tokens.get(r.number) or None,
+                 "tokens_per_second": tokens[r.number] / r.seconds
+                 if r.number in tokens and r.seconds else None,
+                 "perplexity": math.exp(r.eval_loss)
+                 if r.number in tokens and r.eval_loss is not None else None,
                  "error": r.error} for r in rounds]
 
 
@@ -193,7 +206,7 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "raw_bytes": r.raw_bytes, "bytes_down": r.bytes_down,
                  "update_norm": r.update_norm, "train_seconds": r.train_seconds,
                  "device": r.device, "amp": r.amp, "stopped_by_budget": r.stopped_by_budget,
-                 "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util,
+                 "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util, "tokens": r.tokens,
                  "error": r.error} for r in rows]
 
 

@@ -5,6 +5,8 @@
 - ``cifar10``: torchvision's CIFAR-10 read from ``data_dir`` (downloaded there when
   the machine is online and the folder lacks it).
 - ``synthetic``: Gaussian class clusters of any image shape, for benchmarks.
+- ``shakespeare``: real English text for language models (fedq/data/text.py): inputs
+  (N, T) byte ids, targets the same shifted by one, each window's work as its group.
 """
 
 from __future__ import annotations
@@ -32,11 +34,21 @@ class Dataset:
     y_train: torch.Tensor  # (N,) int64
     x_test: torch.Tensor  # (M, C, H, W) float32
     y_test: torch.Tensor  # (M,) int64
-    num_classes: int
+    num_classes: int  # classes, or the vocabulary size of a text data set
+    groups: torch.Tensor | None = None  # (N,) int64: the source (work) of each example
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
+
+    @property
+    def is_text(self) -> bool:
+        """Token windows (N, T) in, next tokens (N, T) out."""
+        return self.y_train.ndim == 2
+
+    def partition_labels(self) -> np.ndarray:
+        """What partitions split by: each example's group if it has one, else its label."""
+        return (self.groups if self.groups is not None else self.y_train).numpy()
 
 
 def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +105,48 @@ def _synthetic(data_dir: Path | None, n_train: int = 10_000, n_test: int = 2_000
     return Dataset("synthetic", xt, yt, xe, ye, num_classes)
 
 
+def _shakespeare(data_dir: Path | None, block_size: int = 64,
+                 authors: tuple[str, ...] | list[str] = ("shakespeare", "milton"),
+                 val_fraction: float = 0.1, max_works: int = 0,
+                 eval_windows: int = 1024) -> Dataset:
+    """Byte-level windows of the works of ``authors``; the last ``val_fraction`` of every
+    work is held out. ``max_works`` > 0 keeps the first that many works (tests);
+    ``eval_windows`` > 0 evaluates on that many held-out windows, evenly spaced (0: all
+    of them; about 10,000 at block_size 64, slow on a CPU every round)."""
+    from fedq.data import text
+
+    unknown = sorted(set(authors) - set(text.AUTHORS))
+    if unknown or not authors:
+        raise DataUnavailable(f"shakespeare: authors must be among {sorted(text.AUTHORS)}")
+    found = text.works(tuple(authors))[:max_works or None]
+    train, test, groups = [], [], []
+    for g, (_, data) in enumerate(found):
+        cut = int(len(data) * (1 - val_fraction))
+        w_train, w_test = text.windows(data[:cut], block_size), text.windows(data[cut:], block_size)
+        train.append(w_train)
+        test.append(w_test)
+        groups.append(np.full(len(w_train), g, dtype=np.int64))
+    tr = torch.from_numpy(np.concatenate(train).astype(np.int64))  # (N, T + 1)
+    te = torch.from_numpy(np.concatenate(test).astype(np.int64))
+    if 0 < eval_windows < len(te):
+        te = te[np.linspace(0, len(te) - 1, eval_windows).round().astype(np.int64)]
+    return Dataset("shakespeare", tr[:, :-1].contiguous(), tr[:, 1:].contiguous(),
+                   te[:, :-1].contiguous(), te[:, 1:].contiguous(), text.VOCAB,
+                   torch.from_numpy(np.concatenate(groups)))
+
+
 DATASETS: dict[str, Callable[..., Dataset]] = {
     "digits": _digits, "cifar10": _cifar10, "synthetic": _synthetic,
+    "shakespeare": _shakespeare,
 }
 
 
 @lru_cache(maxsize=4)
 def _load(name: str, data_dir: str | None, args_json: str) -> Dataset:
-    return DATASETS[name](Path(data_dir) if data_dir else None, **json.loads(args_json))
+    args = json.loads(args_json)
+    if "authors" in args:
+        args["authors"] = tuple(args["authors"])
+    return DATASETS[name](Path(data_dir) if data_dir else None, **args)
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None,

@@ -31,16 +31,27 @@ class DirichletPartition(BaseModel):
     min_samples: int = Field(default=2, ge=1, description="each client gets at least this many")
 
 
-Partition = Annotated[IIDPartition | DirichletPartition, Field(discriminator="kind")]
+class ByGroupPartition(BaseModel):
+    """Each client holds whole groups (for text: whole works), the groups dealt largest
+    first to the client with the fewest examples so far: the natural non-IID split."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["by_group"]
 
 
-def partition_indices(labels: np.ndarray, partition: IIDPartition | DirichletPartition,
+AnyPartition = IIDPartition | DirichletPartition | ByGroupPartition
+Partition = Annotated[AnyPartition, Field(discriminator="kind")]
+
+
+def partition_indices(labels: np.ndarray, partition: AnyPartition,
                       num_clients: int, seed: int) -> list[np.ndarray]:
     """Indices of ``labels`` for each client; disjoint, together all of them."""
     rng = np.random.default_rng([seed, 0x5EED])
     n = len(labels)
     if isinstance(partition, IIDPartition):
         return [np.sort(p) for p in np.array_split(rng.permutation(n), num_clients)]
+    if isinstance(partition, ByGroupPartition):
+        return _by_group(labels, num_clients)
     shards: list[list[int]] = [[] for _ in range(num_clients)]
     for cls in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == cls))
@@ -58,16 +69,29 @@ def partition_indices(labels: np.ndarray, partition: IIDPartition | DirichletPar
 
 
 @lru_cache(maxsize=8)
-def _cached(labels_bytes: bytes, partition: IIDPartition | DirichletPartition,
+def _cached(labels_bytes: bytes, partition: AnyPartition,
             num_clients: int, seed: int) -> tuple[np.ndarray, ...]:
     labels = np.frombuffer(labels_bytes, dtype=np.int64)
     return tuple(partition_indices(labels, partition, num_clients, seed))
 
 
-def client_indices(labels: np.ndarray, partition: IIDPartition | DirichletPartition,
+def client_indices(labels: np.ndarray, partition: AnyPartition,
                    num_clients: int, client: int, seed: int) -> np.ndarray:
     """The training-set indices that belong to ``client`` (0-based)."""
     if not 0 <= client < num_clients:
         raise ValueError(f"client {client} out of range 0..{num_clients - 1}")
     labels = np.ascontiguousarray(labels, dtype=np.int64)
     return _cached(labels.tobytes(), partition, num_clients, seed)[client]
+
+
+def _by_group(groups: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    ids, sizes = np.unique(groups, return_counts=True)
+    if len(ids) < num_clients:
+        raise ValueError(f"by_group: {len(ids)} groups cannot cover {num_clients} clients")
+    owned: list[list[int]] = [[] for _ in range(num_clients)]
+    load = [0] * num_clients
+    for g in ids[np.argsort(-sizes, kind="stable")]:
+        client = min(range(num_clients), key=lambda c: (load[c], c))
+        owned[client].append(int(g))
+        load[client] += int(sizes[ids == g][0])
+    return [np.sort(np.flatnonzero(np.isin(groups, mine))) for mine in owned]

@@ -126,6 +126,7 @@ class ClientUpdate(Base):
     stopped_by_budget: Mapped[bool | None] = mapped_column(Boolean, default=None)
     gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)
     gpu_util: Mapped[float | None] = mapped_column(Float, default=None)
+    tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -1,7 +1,10 @@
 """The local training loop a client runs.
 
-Reads top to bottom: shuffle with a seeded generator, step the optimizer over
-mini-batches for the epoch or step budget, report what was done.
+Reads top to bottom: restore the kept optimizer state (if any), shuffle with a seeded
+generator, step the optimizer over mini-batches for the epoch or step budget (the lr
+from the warm-up/cosine schedule, the gradient clipped), keep the optimizer state,
+report what was done. Classifiers and language models share it: a model's output
+(B, classes) or (B, T, vocab) is scored against targets (B,) or (B, T).
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from fedq.spec import OptimizerSpec
+from fedq.worker import inner
 from fedq.worker.hardware import amp_mode
 
 
@@ -31,15 +36,35 @@ class LocalStats:
     device: str = "cpu"  # where it trained
     gpu_peak_mb: float | None = None  # peak GPU memory torch allocated
     gpu_util: float | None = None  # mean GPU utilisation (%), sampled while training
+    inner_step: int = 0  # the client's inner step count after this round (lr schedule)
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
     if spec.name == "sgd":
         return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
                                weight_decay=spec.weight_decay)
+    betas = (0.9, spec.beta2)
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.Adam(params, lr=spec.lr, betas=betas, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.lr, betas=betas, weight_decay=spec.weight_decay)
+
+
+def lr_at(step: int, spec: OptimizerSpec, horizon: int | None) -> float:
+    """The learning rate of inner step ``step`` (0-based, counted over the whole job):
+    linear warm-up, then constant or cosine decay to ``final_lr_fraction`` x lr at
+    ``horizon`` (as nanoGPT's and DiLoCo's inner schedules)."""
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    if spec.schedule == "constant" or not horizon:
+        return spec.lr
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, horizon - spec.warmup_steps))
+    floor = spec.final_lr_fraction
+    return spec.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def task_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, K) against (B,), or (B, T, V) against (B, T)."""
+    return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
 
 
 def device_amp(device: torch.device) -> str:
@@ -53,11 +78,17 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 optimizer: OptimizerSpec, batch_size: int, epochs: int | None,
                 steps: int | None, seed: int, device: torch.device,
                 time_budget: float | None = None, prox_mu: float = 0.0,
-                slowdown: float = 1.0) -> LocalStats:
+                slowdown: float = 1.0, first_step: int = 0,
+                schedule_steps: int | None = None,
+                state_path: Path | None = None) -> LocalStats:
     """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
     stopping early once ``time_budget`` seconds have passed (after at least one step).
 
-    x: (N, C, H, W) float32, y: (N,) int64, on the CPU; batches move to ``device``.
+    x: (N, C, H, W) float32 and y: (N,) int64, or x and y: (N, T) int64 token ids, on
+    the CPU; batches move to ``device``. ``first_step``: the client's inner steps before
+    this round (the lr schedule's position; over ``schedule_steps``). ``state_path``:
+    where the optimizer state is kept between rounds (fedq/worker/inner.py); when that
+    file exists, its step count replaces ``first_step``.
     ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
     (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
     Deterministic for a given seed, device and thread count (without a time budget).
@@ -70,7 +101,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     total_steps = steps if steps is not None else (epochs or 1) * batches_per_epoch
     model.to(device).train()
     opt = make_optimizer(list(model.parameters()), optimizer)
-    loss_fn = nn.CrossEntropyLoss()
+    if state_path is not None:
+        first_step = inner.load(opt, state_path) or first_step
     amp = device_amp(device)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
@@ -94,17 +126,24 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             idx = order[start:start + batch_size]
             xb, yb = x[idx].to(device), y[idx].to(device)  # (B, C, H, W), (B,)
             opt.zero_grad(set_to_none=True)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(first_step + step, optimizer, schedule_steps)
             with autocast:
-                loss = loss_fn(model(xb), yb)
+                loss = task_loss(model(xb), yb)
             if anchor:  # FedProx: (mu / 2) * ||w - w_global||^2
                 loss = loss + prox_mu / 2 * sum(
                     ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
             if scaler is not None:
                 scaler.scale(loss).backward()
+                if optimizer.grad_clip:
+                    scaler.unscale_(opt)
+                    nn.utils.clip_grad_norm_(model.parameters(), optimizer.grad_clip)
                 scaler.step(opt)
                 scaler.update()
             else:
                 loss.backward()
+                if optimizer.grad_clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), optimizer.grad_clip)
                 opt.step()
             loss_sum += float(loss.detach())
             seen += len(idx)
@@ -114,7 +153,10 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
-    return LocalStats(samples=n, steps=step, seen=seen, loss=loss_sum / max(step, 1),
+    if state_path is not None:
+        inner.save(opt, state_path, first_step + step)
+    return LocalStats(inner_step=first_step + step, samples=n, steps=step, seen=seen,
+                      loss=loss_sum / max(step, 1),
                       seconds=seconds, stopped_by_budget=by_budget, amp=amp, device=str(device),
                       gpu_peak_mb=torch.cuda.max_memory_allocated(device) / 2**20
                       if device.type == "cuda" else None,

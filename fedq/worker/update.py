@@ -23,6 +23,7 @@ from fedq.refs import TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads, raw_size
+from fedq.worker import inner
 from fedq.worker.loop import local_train
 
 
@@ -65,8 +66,8 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     if spec.zero_compute:
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
-    idx = torch.from_numpy(client_indices(ds.y_train.numpy(), spec.partition, spec.num_clients,
-                                          ref.client, spec.seed))
+    idx = torch.from_numpy(client_indices(ds.partition_labels(), spec.partition,
+                                          spec.num_clients, ref.client, spec.seed))
     seed = client_seed(spec.seed, ref.round, ref.client)
     torch.manual_seed(seed)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
@@ -75,7 +76,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
                         time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
-                        slowdown=get_settings().slowdown)
+                        slowdown=get_settings().slowdown,
+                        first_step=(ref.round - 1) * (spec.local_steps or 0),
+                        schedule_steps=spec.schedule_steps,
+                        state_path=inner.state_path(get_settings().home, ref.job, ref.client)
+                        if spec.optimizer.keep_state else None)
     local = model.state_dict()
     delta = {name: local[name].detach().cpu().float() - value.float()
              if not value.dtype.is_floating_point
@@ -94,7 +99,9 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                                       raw_bytes=raw_size(delta),
                                       stopped_by_budget=stats.stopped_by_budget, amp=stats.amp,
                                       device=stats.device, gpu_peak_mb=stats.gpu_peak_mb,
-                                      gpu_util=stats.gpu_util))
+                                      gpu_util=stats.gpu_util,
+                                      tokens=stats.seen * ds.x_train.shape[1]
+                                      if ds.is_text else 0))
 
 
 def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> BlobRef:

@@ -1,4 +1,5 @@
-"""How each client update was trained: loop time, device, AMP, budget stop, GPU use.
+"""How each client update was trained: loop time, device, AMP, budget stop, GPU use,
+tokens.
 
 Revision ID: 0005
 Revises: 0004
@@ -21,10 +22,11 @@ def upgrade() -> None:
         batch.add_column(sa.Column("stopped_by_budget", sa.Boolean(), nullable=True))
         batch.add_column(sa.Column("gpu_peak_mb", sa.Float(), nullable=True))
         batch.add_column(sa.Column("gpu_util", sa.Float(), nullable=True))
+        batch.add_column(sa.Column("tokens", sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("client_updates") as batch:
-        for name in ("gpu_util", "gpu_peak_mb", "stopped_by_budget", "amp", "device",
+        for name in ("tokens", "gpu_util", "gpu_peak_mb", "stopped_by_budget", "amp", "device",
                      "train_seconds"):
             batch.drop_column(name)

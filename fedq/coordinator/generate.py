@@ -1,0 +1,42 @@
+"""Sampling text from a job's latest global model (``fedq generate``)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedq.blobs import BlobRef
+from fedq.coordinator.jobs import get_job
+from fedq.data import load_dataset
+from fedq.data import text as text_data
+from fedq.db import Job, session_scope
+from fedq.errors import SpecError
+from fedq.models import build_model
+from fedq.process import PROCESS
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import loads
+
+
+def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
+             temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> str:
+    """``prompt`` followed by ``tokens`` bytes sampled from the job's newest committed
+    model (temperature, then top-k). Raises SpecError for a model that is no language
+    model, JobNotFound for an unknown job."""
+    get_job(settings, job_id)
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        spec = JobSpec.model_validate(job.spec)
+        ref = BlobRef(job.global_key, job.global_sha256, job.global_size)
+    ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
+    if not ds.is_text:
+        raise SpecError(f"job {job_id} trains {spec.model} on {spec.dataset}, not a language "
+                        "model: nothing to generate")
+    model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
+    model.eval()
+    start = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+    out = model.generate(start[None, :], tokens, temperature=temperature, top_k=top_k,  # type: ignore[operator]
+                         generator=torch.Generator().manual_seed(seed))
+    return text_data.decode(out[0])

