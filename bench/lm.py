@@ -23,10 +23,12 @@ steps, the outer step is FedNova-normalised).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +57,7 @@ DOC = ROOT / "docs" / "lm.md"
 BEGIN, END = "<!-- begin generated tables -->", "<!-- end generated tables -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
+DEVICE = torch.device("cpu")  # --device
 
 
 @dataclass
@@ -78,7 +81,7 @@ def fresh_model(ds: Dataset) -> torch.nn.Module:
 
 
 def val_loss(model: torch.nn.Module, ds: Dataset) -> float:
-    return evaluate(model, ds.x_test, ds.y_test, device=torch.device("cpu"), batch_size=256)[1]
+    return evaluate(model, ds.x_test, ds.y_test, device=DEVICE, batch_size=256)[1]
 
 
 def shards(ds: Dataset, partition: dict[str, Any]) -> list[torch.Tensor]:
@@ -95,7 +98,7 @@ def single(ds: Dataset, steps: int, scratch: Path) -> Run:
     model = fresh_model(ds)
     local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(WORKERS * steps),
                 batch_size=BATCH, epochs=None, steps=WORKERS * steps, seed=SEED,
-                device=torch.device("cpu"), schedule_steps=WORKERS * steps,
+                device=DEVICE, schedule_steps=WORKERS * steps,
                 state_path=scratch / "single.safetensors")
     return Run("1. one worker alone, all data", val_loss(model, ds), 0)
 
@@ -103,7 +106,7 @@ def single(ds: Dataset, steps: int, scratch: Path) -> Run:
 def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
     """Baseline 2: synchronous data parallel: every step the 4 workers' gradients are
     averaged and one AdamW step is taken."""
-    model = fresh_model(ds)
+    model = fresh_model(ds).to(DEVICE)
     spec = optimizer(steps)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     gens = [torch.Generator().manual_seed(SEED + c) for c in range(WORKERS)]
@@ -114,7 +117,8 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
         opt.zero_grad(set_to_none=True)
         for c, idx in enumerate(parts):
             pick = idx[torch.randint(len(idx), (BATCH,), generator=gens[c])]
-            (task_loss(model(ds.x_train[pick]), ds.y_train[pick]) / WORKERS).backward()
+            xb, yb = ds.x_train[pick].to(DEVICE), ds.y_train[pick].to(DEVICE)
+            (task_loss(model(xb), yb) / WORKERS).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     return Run("2. synchronous data parallel (H = 1)", val_loss(model, ds),
@@ -150,17 +154,18 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
             local.load_state_dict(weights)
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
                                 batch_size=BATCH, epochs=None, steps=take,
-                                seed=SEED * 1000 + rnd * 10 + c, device=torch.device("cpu"),
+                                seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
                                 schedule_steps=steps, first_step=done[c],
                                 state_path=state_path(folder, "bench", c))
             done[c] = stats.inner_step
-            delta = {k: v.detach() - weights[k] for k, v in local.state_dict().items()}
+            delta = {k: v.detach().cpu() - weights[k] for k, v in local.state_dict().items()}
             stored, meta = encode(delta, codec, 256)
             run.bytes_moved += raw_size(stored) + raw_size(weights)
             contributions.append(Contribution(1.0, stats.steps, decode(stored, meta, shapes)))
         assert isinstance(reducer, StreamReducer)
         weights, server_state = server.step(weights, reducer.reduce(contributions, acc),
                                             server_state)
+        weights = {k: v.clone() for k, v in weights.items()}  # acc is reused next round
         clock += round_time
         if slow is not None or not (budget or rnd < steps // h):
             model.load_state_dict(weights)
@@ -172,15 +177,90 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     return run
 
 
+def gpu_row(steps: int = 300, batch: int = 64, block: int = 256) -> dict[str, Any]:
+    """The ~10M-parameter config (6 layers, 6 heads, width 384, context 256) trained on
+    one worker for ``steps`` steps: tokens/s, GPU memory and utilisation."""
+    ds = load_dataset("shakespeare", None, {"block_size": block, "eval_windows": 256})
+    torch.manual_seed(SEED)
+    model = build_model("gpt", ds.input_shape, ds.num_classes, n_layer=6, n_head=6, n_embd=384)
+    params = sum(p.numel() for p in model.parameters())
+    local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(20), batch_size=batch,
+                epochs=None, steps=20, seed=SEED, device=DEVICE)  # warm-up: kernels, caches
+    stats = local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(steps),
+                        batch_size=batch, epochs=None, steps=steps, seed=SEED, device=DEVICE)
+    return {"params": params, "tokens_per_s": stats.seen * block / stats.seconds,
+            "amp": stats.amp, "gpu_peak_mb": stats.gpu_peak_mb, "gpu_util": stats.gpu_util,
+            "steps": steps, "batch": batch, "block": block,
+            "device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__,
+            "val_loss": val_loss(model, ds)}
+
+
 def step_seconds(ds: Dataset) -> float:
     model = fresh_model(ds)
     times = []
     for _ in range(3):
         t = time.perf_counter()
         local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(10), batch_size=BATCH,
-                    epochs=None, steps=10, seed=SEED, device=torch.device("cpu"))
+                    epochs=None, steps=10, seed=SEED, device=DEVICE)
         times.append((time.perf_counter() - t) / 10)
     return statistics.median(times)
+
+
+def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
+    """One run of the table, by name (in a process of its own: see main)."""
+    steps, h = job["steps"], job.get("h", 0)
+    if job["kind"] == "gpu":
+        return gpu_row()
+    ds = load_dataset("shakespeare", None, {"block_size": BLOCK,
+                                            "eval_windows": 64 if smoke else 2048,
+                                            **({"max_works": 6} if smoke else {})})
+    if job["kind"] == "step_time":
+        return {"seconds": step_seconds(ds)}
+    parts = shards(ds, {"kind": "by_group" if job.get("non_iid") else "iid"})
+    with tempfile.TemporaryDirectory() as tmp:
+        if job["kind"] == "single":
+            run = single(ds, steps, Path(tmp))
+        elif job["kind"] == "dp":
+            run = data_parallel(ds, parts, steps)
+        else:
+            run = diloco(ds, parts, steps, h, job.get("codec", "none"), Path(tmp), job["name"],
+                         slow=job.get("slow"), budget=job.get("budget", False),
+                         step_time=job.get("step_time", 1.0), target=job.get("target"),
+                         max_time=job.get("max_time"))
+    return {"name": run.name, "val_loss": run.val_loss, "bytes_moved": run.bytes_moved,
+            "curve": run.curve}
+
+
+def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each job in a ``python -m bench.lm --one JOB`` process of its own, ``--jobs`` at a
+    time (the runs are independent; results come back as JSON on stdout)."""
+    pending = list(enumerate(jobs))
+    running: list[tuple[int, subprocess.Popen[str]]] = []
+    results: dict[int, dict[str, Any]] = {}
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            i, job = pending.pop(0)
+            cmd = [sys.executable, "-m", "bench.lm", "--one", json.dumps(job),
+                   "--device", args.device, *(["--smoke"] if args.smoke else [])]
+            running.append((i, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                                text=True)))
+        for i, proc in list(running):
+            if proc.poll() is None:
+                continue
+            running.remove((i, proc))
+            out = proc.stdout.read() if proc.stdout else ""
+            if proc.returncode != 0:
+                raise SystemExit(f"bench.lm: run {jobs[i].get('name', jobs[i]['kind'])} "
+                                 f"failed ({proc.returncode})")
+            results[i] = json.loads(out.strip().splitlines()[-1])
+            print(f"{jobs[i].get('name', jobs[i]['kind'])}: "
+                  f"{results[i].get('val_loss', results[i])}", flush=True)
+        time.sleep(0.2)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _run(r: dict[str, Any]) -> Run:
+    return Run(r["name"], r["val_loss"], r["bytes_moved"], [tuple(c) for c in r["curve"]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,42 +268,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     parser.add_argument("--steps", type=int, default=1000, help="inner steps per worker")
     parser.add_argument("--out", type=Path, default=DOC)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    torch.set_num_threads(1 if args.jobs > 1 else min(2, os.cpu_count() or 1))
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one), args.smoke)))
+        return 0
     steps = 20 if args.smoke else args.steps
     hs = [5, 10] if args.smoke else [50, 100, 500]
-    ds = load_dataset("shakespeare", None, {"block_size": BLOCK,
-                                            "eval_windows": 64 if args.smoke else 2048,
-                                            **({"max_works": 6} if args.smoke else {})})
+    h_mid = hs[len(hs) // 2]
     started = time.perf_counter()
-    iid, by_work = shards(ds, {"kind": "iid"}), shards(ds, {"kind": "by_group"})
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp)
-        base1 = single(ds, steps, scratch)
-        print(f"{base1.name}: {base1.val_loss:.4f}", flush=True)
-        base2 = data_parallel(ds, iid, steps)
-        print(f"{base2.name}: {base2.val_loss:.4f}", flush=True)
-        runs = []
-        for h in hs:
-            for codec in ("none", "int8"):
-                run = diloco(ds, iid, steps, h, codec, scratch,
-                             f"3. DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}")
-                print(f"{run.name}: {run.val_loss:.4f}", flush=True)
-                runs.append(run)
-        h_mid = hs[len(hs) // 2]
-        non_iid = diloco(ds, by_work, steps, h_mid, "none", scratch,
-                         f"DiLoCo H = {h_mid}, fp32, each client whole works (non-IID)")
-        iid_mid = next(r for r in runs if r.name == f"3. DiLoCo H = {h_mid}, fp32")
-        t = step_seconds(ds)
-        fixed = diloco(ds, iid, steps, h_mid, "none", scratch,
-                       f"fixed H = {h_mid} on every worker", slow=3, step_time=t)
-        timed = diloco(ds, iid, steps, h_mid, "none", scratch,
-                       f"time budget of {h_mid} fast steps, FedNova-normalised", slow=3,
-                       budget=True, step_time=t, target=base2.val_loss,
-                       max_time=fixed.curve[-1][0])
+    [t] = [r["seconds"] for r in run_all([{"kind": "step_time", "steps": steps}], args)]
+    grid = [{"kind": "diloco", "steps": steps, "h": h, "codec": codec,
+             "name": f"3. DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}"}
+            for h in hs for codec in ("none", "int8")]
+    first = run_all([
+        {"kind": "single", "steps": steps}, {"kind": "dp", "steps": steps}, *grid,
+        {"kind": "diloco", "steps": steps, "h": h_mid, "non_iid": True,
+         "name": f"DiLoCo H = {h_mid}, fp32, each client whole works (non-IID)"},
+        {"kind": "diloco", "steps": steps, "h": h_mid, "slow": 3, "step_time": t,
+         "name": f"fixed H = {h_mid} on every worker"}], args)
+    base1, base2, *runs = [_run(r) for r in first]
+    runs, non_iid, fixed = runs[:-2], runs[-2], runs[-1]
+    second = run_all([
+        {"kind": "diloco", "steps": steps, "h": h_mid, "slow": 3, "budget": True,
+         "step_time": t, "target": base2.val_loss, "max_time": fixed.curve[-1][0],
+         "name": f"time budget of {h_mid} fast steps, FedNova-normalised"},
+        *([{"kind": "gpu", "steps": steps}] if DEVICE.type == "cuda" else [])], args)
+    timed, big = _run(second[0]), (second[1] if len(second) > 1 else None)
+    iid_mid = next(r for r in runs if r.name == f"3. DiLoCo H = {h_mid}, fp32")
     elapsed = time.perf_counter() - started
     write(args.out, steps, hs, base1, base2, runs, iid_mid, non_iid, fixed, timed, t, elapsed,
-          args.smoke)
+          args.smoke, big)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
     return 0
 
@@ -234,13 +314,16 @@ def _reach(run: Run, target: float) -> float | None:
 
 def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: list[Run],
           iid_mid: Run, non_iid: Run, fixed: Run, timed: Run, step_time: float,
-          elapsed: float, smoke: bool) -> None:
+          elapsed: float, smoke: bool, big: dict[str, Any] | None = None) -> None:
     tokens = WORKERS * steps * BATCH * BLOCK
     command = "python -m bench.lm" + (" --smoke" if smoke else
-                                      ("" if steps == 1000 else f" --steps {steps}"))
+                                      ("" if steps == 1000 else f" --steps {steps}")) + \
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8")
     lines = [BEGIN, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
-             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, in "
+             f"{platform.machine()}, {os.cpu_count()} cores"
+             + (f", {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else "")
+             + f", torch {torch.__version__}, on {DEVICE.type}, in "
              f"{elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner steps x batch "
              f"{BATCH} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}.", "",
              "| run | validation loss (nats/byte) | perplexity | vs baseline 2 | MB moved "
@@ -265,6 +348,15 @@ def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: li
         when = _reach(r, base2.val_loss)
         lines.append(f"| {r.name} | {r.val_loss:.4f} | "
                      f"{'not reached' if when is None else f'{when:.1f}'} | {len(r.curve)} |")
+    if big is not None:
+        lines += ["", f"The ~10M-parameter config on {big['device']} (torch {big['torch']}, "
+                  f"AMP {big['amp']}): one worker, {big['steps']} steps of batch {big['batch']}"
+                  f" x {big['block']} bytes after 20 warm-up steps.", "",
+                  "| parameters | tokens/s | GPU peak memory (MB) | GPU utilisation (%) "
+                  "| validation loss after it |", "|---|---|---|---|---|",
+                  f"| {big['params'] / 1e6:.1f} M | {big['tokens_per_s']:,.0f} | "
+                  f"{big['gpu_peak_mb']:,.0f} | {big['gpu_util'] or 0:.0f} | "
+                  f"{big['val_loss']:.4f} |"]
     lines += ["", END]
     text = out.read_text() if out.exists() else f"# Language models\n\n{BEGIN}\n{END}\n"
     start, stop = text.index(BEGIN), text.index(END) + len(END)
