@@ -7,6 +7,7 @@ elsewhere it skips the tests that need it, saying which service is missing.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -49,7 +50,9 @@ def pg_database() -> Iterator[str]:
         yield url
 
 
-_redis_dbs = iter(range(1, 16))
+# Database numbers 1..15, each test its own, reused in turn (each test flushes its
+# database before and after).
+_redis_dbs = itertools.cycle(range(1, 16))
 
 
 @contextmanager
@@ -57,7 +60,7 @@ def redis_database() -> Iterator[str]:
     """A Redis URL on a database number of its own, flushed before and after."""
     import redis
 
-    url = f"{REDIS_URL}/{next(_redis_dbs, 15)}"
+    url = f"{REDIS_URL}/{next(_redis_dbs)}"
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.flushdb()

@@ -77,15 +77,38 @@ def test_workers_with_the_broker_down_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", [("watch", "nosuchjob"), ("results", "nosuchjob"),
-                                     ("status", "nosuchjob"), ("cancel", "nosuchjob")])
-def test_unknown_job_exits_4(tmp_path: Path, command: tuple[str, ...]) -> None:
-    _one_line(_fedq(tmp_path, *command), 4, "no job 'nosuchjob'")
+                                     ("status", "nosuchjob"), ("cancel", "nosuchjob"),
+                                     ("generate", "nosuchjob")])
+def test_unknown_job_exits_4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             command: tuple[str, ...]) -> None:
+    # In process (the CLI's own entry point through click's runner): the same code as
+    # `fedq ...`, without a Python start-up per case.
+    from click.testing import CliRunner
+
+    from fedq.cli import main
+    from fedq.settings import get_settings
+
+    for key in [k for k in os.environ if k.startswith("FEDQ_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path / "home"))
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(main, list(command))
+    finally:
+        get_settings.cache_clear()
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 4 and len(lines) == 1, result.output
+    assert "no job 'nosuchjob'" in lines[0] and result.stdout == ""
 
 
-def test_exit_codes_are_in_the_help(tmp_path: Path) -> None:
-    for args in (("--help",), ("watch", "--help")):
-        proc = _fedq(tmp_path, *args)
-        assert proc.returncode == 0 and "4 no such job" in " ".join(proc.stdout.split())
+def test_exit_codes_are_in_the_help() -> None:
+    from click.testing import CliRunner
+
+    from fedq.cli import main
+
+    for args in (["--help"], ["watch", "--help"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and "4 no such job" in " ".join(result.stdout.split())
 
 
 def test_unknown_setting_is_refused(tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +180,3 @@ def test_gpt_job_end_to_end_and_generate(tmp_path: Path, backend: str,
         assert np.isfinite(out["rounds"][-1]["eval_loss"])
     finally:
         cluster.stop()
-
-
-def test_generate_names_an_unknown_job(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "generate", "nosuch"],
-                          env=base_env(tmp_path / "home"), capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 4 and "no job 'nosuch'" in proc.stderr
