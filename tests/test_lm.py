@@ -177,6 +177,8 @@ def test_gpt_job_end_to_end_and_generate(tmp_path: Path, backend: str,
         assert sample.startswith("ROMEO.") and len(sample.encode()) >= 40
         watched = cluster.fedq("watch", job).stdout
         assert "tokens/s" in watched
+        per_client = cluster.fedq("results", job, "--clients").stdout
+        assert "w1@test" in per_client or "w2@test" in per_client  # the per-client table
         assert np.isfinite(out["rounds"][-1]["eval_loss"])
     finally:
         cluster.stop()

@@ -64,7 +64,6 @@ class Outcome:
     samples: int = 0
     loss_sum: float = 0.0
     raw_bytes: int = 0
-    usable: set[int] = field(default_factory=set)
     throughput: list[tuple[str, int, float]] = field(default_factory=list)
 
     def record(self, ref: UpdateRef, status: str, error: str | None = None,
@@ -113,7 +112,6 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
         outcome.record(ref, "ok", norm=norm, raw=raw)
         outcome.accepted += 1
         outcome.raw_bytes += raw
-        outcome.usable.add(ref.client)
         outcome.samples += ref.samples
         outcome.loss_sum += (ref.loss or 0.0) * ref.samples
         outcome.throughput.append((ref.worker, ref.stats.seen or ref.samples,
