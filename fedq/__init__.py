@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"  # keep equal to pyproject.toml
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it
 __all__ = ["app", "__version__"]
 
 if TYPE_CHECKING:

@@ -91,3 +91,16 @@ class SchemaOutOfDate(FedqError):
     """The database has not been migrated to the current schema."""
 
     exit_code = 3
+
+
+class MissingExtra(ConfigError):
+    """A feature needs an optional dependency that is not installed."""
+
+
+def require_extra(module: str, extra: str, needed_for: str) -> None:
+    """Raise :class:`MissingExtra` naming the pip extra unless ``module`` is importable."""
+    from importlib.util import find_spec
+
+    if find_spec(module) is None:
+        raise MissingExtra(f"{needed_for} needs the Python package {module!r}, which is not "
+                           f"installed: pip install 'fedq[{extra}]'")

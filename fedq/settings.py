@@ -23,6 +23,8 @@ FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests
 FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
 FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 10)
 FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
+FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
+                           ``fedq doctor`` checks the image against
 =========================  ==============================================================
 """
 
@@ -64,6 +66,7 @@ class Settings(BaseModel):
     skip_hardware_check: bool = False
     watchdog_interval: float = Field(default=10.0, gt=0)
     finalize_delay: float = Field(default=0.0, ge=0)
+    image_class: str | None = None
 
     @property
     def embedded_broker(self) -> bool:
@@ -78,6 +81,7 @@ _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
+    "IMAGE_CLASS",
 }
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
@@ -119,6 +123,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,
         "watchdog_interval": get("WATCHDOG_INTERVAL") or 10.0,
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
+        "image_class": get("IMAGE_CLASS"),
     }
     try:
         return Settings(**raw)

@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtual environment and links it at ./.venv.
 #
-# The environment lives outside the checkout, keyed by a hash of the dependency
-# files, so a fresh clone on the same machine reuses it; a new machine builds it
-# from scratch (about 2 minutes: torch is the bulk). Override the cache folder
-# with FEDQ_VENV_CACHE.
+# The environment is installed from the lock file, requirements/dev.lock (every
+# package pinned; `bash scripts/lock.sh` regenerates it from pyproject.toml). It lives
+# outside the checkout, keyed by a hash of the lock and this script, so a fresh clone
+# on the same machine reuses it; a new machine builds it from scratch (about 2 minutes:
+# torch is the bulk). Override the cache folder with FEDQ_VENV_CACHE and the
+# interpreter with PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cache="${FEDQ_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fedq}"
 python="${PYTHON:-python3}"
-hash=$(cat pyproject.toml requirements/dev-constraints.txt scripts/bootstrap.sh \
+
+# The interpreter must be one the package claims (pyproject's requires-python); this
+# check needs nothing newer than what it checks for.
+"$python" - <<'PY'
+import re, sys
+text = open("pyproject.toml").read()
+floor = re.search(r'^requires-python\s*=\s*">=(\d+)\.(\d+)"', text, re.M)
+if floor is None:
+    sys.exit("fedq: pyproject.toml has no requires-python = \">=X.Y\"")
+need = (int(floor.group(1)), int(floor.group(2)))
+if sys.version_info[:2] < need:
+    sys.exit(f"fedq: Python {need[0]}.{need[1]} or newer is needed, {sys.executable} is "
+             f"{sys.version.split()[0]}: set PYTHON=/path/to/python3")
+PY
+
+hash=$(cat requirements/dev.lock scripts/bootstrap.sh \
        | "$python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
 venv="$cache/venv-$hash"
 
@@ -27,16 +44,8 @@ if [ ! -f "$venv/.complete" ]; then
     rm -rf "$venv"
     mkdir -p "$cache"
     "$python" -m venv "$venv"
-    reqs="$venv/requirements.txt"
-    "$python" - >"$reqs" <<'PY'
-import tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-extras = p["optional-dependencies"]
-print("\n".join(p["dependencies"] + extras["test"] + extras["dashboard"]))
-PY
-    # Dependencies only; the project itself is installed editable below, so the
-    # cached environment serves any checkout.
-    pip_quiet install -q -c requirements/dev-constraints.txt -r "$reqs"
+    # Exactly the lock: every package is listed there, so no resolution happens here.
+    pip_quiet install -q --no-deps -r requirements/dev.lock
     # The compose-spec JSON schema that tests validate docker/compose.yaml against ships
     # inside docker-compose 1.29.2 (the Python Compose); only its data file is used.
     pip_quiet install -q --no-deps docker-compose==1.29.2

@@ -71,3 +71,50 @@ def test_unwritable_local_store_fails_check(tmp_path: Path) -> None:
 def test_unreachable_redis_store_fails_check() -> None:
     with pytest.raises(ServiceUnavailable, match="not reachable"):
         open_store("redis://127.0.0.1:1/0").check()
+
+
+def test_store_init_creates_the_bucket_once(s3_env: dict[str, str], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedq store init` (the compose file's s3-init step) on the real S3 server: a new
+    bucket is created, then found; the store is writable after it."""
+    from click.testing import CliRunner
+
+    from fedq.cli.commands import main
+    from fedq.settings import get_settings
+
+    bucket = f"init-{tmp_path.name.lower().replace('_', '-')}"[:60]
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path))
+    monkeypatch.setenv("FEDQ_BLOB_URL", f"s3://{bucket}/fedq")
+    get_settings.cache_clear()
+    try:
+        first = CliRunner().invoke(main, ["store", "init", "--wait", "0"])
+        second = CliRunner().invoke(main, ["store", "init", "--wait", "0"])
+    finally:
+        get_settings.cache_clear()
+    assert first.exit_code == 0, first.output
+    assert f"bucket {bucket}: created" in first.output
+    assert f"bucket {bucket}: exists" in second.output
+    ref = open_store(f"s3://{bucket}/fedq", s3_env["FEDQ_S3_ENDPOINT_URL"]).put("k", b"v")
+    assert ref.size == 1
+
+
+def test_store_init_on_a_dead_server_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fedq.cli.commands import main
+    from fedq.settings import get_settings
+
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path))
+    monkeypatch.setenv("FEDQ_BLOB_URL", "s3://fedq/x")
+    monkeypatch.setenv("FEDQ_S3_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(main, ["store", "init", "--wait", "0"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert "cannot create the bucket" in result.output

@@ -1,5 +1,6 @@
-"""Worker images and the coordinator compose file: linted and validated (no Docker engine
-runs here), and pinned from the one pins file."""
+"""Worker images and the coordinator compose file: linted, validated and pinned from
+the one pins file; with a Docker engine (marker ``docker``, scripts/test-deploy.sh),
+each built image is asked what torch it carries."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import yaml
 from fedq.worker.hardware import pins
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCKERFILES = sorted((ROOT / "worker-images").glob("Dockerfile.*")) + [
-    ROOT / "docker" / "Dockerfile.coordinator"]
+DOCKERFILES = sorted((ROOT / "worker-images").glob("Dockerfile.*")) + sorted(
+    (ROOT / "docker").glob("Dockerfile.*"))
 
 
 def _tool(name: str) -> str:
@@ -37,13 +38,40 @@ def test_dockerfile_lints_clean(dockerfile: Path) -> None:
 def test_worker_images_follow_the_pins() -> None:
     table = pins()
     assert set(table) == {"gpu_new", "gpu_sm61", "cpu"}
-    for cls, pin in table.items():
-        text = (ROOT / "worker-images" / f"Dockerfile.{cls}").read_text()
+    files = {cls: ROOT / "worker-images" / f"Dockerfile.{cls}" for cls in table}
+    files["coordinator"] = ROOT / "docker" / "Dockerfile.coordinator"  # the cpu build
+    for name, path in files.items():
+        cls = "cpu" if name == "coordinator" else name
+        pin, text = table[cls], path.read_text()
         args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
-        assert args["BASE"] == pin["base"], cls
+        assert args["BASE"] == pin["base"], name
         assert args["TORCH"] == pin["torch"] and args["TORCHVISION"] == pin["torchvision"]
         assert args["TORCH_INDEX"] == pin["index"] and args["PYTHON"] == pin["python"]
-        assert f'"-Q", "{cls}"' in text  # the image consumes its own class's queue
+        assert f"FEDQ_IMAGE_CLASS={cls}" in text  # doctor checks the image against its pin
+        queue = "control" if name == "coordinator" else cls
+        assert f'"-Q", "{queue}"' in text  # the image consumes its own class's queue
+
+
+def test_image_check_against_the_pins() -> None:
+    from fedq.worker.hardware import HardwareReport, image_problems
+
+    table = pins()
+    pin = table["gpu_sm61"]
+    exact = HardwareReport(torch=f"{pin['torch']}+cu126", cuda="12.6", driver=None,
+                           arch_list=[], gpus=[], build_arch=["sm_50", "sm_60", "sm_70"])
+    assert image_problems(exact, "gpu_sm61") == []
+    newer = HardwareReport(torch="2.14.1+cu130", cuda="13.0", driver=None, arch_list=[],
+                           gpus=[], build_arch=["sm_75", "sm_80", "sm_90"])
+    problems = image_problems(newer, "gpu_sm61")
+    assert len(problems) == 3
+    assert "torch 2.14.1+cu130 where pins.toml gives" in problems[0]
+    assert "CUDA 13.0 build where pins.toml gives CUDA 12.6" in problems[1]
+    assert "no kernels for sm_61" in problems[2]
+    assert image_problems(newer, "gpu_new")[-1].startswith("a CUDA 13.0 build")  # sm_75 ok
+    cpu = HardwareReport(torch=f"{table['cpu']['torch']}+cpu", cuda=None, driver=None,
+                         arch_list=[], gpus=[])
+    assert image_problems(cpu, "cpu") == []
+    assert "is not a class" in image_problems(cpu, "tpu")[0]
 
 
 def _compose_schema() -> dict:
@@ -61,16 +89,25 @@ def test_compose_file_is_valid_and_complete() -> None:
     errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
     assert errors == []
     services = doc["services"]
-    assert {"redis", "postgres", "minio", "migrate", "control", "beat", "flower"} <= set(services)
-    assert "--requirepass" in services["redis"]["command"]
-    assert any(str(a).startswith("--basic-auth=") for a in services["flower"]["command"])
+    assert {"redis", "postgres", "s3", "s3-init", "migrate", "control", "beat",
+            "flower"} <= set(services)
     assert services["migrate"]["command"] == ["fedq", "db", "upgrade"]
     assert services["control"]["depends_on"]["migrate"]["condition"] == \
         "service_completed_successfully"
-    # every published port binds to FEDQ_BIND (loopback unless a private address is set)
     for name, svc in services.items():
+        # every published port binds to FEDQ_BIND (loopback unless a private address is set)
         for port in svc.get("ports", []):
             assert port.startswith("${FEDQ_BIND:-127.0.0.1}:"), (name, port)
+        # no password on a command line (ps shows those): they come from the env file
+        command = " ".join(map(str, svc.get("command", [])))
+        assert "PASSWORD}" not in command and "--requirepass" not in command, name
+        assert svc["logging"]["options"]["max-size"], name  # rotated logs
+    for name in ("redis", "postgres", "s3", "control", "beat", "flower"):
+        assert "healthcheck" in services[name], name
+    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"].startswith("admin:")
+    override = yaml.safe_load((ROOT / "docker" / "compose.debian.yaml").read_text())
+    assert list(validator.iter_errors(override)) == []
+    assert set(override["services"]) <= set(services)
 
 
 def test_compose_schema_rejects_a_broken_file() -> None:
@@ -79,3 +116,49 @@ def test_compose_schema_rejects_a_broken_file() -> None:
     doc = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     doc["services"]["redis"]["restart_policy"] = "always"  # not a service key
     assert list(jsonschema.Draft7Validator(_compose_schema()).iter_errors(doc))
+
+
+def _docker(*args: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    from tests.conftest import missing
+
+    engine = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine.sh")],
+                            capture_output=True, text=True, check=False)
+    if engine.returncode != 0:
+        missing("Docker engine", engine.stderr.strip()[-300:])
+    env = {**os.environ, "DOCKER_HOST": engine.stdout.strip()}
+    return subprocess.run(["docker", *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _lock_pin(name: str) -> str:
+    text = (ROOT / "requirements" / "dev.lock").read_text()
+    return re.search(rf"^{name}==(\S+)", text, re.M).group(1)  # type: ignore[union-attr]
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("image,cls", [("fedq-coordinator", "cpu"), ("fedq-worker:cpu", "cpu"),
+                                       ("fedq-worker:gpu_new", "gpu_new"),
+                                       ("fedq-worker:gpu_sm61", "gpu_sm61")])
+def test_built_image_reports_its_torch(image: str, cls: str) -> None:
+    """Each image imports torch, and `fedq doctor --json` inside it names the build it
+    carries and how that differs from pins.toml. Built here by scripts/images.sh, every
+    image carries the lock's torch (no registry serves the pinned ones), so the check
+    must report the difference; for gpu_sm61 that includes the missing sm_61 kernels."""
+    from tests.conftest import missing
+
+    if _docker("image", "inspect", image).returncode != 0:
+        missing(f"image {image}", "build it with `bash scripts/images.sh`")
+    proc = _docker("run", "--rm", image, "fedq", "doctor", "--json")
+    report = json.loads(proc.stdout)
+    assert report["torch"].split("+")[0] == _lock_pin("torch")
+    assert report["hardware_class"] == "cpu" and report["gpus"] == []  # no GPU here
+    assert report["image"]["class"] == cls
+    assert report["image"]["pins"] == pins()[cls]
+    image_problems = report["image"]["problems"]
+    assert any(f"where pins.toml gives {pins()[cls]['torch']}" in p for p in image_problems)
+    sm61 = any("no kernels for sm_61" in p for p in image_problems)
+    assert sm61 == (cls == "gpu_sm61"), image_problems
+    assert not any("failed a matmul/conv test" in p for p in report["problems"])
+    assert proc.returncode == 1  # a difference from the pins is a problem doctor reports

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from fedq.aggregate.types import Weights
+from fedq.errors import require_extra
 
 CODECS = ("none", "fp16", "int8")
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -79,6 +80,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...
 
 
 def zstd_compress(data: bytes, level: int = 3) -> bytes:
+    require_extra("zstandard", "zstd", "the +zstd codec")
     import zstandard
 
     return zstandard.ZstdCompressor(level=level).compress(data)
@@ -88,6 +90,7 @@ def maybe_decompress(data: bytes) -> bytes:
     """zstd frames are decompressed; anything else is returned as is."""
     if data[:4] != ZSTD_MAGIC:
         return data
+    require_extra("zstandard", "zstd", "a zstd-compressed update")
     import zstandard
 
     return zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from fedq.aggregate.types import Weights
+from fedq.errors import require_extra
 
 
 def add_gaussian_noise(mean: Mapping[str, torch.Tensor], *, clip_norm: float,
@@ -35,6 +36,7 @@ def add_gaussian_noise(mean: Mapping[str, torch.Tensor], *, clip_norm: float,
 def epsilon(rounds: int, *, noise_multiplier: float, sample_rate: float,
             delta: float) -> float:
     """(epsilon, delta)-DP epsilon after ``rounds`` rounds (Opacus RDP accountant)."""
+    require_extra("opacus", "dp", "the differential-privacy accountant")
     from opacus.accountants import RDPAccountant
 
     accountant = RDPAccountant()

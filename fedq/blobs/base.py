@@ -83,6 +83,11 @@ class BlobStore(ABC):
     @abstractmethod
     def check(self) -> None: ...
 
+    def prepare(self) -> str:
+        """Make the store ready to be written (an S3 store creates its bucket); one
+        line saying what was done."""
+        return "nothing to prepare"
+
     def put(self, key: str, data: bytes) -> BlobRef:
         """Store ``data`` under ``key``; return its ref (key, sha256, size)."""
         if len(data) < _OVERLAP_HASH_BYTES:

@@ -1,4 +1,4 @@
-"""Blobs in an S3-compatible bucket (MinIO in production): ``s3://bucket/prefix``.
+"""Blobs in an S3-compatible bucket (MinIO or SeaweedFS in production): ``s3://bucket/prefix``.
 
 Credentials come from the usual AWS_* variables; the endpoint from
 ``FEDQ_S3_ENDPOINT_URL``. A PUT replaces an object atomically.
@@ -10,11 +10,18 @@ from typing import Any
 from urllib.parse import urlparse
 
 from fedq.blobs.base import BlobStore
-from fedq.errors import BlobError, BlobNotFound, ConfigError, ServiceUnavailable
+from fedq.errors import (
+    BlobError,
+    BlobNotFound,
+    ConfigError,
+    ServiceUnavailable,
+    require_extra,
+)
 
 
 class S3BlobStore(BlobStore):
     def __init__(self, url: str, endpoint_url: str | None = None) -> None:
+        require_extra("boto3", "s3", f"the blob store {url}")
         import boto3
         from botocore.config import Config
 
@@ -59,6 +66,22 @@ class S3BlobStore(BlobStore):
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if objects:
                 self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def prepare(self) -> str:
+        """Create the bucket unless it exists (the compose file's s3-init step)."""
+        return f"bucket {self.bucket}: {'created' if self._make_bucket() else 'exists'}"
+
+    def _make_bucket(self) -> bool:
+        try:
+            self._client.create_bucket(Bucket=self.bucket)
+            return True
+        except self._client.exceptions.BucketAlreadyOwnedByYou:
+            return False
+        except self._client.exceptions.BucketAlreadyExists:
+            return False
+        except self._errors() as exc:
+            raise ServiceUnavailable(f"blob store {self.url}: cannot create the bucket: "
+                                     f"{exc}") from None
 
     def check(self) -> None:
         try:

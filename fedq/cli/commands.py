@@ -236,13 +236,28 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -
     """Check this machine: hardware class, torch build vs GPU, a kernel smoke test.
 
     Exits 1 when the installed torch cannot drive a GPU here, with the fix."""
-    from fedq.worker.hardware import amp_mode, arch_covers, diagnose, image_for, probe
+    from fedq.worker.hardware import (
+        amp_mode,
+        arch_covers,
+        diagnose,
+        image_for,
+        image_problems,
+        pins,
+        probe,
+    )
 
     report = probe()
     problems = diagnose(report)
     cls = report.hardware_class
+    image: dict[str, Any] | None = None
+    image_cls = _settings().image_class
+    if image_cls:  # inside a fedq image: its torch vs the pins
+        image = {"class": image_cls, "pins": pins().get(image_cls),
+                 "problems": image_problems(report, image_cls)}
+        problems += [f"image {image_cls}: {p}" for p in image["problems"]]
     if as_json and not smoke:
-        click.echo(json.dumps({**report.to_json(), "problems": problems}, indent=2))
+        click.echo(json.dumps({**report.to_json(), "image": image, "problems": problems},
+                              indent=2))
         sys.exit(1 if problems else 0)
     if as_json:  # --smoke --json: the report and the round, one document
         if problems:
@@ -257,8 +272,13 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -
     out.print(f"host      {report.hostname}", highlight=False)
     out.print(f"torch     {report.torch} (CUDA build {report.cuda or 'none'}), driver "
               f"{report.driver or 'none'}", highlight=False)
-    if report.arch_list:
-        out.print(f"kernels   {' '.join(report.arch_list)}", highlight=False)
+    if report.arch_list or report.build_arch:
+        out.print(f"kernels   {' '.join(report.arch_list or report.build_arch)}",
+                  highlight=False)
+    if image is not None:
+        out.print(f"image     fedq image for {image['class']}: "
+                  f"{'as pinned' if not image['problems'] else 'differs from pins.toml'}",
+                  highlight=False)
     if report.gpus:
         table = Table("gpu", "name", "capability", "memory GB", "kernels", "AMP")
         for g in report.gpus:
@@ -309,6 +329,22 @@ def upgrade() -> None:
     settings = _settings()
     do_upgrade(settings.database_url)
     click.echo(f"database at revision {current_revision(settings.database_url)}")
+
+
+@main.group()
+def store() -> None:
+    """The blob store (weights and updates)."""
+
+
+@store.command("init")
+@click.option("--wait", default=60.0, show_default=True,
+              help="seconds to keep retrying while the store's server starts")
+@expected_errors
+def store_init(wait: float) -> None:
+    """Create the S3 bucket unless it exists and check the store can be written."""
+    from fedq.coordinator.jobs import prepare_store
+
+    click.echo(prepare_store(_settings(), wait=wait))
 
 
 @main.command()

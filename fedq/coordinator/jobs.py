@@ -6,6 +6,7 @@ The CLI calls these; so do the tests.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,23 @@ def submit(settings: Settings, spec: JobSpec) -> str:
         _remove(settings, job_id)
         raise
     return job_id
+
+
+def prepare_store(settings: Settings, wait: float = 60.0) -> str:
+    """Make the configured blob store ready (its bucket created) and check it can be
+    written, retrying for ``wait`` seconds while its server starts: the compose file's
+    s3-init step. One line saying what was done."""
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            done = store.prepare()
+            store.check()
+            return f"{settings.blob_url}: {done}, writable"
+        except ServiceUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def _remove(settings: Settings, job_id: str) -> None:

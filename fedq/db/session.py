@@ -16,9 +16,27 @@ from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from fedq.errors import SchemaOutOfDate, ServiceUnavailable
+from fedq.errors import SchemaOutOfDate, ServiceUnavailable, require_extra
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+def migrations_dir() -> Path:
+    """Where the Alembic scripts are: the ``fedq._migrations`` package of the install.
+
+    The wheel ships the repository's ``migrations/`` folder under that name (setup.py);
+    an editable install maps it the same way. Only a checkout run without installing
+    (``PYTHONPATH=.``) falls back to the folder beside the package.
+    """
+    try:
+        from importlib.resources import files
+
+        return Path(str(files("fedq._migrations")))
+    except ModuleNotFoundError:
+        beside = Path(__file__).resolve().parents[2] / "migrations"
+        if (beside / "env.py").is_file():
+            return beside
+        raise SchemaOutOfDate(
+            "fedq's migrations are missing from this install (fedq._migrations): "
+            "reinstall fedq") from None
 
 
 @lru_cache(maxsize=8)
@@ -31,6 +49,9 @@ def connect(url: str) -> Engine:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = {"timeout": 30}
     elif url.startswith("postgresql"):
+        driver = "psycopg2" if url.startswith("postgresql+psycopg2") or "+" not in \
+            url.split(":", 1)[0] else "psycopg"
+        require_extra(driver, "postgres", f"the database {_safe(url)}")
         kwargs["connect_args"] = {"connect_timeout": 5}
     engine = create_engine(url, **kwargs)
     if url.startswith("sqlite"):
@@ -71,7 +92,7 @@ def _alembic_config(url: str) -> Any:
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 

@@ -49,6 +49,9 @@ class HardwareReport:
     jetson: bool = False
     hostname: str = field(default_factory=platform.node)
     problems: list[str] = field(default_factory=list)
+    # The kernels compiled into this torch build: known without a GPU (arch_list is
+    # empty when CUDA cannot start), so an image can be checked on a CPU host.
+    build_arch: list[str] = field(default_factory=list)
 
     @property
     def hardware_class(self) -> str:
@@ -67,7 +70,8 @@ class HardwareReport:
                    arch_list=list(data.get("arch_list", [])), gpus=gpus,
                    mps=bool(data.get("mps")), jetson=bool(data.get("jetson")),
                    hostname=data.get("hostname", platform.node()),
-                   problems=list(data.get("problems", [])))
+                   problems=list(data.get("problems", [])),
+                   build_arch=list(data.get("build_arch", [])))
 
 
 def classify(capabilities: list[tuple[int, int]]) -> str:
@@ -208,9 +212,11 @@ def probe(run_smoke: bool = True) -> HardwareReport:
                 gpus.append(Gpu(i, props.name, (props.major, props.minor),
                                 round(props.total_memory / 2**30, 1)))
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    flags = getattr(torch._C, "_cuda_getArchFlags", lambda: None)()
     report = HardwareReport(torch=torch.__version__, cuda=torch.version.cuda,
                             driver=_driver_version(), arch_list=arch, gpus=gpus, mps=mps,
-                            jetson=Path("/etc/nv_tegra_release").exists())
+                            jetson=Path("/etc/nv_tegra_release").exists(),
+                            build_arch=str(flags).split() if flags else [])
     if run_smoke:
         for gpu in gpus:
             if arch_covers(gpu.capability, arch):
@@ -235,6 +241,35 @@ def pins() -> dict[str, dict[str, str]]:
 
     with open(PINS_FILE, "rb") as fh:
         return tomllib.load(fh)
+
+
+#: The weakest GPU each class must drive: its image's torch needs kernels for it.
+CLASS_FLOOR = {"gpu_new": NEW_MIN_CC, "gpu_sm61": (6, 1)}
+
+
+def image_problems(report: HardwareReport, cls: str,
+                   table: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """How the torch in an image built for class ``cls`` differs from fedq/pins.toml
+    (the image sets FEDQ_IMAGE_CLASS); empty when it is the pinned build."""
+    table = pins() if table is None else table
+    if cls not in table:
+        return [f"FEDQ_IMAGE_CLASS={cls!r} is not a class of pins.toml ({', '.join(table)})"]
+    pin = table[cls]
+    problems = []
+    have = report.torch.split("+")[0]
+    if have != pin["torch"]:
+        problems.append(f"torch {report.torch} where pins.toml gives {pin['torch']} for {cls}")
+    cu = re.search(r"/cu(\d+)(\d)$", pin["index"])
+    want_cuda = f"{cu.group(1)}.{cu.group(2)}" if cu else None
+    if (report.cuda or None) != want_cuda:
+        problems.append(f"a {'CUDA ' + report.cuda if report.cuda else 'CPU-only'} build "
+                        f"where pins.toml gives {'CUDA ' + want_cuda if want_cuda else 'CPU-only'} "
+                        f"for {cls}")
+    floor = CLASS_FLOOR.get(cls)
+    if floor is not None and not arch_covers(floor, report.build_arch):
+        problems.append(f"no kernels for sm_{floor[0]}{floor[1]}, the oldest GPU of {cls} "
+                        f"(this build has {' '.join(report.build_arch) or 'none'})")
+    return problems
 
 
 def image_for(cls: str) -> str:

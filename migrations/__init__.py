@@ -1,0 +1,1 @@
+"""fedq's Alembic migrations; installed as ``fedq._migrations`` (see setup.py)."""

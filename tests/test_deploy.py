@@ -1,0 +1,279 @@
+"""`docker compose up` on a real Docker engine, as docs/deploy.md tells a user to run it.
+
+The coordinator stack of docker/compose.yaml (with docker/compose.debian.yaml: this host
+reaches no registry, so Redis, PostgreSQL and SeaweedFS come from images built from
+Debian packages by scripts/images.sh), worker containers on the cpu queue joining over
+the published ports as another machine would, and jobs submitted with the fedq CLI from
+the host. Faults: a worker container killed mid-round, `docker compose restart control`
+mid-job, and `docker compose down` / `up` with the volumes kept.
+
+A stage of its own (`bash scripts/test-deploy.sh`, marker `docker`); with CI=true a
+missing engine or image fails."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fedq.testing.cluster import DIGITS, Cluster
+from tests.conftest import free_port, missing
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ["fedq-coordinator", "fedq-worker:cpu", "fedq-redis", "fedq-postgres",
+          "fedq-seaweedfs"]
+# Each task trains for 2 s, so a kill lands mid-task; a stuck round is repaired after
+# 15 s by the watchdog that beat runs.
+JOB = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "min_clients": 2,
+       "local_epochs": 1000, "time_budget_s": 2, "round_timeout_s": 15,
+       "max_redispatch": 3, "queues": {"cpu": -1}}
+
+
+@dataclass
+class Stack:
+    docker: dict[str, str]  # the environment docker and docker-compose run with
+    compose: list[str]
+    project: str
+    cli: Cluster  # the fedq CLI and database reads, from the host
+    worker_env: Path
+    home: Path
+
+    def run(self, *args: str, check: bool = True, timeout: float = 300) -> str:
+        proc = subprocess.run(list(args), env=self.docker, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n"
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return proc.stdout
+
+    def compose_run(self, *args: str, timeout: float = 300) -> str:
+        return self.run(*self.compose, *args, timeout=timeout)
+
+    def up(self) -> None:
+        """`up -d`, then wait for the control worker's healthcheck; the services' logs
+        when either fails."""
+        try:
+            self.compose_run("up", "-d", "--no-build", timeout=600)
+            self.wait_healthy("control")
+        except AssertionError as exc:
+            logs = self.run(*self.compose, "logs", "--tail", "25", check=False)
+            raise AssertionError(f"{exc}\n--- logs\n{logs[-6000:]}") from None
+
+    def container(self, service: str) -> str:
+        return self.compose_run("ps", "-q", service).strip()
+
+    def wait_healthy(self, service: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        state = "?"
+        while time.monotonic() < deadline:
+            cid = self.container(service)
+            if cid:
+                state = self.run("docker", "inspect", "-f", "{{.State.Health.Status}}",
+                                 cid, check=False).strip()
+                if state == "healthy":
+                    return
+            time.sleep(2)
+        raise AssertionError(f"{service} not healthy after {timeout}s ({state}):\n"
+                             f"{self.compose_run('logs', '--tail', '40', service)}")
+
+    def start_worker(self, name: str) -> str:
+        """A worker container on the cpu queue that reaches the coordinator over the
+        published ports, as one on another machine would (host networking)."""
+        container = f"{self.project}-{name}"
+        self.run("docker", "run", "-d", "--name", container, "--network", "host",
+                 "--env-file", str(self.worker_env), "fedq-worker:cpu",
+                 "celery", "-A", "fedq", "worker", "-Q", "cpu", "-c", "1",
+                 "-n", f"{name}@%h", "-l", "INFO")
+        deadline = time.monotonic() + 120
+        while "ready." not in self.logs(container):
+            assert time.monotonic() < deadline, self.logs(container)[-3000:]
+            time.sleep(1)
+        return container
+
+    def logs(self, container: str) -> str:
+        proc = subprocess.run(["docker", "logs", container], env=self.docker,
+                              capture_output=True, text=True, check=False)
+        return proc.stdout + proc.stderr
+
+
+def _docker_env() -> dict[str, str]:
+    import os
+
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "docker-engine.sh")],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        missing("Docker engine", proc.stderr.strip()[-500:])
+    env = {**os.environ, "DOCKER_HOST": proc.stdout.strip()}
+    for image in IMAGES:
+        found = subprocess.run(["docker", "image", "inspect", image], env=env,
+                               capture_output=True, check=False)
+        if found.returncode != 0:
+            missing(f"image {image}", "build it with `bash scripts/images.sh`")
+    return env
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    docker = _docker_env()
+    home = tmp_path_factory.mktemp("deploy")
+    pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
+    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower")}
+    env_file = home / "compose.env"
+    env_file.write_text("".join(f"{k.upper()}_PASSWORD={v}\n" for k, v in pw.items()) +
+                        "".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
+                        "FEDQ_BIND=127.0.0.1\n")
+    env_file.chmod(0o600)
+    urls = {
+        "FEDQ_BROKER_URL": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/0",
+        "FEDQ_RESULT_BACKEND": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/1",
+        "FEDQ_DATABASE_URL":
+            f"postgresql+psycopg://fedq:{pw['postgres']}@127.0.0.1:{ports['postgres']}/fedq",
+        "FEDQ_BLOB_URL": "s3://fedq/blobs",
+        "FEDQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}",
+        "AWS_ACCESS_KEY_ID": "fedq", "AWS_SECRET_ACCESS_KEY": pw["s3"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    worker_env = home / "worker.env"
+    worker_env.write_text("".join(f"{k}={v}\n" for k, v in urls.items()))
+    worker_env.chmod(0o600)
+    cli_env = {k: v for k, v in docker.items() if not k.startswith("FEDQ_")}
+    cli_env.update(urls, FEDQ_HOME=str(home / "cli"))
+    project = f"fedqt{uuid.uuid4().hex[:8]}"
+    compose = ["docker-compose", "-p", project, "--env-file", str(env_file),
+               "-f", str(ROOT / "docker" / "compose.yaml"),
+               "-f", str(ROOT / "docker" / "compose.debian.yaml")]
+    s = Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home)
+    try:
+        s.up()
+        yield s
+    finally:
+        for line in s.run("docker", "ps", "-aq", "--filter", f"name={project}-w",
+                          check=False).split():
+            s.run("docker", "rm", "-f", line, check=False)
+        subprocess.run([*compose, "down", "-v", "--remove-orphans"], env=docker,
+                       capture_output=True, timeout=300, check=False)
+
+
+def _submit(stack: Stack, **overrides: object) -> str:
+    return stack.cli.submit({**JOB, **overrides})
+
+
+def _wait(stack: Stack, job: str, timeout: float = 400) -> None:
+    view = stack.cli.wait(job, timeout=timeout)
+    assert view.status == "completed", view.error
+
+
+def _each_round_once(stack: Stack, job: str, rounds: int) -> None:
+    """Every round committed exactly once, with both its clients ok."""
+    rows = stack.cli.rounds(job)
+    assert [(r.number, r.status) for r in rows] == [(n, "committed")
+                                                   for n in range(1, rounds + 1)]
+    ok = [(u.round_number, u.client) for u in stack.cli.updates(job) if u.status == "ok"]
+    assert len(ok) == len(set(ok)) == rounds * JOB["clients_per_round"]
+
+
+def _mid_task(stack: Stack, container: str, job: str, number: int,
+              timeout: float = 120) -> int:
+    """Wait until the container's log shows a round-``number`` task received and not
+    finished; returns its client."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = stack.logs(container)
+        got = re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] received",
+                         log)
+        done = set(re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] "
+                              r"succeeded", log))
+        open_ = [int(c) for c in got if c not in done]
+        if open_:
+            return open_[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"{container} got no task of round {number}:\n{log[-3000:]}")
+
+
+def test_stack_is_healthy_and_keeps_passwords_off_command_lines(stack: Stack) -> None:
+    for service in ("beat", "flower"):
+        stack.wait_healthy(service)
+    passwords = [line.split("=", 1)[1] for line in
+                 (stack.home / "compose.env").read_text().splitlines()
+                 if "_PASSWORD=" in line]
+    assert len(passwords) == 4
+    for service in ("redis", "control", "beat", "flower", "postgres", "s3"):
+        top = stack.run("docker", "top", stack.container(service), "-eo", "pid,args")
+        assert len(top.splitlines()) >= 2, top  # the header and at least one process
+        assert not any(p in top for p in passwords), (service, top)
+    log_config = json.loads(stack.run("docker", "inspect", "-f", "{{json .HostConfig.LogConfig}}",
+                                      stack.container("control")))
+    assert log_config["Config"]["max-size"] == "10m"
+    migrate = stack.run("docker", "ps", "-a", "--filter", f"name={stack.project}_migrate",
+                        "--format", "{{.Status}}")
+    assert migrate.startswith("Exited (0)"), migrate
+
+
+def test_job_survives_a_worker_container_killed_mid_round(stack: Stack) -> None:
+    w1 = stack.start_worker("w1")
+    w2 = stack.start_worker("w2")
+    job = _submit(stack, rounds=3)
+    client = _mid_task(stack, w1, job, 2)
+    stack.run("docker", "kill", w1)
+    _wait(stack, job)
+    _each_round_once(stack, job, 3)
+    rows = {(u.round_number, u.client): u for u in stack.cli.updates(job)}
+    assert rows[(2, client)].status == "ok"  # trained again, by the survivor
+    assert f"Task fedq.train[fedq-{job}-" in stack.logs(w2)
+    workers = stack.cli.fedq("workers").stdout
+    assert "w2@" in workers, workers
+
+
+def test_control_restart_mid_job_loses_and_doubles_no_round(stack: Stack) -> None:
+    if not stack.run("docker", "ps", "-q", "--filter", f"name={stack.project}-w2").strip():
+        stack.start_worker("w2")
+    job = _submit(stack, rounds=4)
+    stack.cli.wait_for_round(job, 2, timeout=240)
+    stack.compose_run("restart", "control")
+    _wait(stack, job)
+    _each_round_once(stack, job, 4)
+
+
+def test_down_and_up_keeps_jobs_rounds_and_blobs_and_resume_continues(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedq.blobs import BlobRef, open_store
+
+    if not stack.run("docker", "ps", "-q", "--filter", f"name={stack.project}-w2").strip():
+        stack.start_worker("w2")
+    done = _submit(stack, rounds=2)
+    _wait(stack, done)
+    before = stack.cli.results_json(done)
+    job = _submit(stack, rounds=4)
+    deadline = time.monotonic() + 240
+    while stack.cli.rounds(job)[:1] == [] or stack.cli.rounds(job)[0].status != "committed":
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    stack.cli.fedq("cancel", job)
+    stack.compose_run("down", timeout=300)  # volumes kept
+    assert stack.container("control") == ""
+    stack.up()
+
+    assert stack.cli.results_json(done) == before  # the finished job, as it was
+    last = stack.cli.rounds(done)[-1]
+    settings = stack.cli.settings
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, stack.cli.env[name])  # boto3 reads them from here
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    assert last.global_key and last.global_sha256
+    data = store.get(BlobRef(last.global_key, last.global_sha256, 0))  # sha256 checked
+    assert len(data) > 0
+
+    out = stack.cli.fedq("resume", job).stdout
+    assert "resumed at round 2" in out, out
+    _wait(stack, job)
+    _each_round_once(stack, job, 4)
