@@ -155,6 +155,27 @@ class ByzantineSpec(_Strict):
     scale: float = -10.0
 
 
+class StalenessSpec(_Strict):
+    """How an update's weight falls with its staleness (fedq/aggregate/staleness.py)."""
+
+    kind: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    a: float = Field(default=0.5, ge=0, description="polynomial exponent / hinge slope")
+    b: int = Field(default=10, ge=0, description="hinge: staleness with full weight")
+
+
+class AggregationSpec(_Strict):
+    """Synchronous rounds (the default), or buffered asynchronous aggregation (FedBuff):
+    ``clients_per_round`` tasks train at all times, and a new model version is made
+    whenever ``buffer`` updates have arrived (fedq/coordinator/buffered.py)."""
+
+    mode: Literal["sync", "buffered"] = "sync"
+    buffer: int = Field(default=4, ge=1, description="buffered: updates per model version (K)")
+    max_staleness: int | None = Field(
+        default=None, ge=0, description="buffered: updates more versions old are recorded "
+                                        "as stale and not used (unset: no limit)")
+    staleness: StalenessSpec = Field(default_factory=StalenessSpec)
+
+
 class JobSpec(_Strict):
     """One federated training job. Every field has a comment-sized description."""
 
@@ -205,6 +226,7 @@ class JobSpec(_Strict):
     eval_every: int = Field(
         default=1, ge=0, description="evaluate the global model on the test split every N "
                                      "rounds and after the last; 0: never")
+    aggregation: AggregationSpec = Field(default_factory=AggregationSpec)
     zero_compute: bool = Field(
         default=False, description="benchmarks: clients skip training and send a small fixed "
                                    "change of every weight (the round machinery alone)")
@@ -244,7 +266,11 @@ class JobSpec(_Strict):
         if self.clients_per_round > self.num_clients:
             yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
                                         f"({self.num_clients})")
-        if self.quorum > self.clients_per_round:
+        if self.buffered:
+            if self.min_clients != 1 or self.min_fraction is not None:
+                yield ("min_clients", "not used by a buffered job: each model version "
+                                      "takes aggregation.buffer updates")
+        elif self.quorum > self.clients_per_round:
             yield ("min_clients", f"{self.quorum} exceeds clients_per_round "
                                   f"({self.clients_per_round})")
         if self.dp is not None and self.reducer.name != "mean":
@@ -274,8 +300,15 @@ class JobSpec(_Strict):
             yield (field, msg)
 
     @property
+    def buffered(self) -> bool:
+        return self.aggregation.mode == "buffered"
+
+    @property
     def quorum(self) -> int:
-        """Usable updates a round needs: min_clients, or min_fraction of the round."""
+        """Usable updates a round needs: min_clients, or min_fraction of the round; for
+        a buffered job, one version's updates (aggregation.buffer)."""
+        if self.buffered:
+            return self.aggregation.buffer
         need = self.min_clients
         if self.min_fraction is not None:
             need = max(need, math.ceil(self.min_fraction * self.clients_per_round - 1e-9))
@@ -326,6 +359,14 @@ class JobSpec(_Strict):
 def describe(spec: JobSpec) -> str:
     """One line naming the strategy, for `fedq results`."""
     parts = [f"server {spec.server.name}", f"reducer {spec.reducer.name}"]
+    if spec.buffered:
+        a = spec.aggregation
+        st = a.staleness
+        weight = {"constant": "constant", "polynomial": f"(1+s)^-{st.a:g}",
+                  "hinge": f"hinge a={st.a:g} b={st.b}"}[st.kind]
+        parts.insert(0, f"buffered K={a.buffer} C={spec.clients_per_round} "
+                        f"staleness {weight}"
+                     + (f" max {a.max_staleness}" if a.max_staleness is not None else ""))
     if spec.reducer.name == "trimmed_mean":
         parts[-1] += f" (beta {spec.reducer.beta})"
     elif spec.reducer.name in ("krum", "multi_krum", "bulyan"):

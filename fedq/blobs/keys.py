@@ -7,14 +7,16 @@ def job_prefix(job: str) -> str:
     return f"jobs/{job}/"
 
 
-def global_key(job: str, round_number: int) -> str:
-    """The global model after ``round_number`` (0 = the initial model)."""
-    return f"jobs/{job}/r{round_number:05d}/global.safetensors"
+def global_key(job: str, round_number: int, tag: str = "") -> str:
+    """The global model after ``round_number`` (0 = the initial model). ``tag``: a
+    buffered job's version is written under a key of its own per attempt to make it,
+    so a losing attempt never overwrites the blob the committed one points at."""
+    return f"jobs/{job}/r{round_number:05d}/global{'-' + tag if tag else ''}.safetensors"
 
 
-def state_key(job: str, round_number: int) -> str:
+def state_key(job: str, round_number: int, tag: str = "") -> str:
     """The server optimizer's state after ``round_number``."""
-    return f"jobs/{job}/r{round_number:05d}/server-state.safetensors"
+    return f"jobs/{job}/r{round_number:05d}/server-state{'-' + tag if tag else ''}.safetensors"
 
 
 def update_key(job: str, round_number: int, client: int, attempt: int = 1) -> str:

@@ -14,7 +14,16 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from fedq.cli.output import clients_table, err, fmt, follow, out, results_table, status_style
+from fedq.cli.output import (
+    buffered_summary,
+    clients_table,
+    err,
+    fmt,
+    follow,
+    out,
+    results_table,
+    status_style,
+)
 from fedq.errors import FedqError, JobCancelled, JobFailed
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -183,8 +192,12 @@ def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
         writer.writerows(rows)
     else:
         out.print(results_table(view, rows))
+        clients = client_results(settings, job_id)
+        summary = buffered_summary(clients, sum(r["seconds"] or 0 for r in rows))
+        if summary:
+            out.print(summary, highlight=False)
         if per_client:
-            out.print(clients_table(client_results(settings, job_id)))
+            out.print(clients_table(clients))
 
 
 @main.command()

@@ -38,11 +38,16 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
             for row in rows[shown:]:
                 if row["status"] == "training":
                     break
+                buffered = row["staleness_mean"] is not None
                 progress.console.print(
-                    f"round {row['round']:>3}  {status_style(row['status'])}  "
+                    f"{'version' if buffered else 'round'} {row['round']:>3}  "
+                    f"{status_style(row['status'])}  "
                     f"accuracy {fmt(row['accuracy'], '.4f')}  "
-                    f"clients {row['participants'] or 0}/{row['planned']}  "
-                    f"{fmt(row['seconds'], '.2f')}s"
+                    + (f"updates {row['participants'] or 0}  staleness "
+                       f"{row['staleness_mean']:.1f} (max {row['staleness_max']})  "
+                       if buffered else
+                       f"clients {row['participants'] or 0}/{row['planned']}  ")
+                    + f"{fmt(row['seconds'], '.2f')}s"
                     + (f"  val loss {fmt(row['eval_loss'], '.3f')}  "
                        f"{row['tokens_per_second']:,.0f} tokens/s  "
                        f"{mb(row['bytes_up'])} MB up" if row["tokens_per_second"] else ""),
@@ -68,8 +73,11 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
     compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
     private = any(r["epsilon"] is not None for r in rows)
     text = any(r["tokens"] for r in rows)
-    names = ["round", "status", "accuracy", "eval loss", "train loss", "seconds", "clients",
-             "samples", "MB up", "MB down"]
+    buffered = any(r.get("staleness_mean") is not None for r in rows)
+    names = ["version" if buffered else "round", "status", "accuracy", "eval loss",
+             "train loss", "seconds", "updates" if buffered else "clients", "samples",
+             "MB up", "MB down"]
+    names += ["staleness mean/max"] if buffered else []
     names += ["perplexity", "tokens/s"] if text else []
     names += ["ratio"] if compressed else []
     names += ["epsilon"] if private else []
@@ -80,6 +88,8 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
                  fmt(r["eval_loss"], ".4f"), fmt(r["train_loss"], ".4f"),
                  fmt(r["seconds"], ".2f"), f"{r['participants'] or 0}/{r['planned']}",
                  str(r["samples"] or 0), mb(r["bytes_up"]), mb(r["bytes_down"])]
+        cells += [f"{fmt(r['staleness_mean'], '.1f')}/{r['staleness_max']}"
+                  if r.get("staleness_mean") is not None else "-"] if buffered else []
         cells += [fmt(r["perplexity"], ".2f"), fmt(r["tokens_per_second"], ",.0f")] if text \
             else []
         cells += [fmt(r["compression_ratio"], ".2f") + "x"] if compressed else []
@@ -91,14 +101,19 @@ def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
 def clients_table(rows: list[dict[str, Any]]) -> Table:
     """One line per client update: how it trained and what happened to it."""
     text = any(r.get("tokens") for r in rows)
-    table = Table("round", "client", "status", "worker", "device", "amp", "steps",
+    buffered = any(r.get("task") for r in rows)
+    names = ["version", "task", "from", "stale", "weight"] if buffered else ["round"]
+    table = Table(*names, "client", "status", "worker", "device", "amp", "steps",
                   "tokens/s" if text else "samples/s",
                   "train s", "MB up", "norm", "GPU MB", "GPU %", "note")
     for r in rows:
+        first = [str(r["round"] or "-"), str(r["task"]), str(r["base_version"]),
+                 "-" if r["staleness"] is None else str(r["staleness"]),
+                 fmt(r["weight"], ".3f")] if buffered else [str(r["round"])]
         done = (r.get("tokens") or 0) if text else r["processed"]
         rate = done / r["train_seconds"] if r.get("train_seconds") else None
         note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
-        table.add_row(str(r["round"]), str(r["client"]), status_style(r["status"]),
+        table.add_row(*first, str(r["client"]), status_style(r["status"]),
                       r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",
                       str(r["steps"]), fmt(rate, ".0f"), fmt(r.get("train_seconds"), ".2f"),
                       mb(r["bytes_up"]), fmt(r["update_norm"], ".3g"),
@@ -107,9 +122,33 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def buffered_summary(rows: list[dict[str, Any]], seconds: float | None) -> str:
+    """A buffered job's updates in a few lines: what happened to them, how stale the
+    used ones were (a text histogram) and how fast they arrived."""
+    from collections import Counter
+
+    tasks = [r for r in rows if r.get("task")]
+    if not tasks:
+        return ""
+    states = Counter(r["status"] for r in tasks)
+    lines = ["updates: " + ", ".join(f"{n} {state}" for state, n in states.most_common())]
+    used = Counter(r["staleness"] for r in tasks if r["status"] == "ok")
+    if used:
+        top = max(used.values())
+        lines.append("staleness of the used updates:")
+        lines += [f"  {tau:>3} | {'#' * max(1, round(40 * n / top))} {n}"
+                  for tau, n in sorted(used.items())]
+    if seconds:
+        done = sum(n for state, n in states.items() if state not in ("training", "cancelled"))
+        lines.append(f"throughput: {done / seconds:.2f} updates/s over {seconds:.1f} s")
+    return "\n".join(lines)
+
+
 def status_style(status: str) -> str:
     color = {"committed": "green", "completed": "green", "running": "cyan",
-             "training": "cyan", "failed": "red", "cancelled": "yellow"}.get(status, "white")
+             "training": "cyan", "failed": "red", "cancelled": "yellow", "ok": "green",
+             "buffered": "cyan", "stale": "yellow", "rejected": "red", "error": "red",
+             "missing": "yellow", "late": "yellow"}.get(status, "white")
     return f"[{color}]{status}[/]"
 
 

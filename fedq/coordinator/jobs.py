@@ -101,7 +101,9 @@ def cancel(settings: Settings, job_id: str) -> int:
         if moved.rowcount != 1:  # type: ignore[attr-defined]
             job = s.get(Job, job_id)
             raise FedqError(f"job {job_id} is {job.status if job else 'gone'}, not running")
-        ids: list[str] = []
+        from fedq.coordinator.buffered import cancel_ids  # (loads torch: only here)
+
+        ids: list[str] = cancel_ids(s, job_id)
         for rnd in s.scalars(select(Round).where(Round.job_id == job_id,
                                                  Round.status == "training")):
             ids += [t for tids in round_task_ids(job_id, rnd).values() for t in tids]
@@ -133,6 +135,9 @@ def resume(settings: Settings, job_id: str) -> int:
         s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
                                              ClientUpdate.round_number > after))
         s.execute(delete(Round).where(Round.job_id == job_id, Round.number > after))
+        # a buffered job's tasks that never reported: sent again from the new start
+        s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                             ClientUpdate.status.in_(("training", "cancelled"))))
         s.execute(update(Job).where(Job.id == job_id).values(status="running", error=None,
                                                             finished_at=None))
     request_round(job_id, after + 1)
@@ -182,7 +187,7 @@ def _view(s: Any, job: Job) -> JobView:
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
                 "participants", "planned", "samples", "bytes_up", "raw_bytes_up",
                 "compression_ratio", "bytes_down", "epsilon", "tokens", "tokens_per_second",
-                "perplexity", "error")
+                "perplexity", "staleness_mean", "staleness_max", "error")
 
 
 def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
@@ -197,6 +202,13 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
             select(ClientUpdate.round_number, func.sum(ClientUpdate.tokens))
             .where(ClientUpdate.job_id == job_id, ClientUpdate.status == "ok")
             .group_by(ClientUpdate.round_number)).tuples() if total}
+        # buffered jobs: how stale the updates each version used were
+        stale = {number: (float(mean), int(top)) for number, mean, top in s.execute(
+            select(ClientUpdate.round_number, func.avg(ClientUpdate.staleness),
+                   func.max(ClientUpdate.staleness))
+            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == "ok",
+                   ClientUpdate.staleness.is_not(None))
+            .group_by(ClientUpdate.round_number)).tuples()}
         return [{"round": r.number, "status": r.status, "accuracy": r.accuracy,
                  "eval_loss": r.eval_loss, "train_loss": r.train_loss, "seconds": r.seconds,
                  "participants": r.participants, "planned": len(r.planned.get("clients", [])),
@@ -209,6 +221,8 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  if r.number in tokens and r.seconds else None,
                  "perplexity": math.exp(r.eval_loss)
                  if r.number in tokens and r.eval_loss is not None else None,
+                 "staleness_mean": stale[r.number][0] if r.number in stale else None,
+                 "staleness_max": stale[r.number][1] if r.number in stale else None,
                  "error": r.error} for r in rounds]
 
 
@@ -216,7 +230,8 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
     """One dict per client update row, by round then client."""
     with session_scope(settings.database_url) as s:
         rows = s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id)
-                         .order_by(ClientUpdate.round_number, ClientUpdate.client)).all()
+                         .order_by(ClientUpdate.round_number, ClientUpdate.client,
+                                   ClientUpdate.task_index)).all()
         return [{"round": r.round_number, "client": r.client, "status": r.status,
                  "queue": r.queue, "worker": r.worker, "samples": r.samples,
                  "processed": r.processed, "steps": r.steps,
@@ -225,6 +240,8 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "update_norm": r.update_norm, "train_seconds": r.train_seconds,
                  "device": r.device, "amp": r.amp, "stopped_by_budget": r.stopped_by_budget,
                  "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util, "tokens": r.tokens,
+                 "task": r.task_index or None, "base_version": r.base_version,
+                 "staleness": r.staleness, "weight": r.weight,
                  "error": r.error} for r in rows]
 
 

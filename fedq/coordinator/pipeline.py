@@ -23,7 +23,7 @@ blob store and records what happened to each update as an :class:`UpdateRecord`
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +150,8 @@ def _has_blob(ref: UpdateRef) -> bool:
     return ref.status == "ok" and ref.key is not None and ref.sha256 is not None
 
 
-def _weight(spec: JobSpec, ref: UpdateRef) -> float:
+def update_weight(spec: JobSpec, ref: UpdateRef) -> float:
+    """An update's weight in the mean (before a buffered job's staleness factor)."""
     if spec.dp is not None:
         return 1.0  # DP-FedAvg: every clipped update counts alike
     if spec.weight_by == "processed":
@@ -159,17 +160,27 @@ def _weight(spec: JobSpec, ref: UpdateRef) -> float:
 
 
 def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference: Weights,
-           outcome: Outcome, scratch: Path, acc: Accumulator) -> Weights | None:
+           outcome: Outcome, scratch: Path, acc: Accumulator,
+           factors: Mapping[int, float] | None = None) -> Weights | None:
     """The combined delta, or None when fewer than the quorum of updates are usable.
 
     ``acc``: the memory a stream reducer may reuse for its result (the result is then
-    valid until ``acc``'s next use)."""
+    valid until ``acc``'s next use). ``factors``: a buffered job's staleness factor of
+    each update, by ``ref.round`` (its task number), multiplying its weight."""
     stream = verified(store, refs, reference, spec, outcome)
     reducer = make_reducer(spec.reducer.name, spec.reducer.params())
+    factor_sum = 0.0
+
+    def weighted(r: UpdateRef) -> float:
+        nonlocal factor_sum
+        f = 1.0 if factors is None else factors[r.round]
+        factor_sum += f
+        return update_weight(spec, r) * f
+
     try:
         if isinstance(reducer, StreamReducer):
             delta = reducer.reduce(
-                (Contribution(_weight(spec, r), r.steps, d) for r, d in stream), acc)
+                (Contribution(weighted(r), r.steps, d) for r, d in stream), acc)
         else:
             assert isinstance(reducer, SourceReducer)
             with DiskSource(scratch) as source:
@@ -182,11 +193,16 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
         return None
     if outcome.accepted < spec.quorum:
         return None
-    if spec.dp is not None:  # fixed denominator: the round's planned size
-        delta = {k: v * (outcome.accepted / spec.clients_per_round) for k, v in delta.items()}
+    if spec.dp is not None:
+        # Fixed denominator: the round's planned size (a buffered job: its buffer K).
+        # Every weight is 1 (x a staleness factor <= 1), so the mean times the summed
+        # weights over n is sum(w_i d_i) / n, whose sensitivity stays clip_norm / n.
+        n = spec.aggregation.buffer if spec.buffered else spec.clients_per_round
+        used = factor_sum if isinstance(reducer, StreamReducer) else outcome.accepted
+        delta = {k: v * (used / n) for k, v in delta.items()}
         delta = add_gaussian_noise(
             delta, clip_norm=spec.dp.clip_norm, noise_multiplier=spec.dp.noise_multiplier,
-            clients_per_round=spec.clients_per_round,
+            clients_per_round=n,
             generator=torch.Generator().manual_seed(secrets.randbits(63)))
     return delta
 

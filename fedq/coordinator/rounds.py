@@ -63,11 +63,16 @@ def round_task_ids(job_id: str, rnd: Round) -> dict[int, list[str]]:
 
 
 def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str, Any]:
-    """Write round ``round_number``'s row and dispatch its chord (idempotent)."""
+    """Write round ``round_number``'s row and dispatch its chord (idempotent). A
+    buffered job has no rounds: its training slots are filled instead."""
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         if job is None or job.status != "running":
             return {"status": "skipped", "reason": "job not running"}
+        if JobSpec.stored(job.spec).buffered:
+            from fedq.coordinator import buffered
+
+            return buffered.start(settings, job_id)
         if job.committed_round != round_number - 1:
             return {"status": "skipped", "reason": f"job is at round {job.committed_round}"}
         spec = JobSpec.stored(job.spec)

@@ -13,6 +13,9 @@ For each running job it looks at the round after the last committed one and asks
   every client reported (a chord body lost with a killed control worker) and otherwise
   only waits.
 
+A buffered job (fedq/coordinator/buffered.py) has its own repairs:
+:func:`fedq.coordinator.buffered.repair`.
+
 Every repair is idempotent (unique round rows, conditional UPDATEs), so two watchdogs
 running at once, or a watchdog racing a chord, do no harm.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from fedq.coordinator import buffered
 from fedq.coordinator.finalize import finalize_round
 from fedq.coordinator.policy import repair
 from fedq.coordinator.rounds import request_round
@@ -33,6 +37,7 @@ from fedq.db import Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.settings import Settings
+from fedq.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ class NextRound:
     status: str | None
     started: datetime | None
     deadline: datetime | None
+    buffered: bool = False
 
 
 def scan(settings: Settings) -> list[NextRound]:
@@ -58,7 +64,8 @@ def scan(settings: Settings) -> list[NextRound]:
             out.append(NextRound(
                 job.id, number, aware(job.updated_at), rnd.status if rnd else None,
                 aware(rnd.started_at) if rnd else None,
-                aware(rnd.deadline) if rnd and rnd.deadline else None))
+                aware(rnd.deadline) if rnd and rnd.deadline else None,
+                JobSpec.stored(job.spec).buffered))
         return out
 
 
@@ -69,6 +76,9 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     now = utcnow()
     actions: list[dict[str, Any]] = []
     for item in scan(settings):
+        if item.buffered:
+            actions += buffered.repair(settings, item.job, grace)
+            continue
         what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace)
         if what == "start":
             request_round(item.job, item.number)

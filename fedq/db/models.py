@@ -12,6 +12,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -95,7 +96,9 @@ class Round(Base):
 class ClientUpdate(Base):
     __tablename__ = "client_updates"
     __table_args__ = (
-        UniqueConstraint("job_id", "round_number", "client", name="uq_updates_job_round_client"),
+        UniqueConstraint("job_id", "round_number", "client", "task_index",
+                         name="uq_updates_job_round_client_task"),
+        Index("ix_updates_job_task", "job_id", "task_index"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -104,6 +107,8 @@ class ClientUpdate(Base):
     client: Mapped[int] = mapped_column(Integer)
     # ok (averaged in) | error (task failed) | rejected (failed verification)
     # | missing (no result by the deadline) | late (arrived after the commit; not used)
+    # buffered jobs also: training (dispatched) | buffered (waiting for its version)
+    # | stale (more than max_staleness versions old; not used)
     status: Mapped[str] = mapped_column(String(16))
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
@@ -127,6 +132,14 @@ class ClientUpdate(Base):
     gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)
     gpu_util: Mapped[float | None] = mapped_column(Float, default=None)
     tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # Buffered jobs (fedq/coordinator/buffered.py): the task's number within the job
+    # (0 for synchronous rows), its dispatch attempt, the model version it trained
+    # from, and at the version it went into: its staleness and aggregation weight.
+    task_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    base_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    staleness: Mapped[int | None] = mapped_column(Integer, default=None)
+    weight: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -13,6 +13,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from fedq.engine.names import (
+    ABSORB_UPDATE_TASK,
     ALL_QUEUES,
     CONTROL_QUEUE,
     FINALIZE_ROUND_TASK,
@@ -69,6 +70,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": {
             START_ROUND_TASK: {"queue": CONTROL_QUEUE},
             FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
+            ABSORB_UPDATE_TASK: {"queue": CONTROL_QUEUE},
             REGISTER_WORKER_TASK: {"queue": CONTROL_QUEUE},
             WATCHDOG_TASK: {"queue": CONTROL_QUEUE},
             "celery.chord_unlock": {"queue": CONTROL_QUEUE},

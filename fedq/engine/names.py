@@ -14,6 +14,7 @@ ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
 TRAIN_TASK = "fedq.train"
 START_ROUND_TASK = "fedq.start_round"
 FINALIZE_ROUND_TASK = "fedq.finalize_round"
+ABSORB_UPDATE_TASK = "fedq.absorb_update"
 REGISTER_WORKER_TASK = "fedq.register_worker"
 WATCHDOG_TASK = "fedq.watchdog"
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from fedq.engine.app import app
 from fedq.engine.names import (
+    ABSORB_UPDATE_TASK,
     CONTROL_TIME_LIMIT,
     FINALIZE_ROUND_TASK,
     REGISTER_WORKER_TASK,
@@ -32,6 +33,14 @@ def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[s
     from fedq.coordinator import finalize
 
     return finalize.finalize_round(get_settings(), results, job_id, round_number)
+
+
+@app.task(name=ABSORB_UPDATE_TASK, time_limit=CONTROL_TIME_LIMIT)
+def absorb_update(result: Any, job_id: str, index: int) -> dict[str, Any]:
+    """A buffered job's training task finished (its ``link`` callback)."""
+    from fedq.coordinator import buffered
+
+    return buffered.absorb(get_settings(), result, job_id, index)
 
 
 @app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)

@@ -1,0 +1,458 @@
+"""Buffered asynchronous aggregation (FedBuff, Nguyen et al., AISTATS 2022): no barrier.
+
+A buffered job keeps ``clients_per_round`` training tasks in flight at all times. Each
+finished task's result is *absorbed* on the control queue (the task's ``link``
+callback): its update joins the model version being filled, and a new task goes out
+on the same queue, from the newest model. When a version holds ``aggregation.buffer``
+(K) updates it is *applied*: the staleness-weighted mean of its updates goes through
+the same pipeline as a synchronous round (verify, clip, reduce, DP, server optimizer;
+fedq/coordinator/pipeline.py), and the new model is committed as that version.
+
+Everything lives in SQL, one ``client_updates`` row per task:
+
+    training --absorb--> buffered --apply--> ok | rejected
+             \\-> error | stale | late        (and missing | cancelled, see below)
+
+- A row is written, with the job row locked, *before* its task is sent, so a task is
+  never in flight unrecorded; its id is ``fedq-<job>-b<task>-a<attempt>``.
+- Absorbing is a conditional move of the row out of ``training``: a second delivery
+  of the same result finds it moved and does nothing (no update counts twice, no
+  second replacement task goes out). The version an update joins is fixed there, under
+  the job lock: the lowest not yet full. Its staleness is fixed with it:
+  ``(version - 1) - base_version``; past ``max_staleness`` the row is ``stale``.
+- Applying a full version reads exactly its K rows, so every attempt to apply it
+  computes the same mean; the commit is ``UPDATE rounds SET status='committed' WHERE
+  status='training'``, in one transaction with the rows' final status and the job's
+  new model, so a version is committed once. Each attempt writes its model under a key
+  of its own, so a losing attempt never overwrites the committed blob.
+- The watchdog (:func:`repair`) applies a version left full (a control worker killed
+  mid-apply), absorbs a result whose callback was lost (read back from the result
+  backend), re-sends a task past ``round_timeout_s`` (at most ``max_redispatch`` times,
+  then its row is ``missing`` and another client's task replaces it).
+
+Versions are the job's rounds: ``rounds`` in the spec is the number of versions, a
+version's row in ``rounds`` carries its metrics, and ``fedq results`` shows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from fedq.aggregate.staleness import staleness_factor
+from fedq.blobs import BlobRef, global_key, state_key
+from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator.pipeline import Outcome, apply_server, reduce, update_weight
+from fedq.coordinator.roster import record_throughput
+from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db.models import aware, utcnow
+from fedq.engine.app import app
+from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
+from fedq.process import PROCESS
+from fedq.refs import TrainRef, TrainStats, UpdateRef
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import dump_parts, dumps, loads
+
+log = logging.getLogger(__name__)
+
+# Rows in these states are settled: their task is over and its update used or not.
+SETTLED = ("ok", "rejected", "stale", "error", "missing", "late", "cancelled")
+
+
+def task_id(job_id: str, index: int, attempt: int) -> str:
+    return f"fedq-{job_id}-b{index}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One task to send once the transaction that recorded it has committed."""
+
+    index: int
+    attempt: int
+    client: int
+    queue: str
+    model: BlobRef
+
+
+def _lock(s: Session, job_id: str) -> Job | None:
+    """Lock the job row for this transaction (a row lock on PostgreSQL, the write lock
+    on SQLite: the first statement writes, so no stale snapshot is read before it)."""
+    s.execute(update(Job).where(Job.id == job_id).values(updated_at=utcnow()))
+    return s.get(Job, job_id)
+
+
+def _model(job: Job) -> BlobRef:
+    return BlobRef(job.global_key, job.global_sha256, job.global_size)
+
+
+def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> list[Dispatch]:
+    """Record one new training task per entry of ``queues`` (the job row is locked):
+    the next task numbers, each for a client not training now (a pure function of the
+    seed and the task number, given who is training)."""
+    top = s.scalar(select(func.max(ClientUpdate.task_index))
+                   .where(ClientUpdate.job_id == job.id)) or 0
+    busy = set(s.scalars(select(ClientUpdate.client).where(
+        ClientUpdate.job_id == job.id, ClientUpdate.status == "training")))
+    out = []
+    for i, queue in enumerate(queues, start=top + 1):
+        order = np.random.default_rng([spec.seed, i]).permutation(spec.num_clients)
+        client = int(next((c for c in order if int(c) not in busy), order[0]))
+        busy.add(client)
+        s.add(ClientUpdate(job_id=job.id, round_number=0, client=client, status="training",
+                           queue=queue, task_index=i, attempt=1,
+                           base_version=job.committed_round, created_at=utcnow()))
+        out.append(Dispatch(i, 1, client, queue, _model(job)))
+    return out
+
+
+def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
+    spec_json = spec.to_json()
+    for t in tasks:
+        ref = TrainRef(job_id, t.index, t.client, t.queue, spec_json, t.model,
+                       attempt=t.attempt, gen=0)
+        app.send_task(TRAIN_TASK, args=(ref.to_json(),), queue=t.queue,
+                      task_id=task_id(job_id, t.index, t.attempt),
+                      link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index),
+                                         queue=CONTROL_QUEUE))
+
+
+def _ensure_version(s: Session, job: Job, spec: JobSpec, version: int) -> Round:
+    rnd = s.scalar(select(Round).where(Round.job_id == job.id, Round.number == version))
+    if rnd is None:
+        rnd = Round(job_id=job.id, number=version, status="training", attempt=1,
+                    planned={"clients": [], "queues": [], "buffer": spec.aggregation.buffer})
+        s.add(rnd)
+        s.flush()
+    return rnd
+
+
+def start(settings: Settings, job_id: str) -> dict[str, Any]:
+    """Fill the job's slots: send tasks until ``clients_per_round`` are training (on
+    submit and resume; idempotent, a second call finds them training)."""
+    from fedq.coordinator.rounds import _live_throughput
+
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        if job is None or job.status != "running":
+            return {"status": "skipped", "reason": "job not running"}
+        spec = JobSpec.stored(job.spec)
+        live = _live_throughput(settings) if spec.queues == "auto" else None
+        wanted = Counter(q for q, n in spec.queue_counts(live).items() for _ in range(n))
+        wanted.subtract(s.scalars(select(ClientUpdate.queue).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.status == "training")))
+        full = _filling(s, job, spec) > spec.rounds
+        tasks = [] if full else _new_tasks(s, job, spec, sorted(wanted.elements()))
+        _ensure_version(s, job, spec, job.committed_round + 1)
+    _send(job_id, spec, tasks)
+    return {"status": "started", "version": job.committed_round + 1, "tasks": len(tasks)}
+
+
+def _fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
+    """Copy what the task reported into its row."""
+    ok = ref.status == "ok"
+    row.worker, row.samples, row.processed = ref.worker, ref.samples, ref.stats.seen
+    row.steps, row.seconds, row.loss = ref.steps, ref.seconds, ref.loss
+    row.bytes_up, row.bytes_down = ref.bytes_up, ref.bytes_down
+    row.blob_key, row.blob_sha256 = ref.key, ref.sha256
+    row.error = ref.error
+    row.attempt = ref.attempt
+    if ok:
+        row.train_seconds, row.device, row.amp = (ref.stats.train_seconds, ref.stats.device,
+                                                  ref.stats.amp)
+        row.stopped_by_budget, row.tokens = ref.stats.stopped_by_budget, ref.stats.tokens
+        row.gpu_peak_mb, row.gpu_util = ref.stats.gpu_peak_mb, ref.stats.gpu_util
+
+
+def _filling(s: Session, job: Job, spec: JobSpec) -> int:
+    """The lowest version after the committed one that is not yet full."""
+    counts = {v: n for v, n in s.execute(
+        select(ClientUpdate.round_number, func.count())
+        .where(ClientUpdate.job_id == job.id, ClientUpdate.status == "buffered")
+        .group_by(ClientUpdate.round_number)).tuples()}
+    v = job.committed_round + 1
+    while counts.get(v, 0) >= spec.aggregation.buffer:
+        v += 1
+    return v
+
+
+def _full(s: Session, job_id: str, version: int) -> int:
+    return s.scalar(select(func.count()).where(
+        ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
+        ClientUpdate.status == "buffered")) or 0
+
+
+def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str, Any]:
+    """Take task ``index``'s result into the version being filled, send its replacement,
+    and apply the version when it is full. Safe to call any number of times."""
+    ref = UpdateRef.from_json(result)
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        row = s.scalar(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                                  ClientUpdate.task_index == index))
+        if job is None or row is None or row.status != "training":
+            return {"status": "skipped", "reason": "absorbed already"}
+        spec = JobSpec.stored(job.spec)
+        _fill_row(row, ref)
+        tasks: list[Dispatch] = []
+        version = 0
+        if job.status != "running":
+            row.status, row.error = "late", "arrived after the job stopped"
+        else:
+            version = _filling(s, job, spec)
+            row.round_number = version
+            row.staleness = (version - 1) - (row.base_version or 0)
+            limit = spec.aggregation.max_staleness
+            if ref.status != "ok" or ref.key is None or ref.sha256 is None:
+                row.status, row.error = "error", ref.error or "task failed"
+            elif version > spec.rounds:
+                row.status, row.error = "late", "every version is full"
+            elif limit is not None and row.staleness > limit:
+                row.status, row.error = "stale", f"staleness {row.staleness} > {limit}"
+            else:
+                row.status = "buffered"
+                rnd = _ensure_version(s, job, spec, version)
+                if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
+                    rnd.deadline = utcnow()  # full since: the watchdog's clock
+            if _filling(s, job, spec) <= spec.rounds:  # else every version is full
+                tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
+        status, committed = row.status, job.committed_round
+    _send(job_id, spec, tasks)
+    out: dict[str, Any] = {"status": status, "version": version}
+    if status == "buffered" and version == committed + 1:
+        out["applied"] = apply_ready(settings, job_id)
+    return out
+
+
+def apply_ready(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+    """Apply versions while the next one is full (a version can fill while the one
+    before it is applied); one result per attempt."""
+    done: list[dict[str, Any]] = []
+    while True:
+        with session_scope(settings.database_url) as s:
+            job = s.get(Job, job_id)
+            if job is None or job.status != "running":
+                return done
+            spec = JobSpec.stored(job.spec)
+            version = job.committed_round + 1
+            if _full(s, job_id, version) < spec.aggregation.buffer:
+                return done
+        result = apply_version(settings, job_id, version)
+        done.append(result)
+        if result["status"] != "committed":
+            return done
+
+
+def _row_ref(row: ClientUpdate) -> UpdateRef:
+    return UpdateRef(status="ok", job=row.job_id, round=row.task_index, client=row.client,
+                     queue=row.queue or "?", worker=row.worker or "?", key=row.blob_key,
+                     sha256=row.blob_sha256, samples=row.samples, steps=row.steps,
+                     loss=row.loss, seconds=row.seconds, bytes_up=row.bytes_up,
+                     bytes_down=row.bytes_down, attempt=row.attempt,
+                     stats=TrainStats(seen=row.processed, train_seconds=row.train_seconds or 0.0,
+                                      tokens=row.tokens or 0))
+
+
+def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, Any]:
+    """Aggregate version ``version``'s K buffered updates and commit it (exactly once)."""
+    started = time.perf_counter()
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.status != "running" or job.committed_round != version - 1:
+            return {"status": "skipped", "reason": "version not next"}
+        spec = JobSpec.stored(job.spec)
+        rows = s.scalars(select(ClientUpdate).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
+            ClientUpdate.status == "buffered").order_by(ClientUpdate.task_index)).all()
+        rows = list(rows)[:spec.aggregation.buffer]
+        if len(rows) < spec.aggregation.buffer:
+            return {"status": "waiting", "buffered": len(rows)}
+        model = _model(job)
+        state = BlobRef(job.state_key, job.state_sha256 or "", job.state_size or 0) \
+            if job.state_key else None
+        previous = s.scalar(select(Round.finished_at).where(
+            Round.job_id == job_id, Round.number == version - 1)) or job.created_at
+    log.info("applying job %s version %d (%d updates)", job_id, version, len(rows))
+    st = spec.aggregation.staleness
+    factors = {r.task_index: staleness_factor(st.kind, r.staleness or 0, a=st.a, b=st.b)
+               for r in rows}
+    refs = [_row_ref(r) for r in rows]
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    kept = PROCESS.model(model.sha256)
+    current = kept if kept is not None else loads(store.get(model), what=f"blob {model.key}")
+    outcome = Outcome()
+    delta = reduce(spec, store, refs, current, outcome, settings.home / "scratch",
+                   PROCESS.accumulator, factors)
+    if delta is None:  # verification took the version below one usable update
+        _reject(settings, job_id, version, outcome)
+        return {"status": "rejected", "version": version, "rejected": outcome.rejected}
+    if settings.finalize_delay:  # fault injection: widen the window for crash tests
+        time.sleep(settings.finalize_delay)
+    server_state = loads(store.get(state), what=f"blob {state.key}") if state else {}
+    new, new_state = apply_server(spec, current, delta, server_state)
+    every = spec.eval_every
+    accuracy, eval_loss = evaluate_weights(spec, new) \
+        if every and (version % every == 0 or version >= spec.rounds) else (None, None)
+    tag = secrets.token_hex(4)
+    meta = {"job": job_id, "round": str(version)}
+    blob = store.put_parts(global_key(job_id, version, tag), dump_parts(new, meta))
+    state_blob = store.put(state_key(job_id, version, tag), dumps(new_state, meta)) \
+        if new_state else None
+    records = {r.ref.round: r for r in outcome.records}
+    weights = {r.task_index: update_weight(spec, _row_ref(r)) * factors[r.task_index]
+               for r in rows}
+    total = sum(weights[i] for i, r in records.items() if r.status == "ok") or 1.0
+    now = utcnow()
+    revoke: list[str] = []
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        assert job is not None
+        claimed = s.execute(update(Round).where(
+            Round.job_id == job_id, Round.number == version, Round.status == "training",
+        ).values(
+            status="committed", finished_at=now,
+            seconds=(now - aware(previous)).total_seconds(),
+            participants=outcome.accepted, samples=outcome.samples,
+            train_loss=outcome.loss_sum / max(outcome.samples, 1), eval_loss=eval_loss,
+            accuracy=accuracy, bytes_up=sum(r.bytes_up for r in rows),
+            raw_bytes_up=outcome.raw_bytes, bytes_down=sum(r.bytes_down for r in rows),
+            global_key=blob.key, global_sha256=blob.sha256,
+            planned={"clients": [r.client for r in rows], "queues": [r.queue for r in rows],
+                     "buffer": spec.aggregation.buffer}))
+        if claimed.rowcount != 1 or job.committed_round != version - 1:  # type: ignore[attr-defined]
+            s.rollback()
+            return {"status": "skipped", "reason": "version committed by another attempt"}
+        for row in s.scalars(select(ClientUpdate).where(
+                ClientUpdate.job_id == job_id,
+                ClientUpdate.task_index.in_([r.task_index for r in rows]))):
+            rec = records[row.task_index]
+            row.status, row.error = rec.status, rec.error
+            row.update_norm, row.raw_bytes = rec.norm, rec.raw_bytes
+            row.weight = weights[row.task_index] / total if rec.status == "ok" else 0.0
+        record_throughput(s, outcome.throughput)
+        job.committed_round = version
+        job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+        if state_blob is not None:
+            job.state_key, job.state_sha256, job.state_size = (state_blob.key, state_blob.sha256,
+                                                               state_blob.size)
+        done = version >= spec.rounds
+        if done:
+            job.status, job.finished_at = "completed", now
+            revoke = _close_training(s, job_id, "the job completed first")
+        else:
+            _ensure_version(s, job, spec, version + 1)
+    PROCESS.keep_model(blob.sha256, new, only=True)
+    if revoke:
+        _revoke(revoke)
+    log.info("job %s version %d committed: accuracy %s, %d updates, staleness %s, "
+             "apply %.2fs", job_id, version, "-" if accuracy is None else f"{accuracy:.4f}",
+             outcome.accepted, sorted(r.staleness or 0 for r in rows),
+             time.perf_counter() - started)
+    return {"status": "committed", "version": version, "accuracy": accuracy}
+
+
+def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> None:
+    """Mark the updates that failed verification; the version fills up again."""
+    bad = {r.ref.round: r for r in outcome.records if r.status != "ok"}
+    with session_scope(settings.database_url) as s:
+        _lock(s, job_id)
+        for row in s.scalars(select(ClientUpdate).where(
+                ClientUpdate.job_id == job_id, ClientUpdate.task_index.in_(list(bad)),
+                ClientUpdate.status == "buffered")):
+            row.status, row.error = "rejected", bad[row.task_index].error
+
+
+def _close_training(s: Session, job_id: str, why: str) -> list[str]:
+    """Mark the job's training rows cancelled; the task ids to revoke."""
+    ids = []
+    for row in s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                                    ClientUpdate.status == "training")):
+        ids += [task_id(job_id, row.task_index, a) for a in range(1, row.attempt + 1)]
+        row.status, row.error = "cancelled", why
+    return ids
+
+
+def _revoke(ids: list[str]) -> None:
+    try:
+        app.control.revoke(ids)
+    except Exception:  # the tasks finish and are recorded as late: only compute is lost
+        log.warning("could not revoke %d task(s) of a finished buffered job", len(ids))
+
+
+def cancel_ids(s: Session, job_id: str) -> list[str]:
+    """For ``fedq cancel``: close the job's training rows; their task ids."""
+    return _close_training(s, job_id, "cancelled")
+
+
+def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, Any]]:
+    """The watchdog's pass over one running buffered job; what it did."""
+    now = utcnow()
+    actions: list[dict[str, Any]] = []
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        if job is None or job.status != "running":
+            return actions
+        spec = JobSpec.stored(job.spec)
+        version = job.committed_round + 1
+        rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == version))
+        full_since = aware(rnd.deadline) if rnd is not None and rnd.deadline else None
+        overdue = [(r.task_index, r.attempt) for r in s.scalars(select(ClientUpdate).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.status == "training",
+            ClientUpdate.created_at < now - timedelta(seconds=spec.round_timeout_s)))]
+        training = s.scalar(select(func.count()).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.status == "training")) or 0
+    if rnd is None or training < spec.clients_per_round and aware(job.updated_at) < now - grace:
+        # a lost start (no version row), or a replacement never recorded
+        result = start(settings, job_id)
+        actions.append({"job": job_id, "action": "start", "result": result})
+    if full_since is not None and now - full_since > grace:
+        for result in apply_ready(settings, job_id):
+            actions.append({"job": job_id, "version": version, "action": "apply (stuck)",
+                            "result": result["status"]})
+    for index, attempt in overdue:
+        actions.append(_overdue(settings, job_id, spec, index, attempt))
+    return actions
+
+
+def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
+             attempt: int) -> dict[str, Any]:
+    """A task past its deadline: absorb its result if the backend has one (its callback
+    was lost), else send it again, or after ``max_redispatch`` give its slot to
+    another client."""
+    for a in range(attempt, 0, -1):
+        meta = app.backend.get_task_meta(task_id(job_id, index, a))
+        if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
+            result = absorb(settings, meta["result"], job_id, index)
+            return {"job": job_id, "task": index, "action": "absorb (lost callback)",
+                    "result": result["status"]}
+    tasks: list[Dispatch] = []
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        row = s.scalar(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                                  ClientUpdate.task_index == index))
+        if job is None or job.status != "running" or row is None or \
+                row.status != "training" or row.attempt != attempt:
+            return {"job": job_id, "task": index, "action": "none (moved on)"}
+        if attempt <= spec.max_redispatch:
+            row.attempt, row.created_at = attempt + 1, utcnow()
+            row.base_version = job.committed_round
+            tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu", _model(job))]
+            action = f"resend (attempt {attempt + 1})"
+        else:
+            row.status, row.round_number = "missing", job.committed_round + 1
+            row.error = f"no result after {attempt} attempt(s)"
+            tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
+            action = "replace"
+    _send(job_id, spec, tasks)
+    log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
+    return {"job": job_id, "task": index, "action": action}

@@ -1,0 +1,215 @@
+"""Buffered asynchronous aggregation (FedBuff): the staleness weights, the spec, and
+real jobs on the embedded default and on Redis + PostgreSQL, with duplicate callbacks,
+a worker SIGKILLed mid-task, the control worker SIGKILLed mid-apply, cancel and resume.
+
+Every job is checked for the same invariants (:func:`_assert_versions`): each version
+committed once from exactly K updates, no task counted twice, every used update's
+staleness equal to (version - 1) - the version it trained from, and its weight the
+normalised samples x s(staleness)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedq.aggregate.staleness import staleness_factor
+from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
+from fedq.errors import SpecError
+from fedq.spec import describe, parse_spec
+from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+
+K, C = 2, 4
+BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
+            "aggregation": {"mode": "buffered", "buffer": K}}
+# Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
+SLOW = {**BUFFERED, "local_epochs": 1000, "time_budget_s": 1.5, "round_timeout_s": 6,
+        "max_redispatch": 3}
+FAST_ENV = {"FEDQ_WATCHDOG_INTERVAL": "1"}
+
+
+def test_staleness_factors() -> None:
+    assert staleness_factor("constant", 7) == 1.0
+    assert staleness_factor("polynomial", 0) == 1.0
+    assert staleness_factor("polynomial", 3, a=0.5) == pytest.approx(0.5)
+    assert staleness_factor("hinge", 10, a=0.5, b=10) == 1.0
+    assert staleness_factor("hinge", 14, a=0.5, b=10) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="staleness -1"):
+        staleness_factor("polynomial", -1)
+
+
+def test_buffered_spec_validates_and_describes_itself() -> None:
+    spec = parse_spec({**BUFFERED, "aggregation": {
+        "mode": "buffered", "buffer": 3, "max_staleness": 4,
+        "staleness": {"kind": "hinge", "a": 0.5, "b": 2}}})
+    assert spec.buffered and spec.quorum == 3
+    assert describe(spec).startswith("buffered K=3 C=4 staleness hinge a=0.5 b=2 max 4")
+    assert not parse_spec(DIGITS).buffered
+    with pytest.raises(SpecError, match="min_clients: not used by a buffered job"):
+        parse_spec({**BUFFERED, "min_clients": 2})
+    with pytest.raises(SpecError, match="aggregation.buffer"):
+        parse_spec({**BUFFERED, "aggregation": {"mode": "buffered", "buffer": 0}})
+    with pytest.raises(SpecError, match="aggregation.staleness.kind"):
+        parse_spec({**BUFFERED, "aggregation": {"mode": "buffered",
+                                                "staleness": {"kind": "linear"}}})
+
+
+def _assert_versions(cluster: Cluster, job: str, versions: int, k: int = K,
+                     max_staleness: int | None = None, a: float = 0.5) -> list:
+    """The invariants of a completed buffered job; returns its update rows."""
+    rounds = cluster.rounds(job)
+    assert [(r.number, r.status) for r in rounds] == [(v, "committed")
+                                                     for v in range(1, versions + 1)]
+    rows = cluster.updates(job)
+    indexes = [u.task_index for u in rows]
+    assert len(indexes) == len(set(indexes)) and min(indexes) >= 1, "a task counted twice"
+    used = [u for u in rows if u.status == "ok"]
+    per_version = Counter(u.round_number for u in used)
+    assert per_version == {v: k for v in range(1, versions + 1)}, per_version
+    for v in range(1, versions + 1):
+        mine = [u for u in used if u.round_number == v]
+        assert sum(u.weight for u in mine) == pytest.approx(1.0)
+        raw = {u.task_index: u.samples * (1 + u.staleness) ** -a for u in mine}
+        total = sum(raw.values())
+        for u in mine:
+            assert u.staleness == (v - 1) - u.base_version
+            assert u.weight == pytest.approx(raw[u.task_index] / total)
+        assert {r.participants for r in rounds if r.number == v} == {k}
+    if max_staleness is not None:
+        assert all(u.staleness <= max_staleness for u in used)
+        stale = [u for u in rows if u.status == "stale"]
+        assert all(u.staleness > max_staleness for u in stale)
+    assert not [u for u in rows if u.status in ("training", "buffered")], "left open"
+    return rows
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp_path = tmp_path_factory.mktemp("buffered")
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    cluster.add("w3", ["cpu"], FEDQ_SLOWDOWN="4")  # a slower machine: stale updates
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
+    cluster = embedded
+    job = cluster.submit(BUFFERED)
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    rows = _assert_versions(cluster, job, versions=5)
+    assert max(u.staleness for u in rows if u.status == "ok") >= 1, "never asynchronous"
+    assert {u.worker.split("@")[0] for u in rows if u.status == "ok"} >= {"w1", "w2"}
+    data = cluster.results_json(job)
+    assert "buffered K=2 C=4" in data["job"]["strategy"]
+    means = [r["staleness_mean"] for r in data["rounds"]]
+    assert all(m is not None for m in means) and max(means) > 0
+    table = cluster.fedq("results", job, "--clients").stdout
+    assert "version" in table and "staleness of the used updates:" in table
+    assert "updates/s" in table
+
+    # A duplicate callback for a task already absorbed changes nothing.
+    app = cluster.client_app()
+    first = next(u for u in rows if u.status == "ok")
+    meta = app.backend.get_task_meta(f"fedq-{job}-b{first.task_index}-a{first.attempt}")
+    assert meta["status"] == "SUCCESS"
+    again = app.send_task(ABSORB_UPDATE_TASK, args=(meta["result"], job, first.task_index),
+                          queue=CONTROL_QUEUE)
+    assert again.get(timeout=60) == {"status": "skipped", "reason": "absorbed already"}
+    assert [(u.task_index, u.status, u.round_number) for u in cluster.updates(job)] == \
+        [(u.task_index, u.status, u.round_number) for u in rows]
+
+
+def _redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Cluster:
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
+    cluster = Cluster(tmp_path, env)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    cluster.fedq("db", "upgrade")
+    return cluster
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
+    cluster = _redis_cluster(tmp_path, redis_db, pg_url)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: Cluster) -> None:
+    """max_staleness 0: only updates trained from the newest model are used, the rest
+    are recorded as stale; a cancelled buffered job resumes and completes."""
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    spec = {**SLOW, "time_budget_s": 0.3, "rounds": 4,
+            "aggregation": {"mode": "buffered", "buffer": K, "max_staleness": 0}}
+    job = cluster.submit(spec)
+    cluster.wait_for_round(job, 2)
+    cluster.fedq("cancel", job)
+    rows = cluster.updates(job)
+    assert not [u for u in rows if u.status == "training"], "cancel left tasks open"
+    assert "resumed at round" in cluster.fedq("resume", job).stdout
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    rows = _assert_versions(cluster, job, versions=4, max_staleness=0)
+    assert [u for u in rows if u.status == "stale"], "with C > K some update must go stale"
+
+
+@pytest.mark.slow
+def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    cluster.start_beat()
+    job = cluster.submit(SLOW)
+    victim = cluster.by_name("w1")
+    deadline = time.monotonic() + 60
+    marker = f"Task fedq.train[fedq-{job}-b".encode()
+    while marker not in victim.log_path.read_bytes():
+        assert time.monotonic() < deadline, victim.tail()
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside its 1.5 s of training
+    victim.kill()
+    cluster.replace("w1")
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    rows = _assert_versions(cluster, job, versions=5)
+    # Redis redelivers the killed task only after its visibility timeout: the watchdog
+    # sent it again at its deadline (or gave its slot to another client).
+    assert [u for u in rows if u.attempt > 1 or u.status == "missing"], "nothing re-sent"
+    lost = sum(1 for u in rows if u.status not in ("ok", "stale", "cancelled"))
+    record_outcome("buffered job (K=2, C=4), a worker SIGKILLed mid-task (Redis)",
+                   "a training worker's process group", "completed",
+                   len(cluster.rounds(job)), lost)
+
+
+@pytest.mark.slow
+def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"])
+    control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
+    cluster.start_beat()
+    job = cluster.submit({**SLOW, "time_budget_s": 0.5, "rounds": 3, "round_timeout_s": 60})
+    marker = f"applying job {job} version 2".encode()
+    deadline = time.monotonic() + 120
+    while marker not in control.log_path.read_bytes():
+        assert time.monotonic() < deadline, control.tail()
+        time.sleep(0.05)
+    control.kill()  # mid-apply: the version aggregated or not, nothing committed yet
+    assert [r.status for r in cluster.rounds(job)][:2] == ["committed", "training"]
+    time.sleep(1.0)
+    cluster.replace("control")  # restarted without the delay
+    view = cluster.wait(job, timeout=180)
+    assert view.status == "completed", view.error
+    rows = _assert_versions(cluster, job, versions=3)
+    assert b"'action': 'apply (stuck)'" in cluster.by_name("control").log_path.read_bytes()
+    lost = sum(1 for u in rows if u.status not in ("ok", "stale", "cancelled"))
+    record_outcome("buffered job (K=2, C=4), control worker SIGKILLed mid-apply, restarted",
+                   "the control worker while it applied version 2", "completed",
+                   len(cluster.rounds(job)), lost)
+
