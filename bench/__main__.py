@@ -33,6 +33,7 @@ BENCHMARKS = {
     "codecs": jobs.compression,
     "hetero": jobs.heterogeneous,
     "scale": jobs.scale,
+    "buffered": jobs.buffered,
 }
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
 MARKER = "<!-- end of generated table -->"
-TESTS = ["tests/test_faults.py", "tests/test_finalize.py"]
+TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.py"]
 
 
 def main() -> int:

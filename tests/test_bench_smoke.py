@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = ["1. Round overhead", "2. Aggregation", "3. Bytes per round",
-          "4. Heterogeneous time-to-accuracy", "5. Scale"]
+          "4. Heterogeneous time-to-accuracy", "5. Scale",
+          "6. Buffered asynchronous vs synchronous"]
 
 
 def test_bad_arguments_get_one_line_and_no_file(tmp_path: Path) -> None:
@@ -44,3 +45,4 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
     assert 0 < fedq < 5 and 0 < floor < 5  # seconds per round, measured
     assert float(rows["int8+zstd"][0].split()[0]) < float(rows["none"][0].split()[0])
     assert 0.0 < float(rows["none"][2]) <= 1.0  # a real accuracy
+    assert 0.0 < float(rows["buffered K=1"][3]) <= 1.0  # a buffered job ran to the end

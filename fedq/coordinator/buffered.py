@@ -205,7 +205,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
         spec = JobSpec.stored(job.spec)
         _fill_row(row, ref)
         tasks: list[Dispatch] = []
-        version = 0
+        version, full = 0, False
         if job.status != "running":
             row.status, row.error = "late", "arrived after the job stopped"
         else:
@@ -224,13 +224,17 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
                 rnd = _ensure_version(s, job, spec, version)
                 if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
                     rnd.deadline = utcnow()  # full since: the watchdog's clock
-            if _filling(s, job, spec) <= spec.rounds:  # else every version is full
+                    full = version == job.committed_round + 1
+            # The replacement trains from the newest model: when this update fills the
+            # next version, only once that version is applied (below, by start()).
+            if not full and _filling(s, job, spec) <= spec.rounds:
                 tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
-        status, committed = row.status, job.committed_round
+        status = row.status
     _send(job_id, spec, tasks)
     out: dict[str, Any] = {"status": status, "version": version}
-    if status == "buffered" and version == committed + 1:
+    if full:
         out["applied"] = apply_ready(settings, job_id)
+        out["refill"] = start(settings, job_id)
     return out
 
 

@@ -132,12 +132,17 @@ def resume(settings: Settings, job_id: str) -> int:
             raise FedqError(f"job {job_id} is {job.status}; only a failed or cancelled job "
                             "can be resumed")
         after = job.committed_round
-        s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
-                                             ClientUpdate.round_number > after))
+        if JobSpec.stored(job.spec).buffered:
+            # A buffered job's rows stay (their task numbers, and so their task ids,
+            # are never used again): what waited for a discarded version is closed.
+            s.execute(update(ClientUpdate).where(
+                ClientUpdate.job_id == job_id,
+                ClientUpdate.status.in_(("training", "buffered"))).values(
+                    status="cancelled", error="discarded by resume"))
+        else:
+            s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
+                                                 ClientUpdate.round_number > after))
         s.execute(delete(Round).where(Round.job_id == job_id, Round.number > after))
-        # a buffered job's tasks that never reported: sent again from the new start
-        s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
-                                             ClientUpdate.status.in_(("training", "cancelled"))))
         s.execute(update(Job).where(Job.id == job_id).values(status="running", error=None,
                                                             finished_at=None))
     request_round(job_id, after + 1)

@@ -211,5 +211,6 @@ def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
                  state: Weights) -> tuple[Weights, Weights]:
     """The new global model and server optimizer state."""
     s = spec.server
-    server = make_server(s.name, lr=s.lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
+    lr = spec.aggregation.server_lr(s, spec.clients_per_round) if spec.buffered else s.lr
+    server = make_server(s.name, lr=lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
     return server.step(weights, delta, state)
