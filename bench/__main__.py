@@ -1,6 +1,6 @@
 """Run the benchmark suite and write docs/benchmarks.md.
 
-    bash scripts/bench.sh              # everything, about 25 minutes on 2 cores
+    bash scripts/bench.sh              # everything, 7-12 minutes on 2 cores
     bash scripts/bench.sh --smoke      # tiny sizes, a few minutes: CI runs this
     bash scripts/bench.sh --only aggregation,scale --out /tmp/b.md
 

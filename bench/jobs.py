@@ -211,7 +211,7 @@ def buffered(ctx: Context) -> Section:
         "that the six emulated machines do not queue for this machine's two cores "
         f"(FEDQ_SLOWDOWN {', '.join(f'{x:g}' for x in sorted(slow))}), after a one-round "
         "warm-up job. Synchronous: "
-        f"{workers} clients per round, {rounds} rounds; wait-for-all trains 1 local epoch "
+        f"{workers} clients per round, {rounds} rounds; wait-for-all trains 2 local epochs "
         "per task, time-budgeted trains until `time_budget_s` (the fast workers' median "
         "task time in the wait-for-all run, `weight_by: processed`). Buffered (FedBuff): "
         f"{workers} tasks in flight, a version every K = "

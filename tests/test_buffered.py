@@ -230,3 +230,50 @@ def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
                    "the control worker while it applied version 2", "completed",
                    len(cluster.rounds(job)), lost)
 
+
+
+@pytest.mark.slow
+def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
+    """Redis (broker and results) SIGKILLed mid-job and restarted empty: queued tasks,
+    results and absorb callbacks are gone; the watchdog re-sends the tasks still
+    training at their deadline and the job completes, each version once."""
+    from tests.test_faults import private_redis
+
+    with private_redis() as (url, restart):
+        cluster = _redis_cluster(tmp_path, url, pg_url)
+        try:
+            cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+            cluster.start_beat()
+            job = cluster.submit(SLOW)
+            cluster.wait_for_round(job, 2)
+            time.sleep(0.7)
+            restart()
+            view = cluster.wait(job, timeout=240)
+            assert view.status == "completed", view.error
+            rows = _assert_versions(cluster, job, versions=5)
+            assert [u for u in rows if u.attempt > 1 or u.status == "missing"], "none re-sent"
+            lost = sum(1 for u in rows if u.status in ("training", "buffered"))
+            record_outcome("buffered job (K=2, C=4), Redis (broker + results) SIGKILLed "
+                           "mid-job, restarted empty", "the Redis server during version 2",
+                           "completed", len(cluster.rounds(job)), lost)
+        finally:
+            cluster.stop()
+
+
+@pytest.mark.slow
+def test_buffered_job_whose_tasks_all_fail_stops_with_a_reason(redis_cluster: Cluster,
+                                                              tmp_path: Path) -> None:
+    """A worker that cannot read the model (its blob store is elsewhere) fails every
+    task: after clients_per_round x (max_redispatch + 1) failures in a row the job
+    fails with the error and the queue, instead of sending tasks forever."""
+    cluster = redis_cluster
+    cluster.start(control=["control"])
+    cluster.add("w1", ["cpu"], FEDQ_BLOB_URL=str(tmp_path / "elsewhere"))
+    job = cluster.submit({**BUFFERED, "clients_per_round": 2, "max_redispatch": 1})
+    view = cluster.wait(job, timeout=120)
+    assert view.status == "failed"
+    assert view.error is not None and "the last 4 training tasks all failed" in view.error
+    assert "on queue(s) cpu" in view.error and f"fedq resume {job}" in view.error
+    rows = cluster.updates(job)
+    assert [u.status for u in rows].count("error") >= 4
+    assert not [u for u in rows if u.status == "training"]

@@ -11,7 +11,8 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -173,8 +174,10 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
                    len(cluster.rounds(job)), lost)
 
 
-@pytest.mark.slow
-def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
+@contextmanager
+def private_redis() -> Iterator[tuple[str, Callable[[], None]]]:
+    """A redis-server of this test's own, without persistence: (url, restart), where
+    restart() SIGKILLs it and starts it again empty."""
     server = shutil.which("redis-server")
     if server is None:
         missing("redis-server", "binary not found")
@@ -183,7 +186,7 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
            "--appendonly", "no"]
 
-    def start_redis() -> subprocess.Popen[bytes]:
+    def start() -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
@@ -195,29 +198,41 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
                 time.sleep(0.05)
         raise AssertionError("private redis-server did not start")
 
-    redis_proc = start_redis()
-    cluster = _migrated_cluster(tmp_path, url, url, pg_url)
-    try:
-        cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
-        cluster.start_beat()
-        job = cluster.submit({**SLOW_TASKS, "rounds": 4})
-        cluster.wait_for_round(job, 2)
-        time.sleep(0.7)
-        redis_proc.kill()  # SIGKILL: queued tasks, results and chord counters are gone
-        redis_proc.wait()
+    procs = [start()]
+
+    def restart() -> None:
+        procs[-1].kill()  # SIGKILL: queued tasks, results and chord counters are gone
+        procs[-1].wait()
         time.sleep(1.0)
-        redis_proc = start_redis()
-        view = cluster.wait(job, timeout=240)
-        assert view.status == "completed", view.error
-        lost = _assert_each_round_once(cluster, job, rounds=4, per_round=3)
-        assert lost == 0
-        assert any(r.attempt > 1 for r in cluster.rounds(job))  # lost tasks were re-sent
-        record_outcome("Redis (broker + results) SIGKILLed mid-job, restarted empty",
-                       "the Redis server during round 2", "completed",
-                       len(cluster.rounds(job)), lost)
+        procs.append(start())
+
+    try:
+        yield url, restart
     finally:
-        cluster.stop()
-        redis_proc.kill()
+        procs[-1].kill()
+
+
+@pytest.mark.slow
+def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
+    with private_redis() as (url, restart):
+        cluster = _migrated_cluster(tmp_path, url, url, pg_url)
+        try:
+            cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
+            cluster.start_beat()
+            job = cluster.submit({**SLOW_TASKS, "rounds": 4})
+            cluster.wait_for_round(job, 2)
+            time.sleep(0.7)
+            restart()
+            view = cluster.wait(job, timeout=240)
+            assert view.status == "completed", view.error
+            lost = _assert_each_round_once(cluster, job, rounds=4, per_round=3)
+            assert lost == 0
+            assert any(r.attempt > 1 for r in cluster.rounds(job))  # lost tasks were re-sent
+            record_outcome("Redis (broker + results) SIGKILLed mid-job, restarted empty",
+                           "the Redis server during round 2", "completed",
+                           len(cluster.rounds(job)), lost)
+        finally:
+            cluster.stop()
 
 
 @pytest.mark.slow

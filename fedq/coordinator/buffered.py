@@ -186,6 +186,24 @@ def _filling(s: Session, job: Job, spec: JobSpec) -> int:
     return v
 
 
+def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
+    """A reason to fail the job when its last C x (max_redispatch + 1) settled tasks
+    all failed (a worker that cannot run it, say), else None."""
+    window = spec.clients_per_round * (spec.max_redispatch + 1)
+    last = s.execute(select(ClientUpdate.status, ClientUpdate.error, ClientUpdate.queue)
+                     .where(ClientUpdate.job_id == job.id,
+                            ClientUpdate.status.in_(("ok", "buffered", "error", "stale",
+                                                     "rejected")))
+                     .order_by(ClientUpdate.task_index.desc()).limit(window)).all()
+    if len(last) < window or any(status != "error" for status, _, _ in last):
+        return None
+    errors = sorted({error or "task failed" for _, error, _ in last})
+    queues = sorted({queue or "?" for _, _, queue in last})
+    return (f"the last {window} training tasks all failed (clients_per_round x "
+            f"(max_redispatch + 1)) on queue(s) {', '.join(queues)}: "
+            f"{'; '.join(errors)[:1000]}. Fix that, then `fedq resume {job.id}`.")
+
+
 def _full(s: Session, job_id: str, version: int) -> int:
     return s.scalar(select(func.count()).where(
         ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
@@ -205,6 +223,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
         spec = JobSpec.stored(job.spec)
         _fill_row(row, ref)
         tasks: list[Dispatch] = []
+        revoke: list[str] = []
         version, full = 0, False
         if job.status != "running":
             row.status, row.error = "late", "arrived after the job stopped"
@@ -215,6 +234,10 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
             limit = spec.aggregation.max_staleness
             if ref.status != "ok" or ref.key is None or ref.sha256 is None:
                 row.status, row.error = "error", ref.error or "task failed"
+                failing = _failing(s, job, spec)
+                if failing:  # every recent task failed: stop instead of spinning
+                    job.status, job.error, job.finished_at = "failed", failing, utcnow()
+                    revoke = _close_training(s, job_id, "the job failed")
             elif version > spec.rounds:
                 row.status, row.error = "late", "every version is full"
             elif limit is not None and row.staleness > limit:
@@ -227,10 +250,12 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
                     full = version == job.committed_round + 1
             # The replacement trains from the newest model: when this update fills the
             # next version, only once that version is applied (below, by start()).
-            if not full and _filling(s, job, spec) <= spec.rounds:
+            if not full and job.status == "running" and _filling(s, job, spec) <= spec.rounds:
                 tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
         status = row.status
     _send(job_id, spec, tasks)
+    if revoke:
+        _revoke(revoke)
     out: dict[str, Any] = {"status": status, "version": version}
     if full:
         out["applied"] = apply_ready(settings, job_id)
