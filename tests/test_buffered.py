@@ -126,6 +126,8 @@ def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
     assert "buffered K=2 C=4" in data["job"]["strategy"]
     means = [r["staleness_mean"] for r in data["rounds"]]
     assert all(m is not None for m in means) and max(means) > 0
+    watched = cluster.fedq("watch", job).stdout
+    assert "version   5  committed" in watched and "staleness" in watched
     table = cluster.fedq("results", job, "--clients").stdout
     assert "version" in table and "staleness of the used updates:" in table
     assert "updates/s" in table
