@@ -9,6 +9,7 @@ normalised samples x s(staleness)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -185,22 +186,26 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     cluster.start_beat()
-    job = cluster.submit(SLOW)
+    # 10 versions: the job outlasts the killed task's 6 s deadline, so only a re-send
+    # (never the job completing first) can settle that task's row.
+    job = cluster.submit({**SLOW, "rounds": 10})
     victim = cluster.by_name("w1")
     deadline = time.monotonic() + 60
-    marker = f"Task fedq.train[fedq-{job}-b".encode()
-    while marker not in victim.log_path.read_bytes():
+    pattern = re.compile(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] received")
+    while not (found := pattern.search(victim.log_path.read_text(errors="replace"))):
         assert time.monotonic() < deadline, victim.tail()
         time.sleep(0.05)
+    killed = int(found.group(1))
     time.sleep(0.5)  # inside its 1.5 s of training
     victim.kill()
     cluster.replace("w1")
     view = cluster.wait(job, timeout=240)
     assert view.status == "completed", view.error
-    rows = _assert_versions(cluster, job, versions=5)
+    rows = _assert_versions(cluster, job, versions=10)
     # Redis redelivers the killed task only after its visibility timeout: the watchdog
     # sent it again at its deadline (or gave its slot to another client).
-    assert [u for u in rows if u.attempt > 1 or u.status == "missing"], "nothing re-sent"
+    row = next(u for u in rows if u.task_index == killed)
+    assert row.attempt > 1 or row.status == "missing", (row.status, row.attempt)
     lost = sum(1 for u in rows if u.status in ("training", "buffered"))  # 0: asserted
     record_outcome("buffered job (K=2, C=4), a worker SIGKILLed mid-task (Redis)",
                    "a training worker's process group", "completed",
@@ -246,13 +251,13 @@ def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
             cluster.start_beat()
-            job = cluster.submit(SLOW)
+            job = cluster.submit({**SLOW, "rounds": 10})  # outlasts the 6 s deadline
             cluster.wait_for_round(job, 2)
             time.sleep(0.7)
             restart()
             view = cluster.wait(job, timeout=240)
             assert view.status == "completed", view.error
-            rows = _assert_versions(cluster, job, versions=5)
+            rows = _assert_versions(cluster, job, versions=10)
             assert [u for u in rows if u.attempt > 1 or u.status == "missing"], "none re-sent"
             lost = sum(1 for u in rows if u.status in ("training", "buffered"))
             record_outcome("buffered job (K=2, C=4), Redis (broker + results) SIGKILLed "
