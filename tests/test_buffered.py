@@ -22,6 +22,7 @@ from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
 from fedq.errors import SpecError
 from fedq.spec import describe, parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+from tests.test_faults import _migrated_cluster, private_redis
 
 K, C = 2, 4
 BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
@@ -29,7 +30,6 @@ BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
 # Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
 SLOW = {**BUFFERED, "local_epochs": 1000, "time_budget_s": 1.5, "round_timeout_s": 6,
         "max_redispatch": 3}
-FAST_ENV = {"FEDQ_WATCHDOG_INTERVAL": "1"}
 
 
 def test_staleness_factors() -> None:
@@ -145,18 +145,9 @@ def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
         [(u.task_index, u.status, u.round_number) for u in rows]
 
 
-def _redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Cluster:
-    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
-                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
-    cluster = Cluster(tmp_path, env)
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    cluster.fedq("db", "upgrade")
-    return cluster
-
-
 @pytest.fixture
 def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    cluster = _redis_cluster(tmp_path, redis_db, pg_url)
+    cluster = _migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
     yield cluster
     cluster.stop()
 
@@ -244,10 +235,8 @@ def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     """Redis (broker and results) SIGKILLed mid-job and restarted empty: queued tasks,
     results and absorb callbacks are gone; the watchdog re-sends the tasks still
     training at their deadline and the job completes, each version once."""
-    from tests.test_faults import private_redis
-
     with private_redis() as (url, restart):
-        cluster = _redis_cluster(tmp_path, url, pg_url)
+        cluster = _migrated_cluster(tmp_path, url, url, pg_url)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
             cluster.start_beat()

@@ -53,7 +53,7 @@ from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef, global_key, state_key
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, apply_server, reduce, update_weight
-from fedq.coordinator.roster import record_throughput
+from fedq.coordinator.roster import live_throughput, record_throughput
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.engine.app import app
@@ -140,14 +140,12 @@ def _ensure_version(s: Session, job: Job, spec: JobSpec, version: int) -> Round:
 def start(settings: Settings, job_id: str) -> dict[str, Any]:
     """Fill the job's slots: send tasks until ``clients_per_round`` are training (on
     submit and resume; idempotent, a second call finds them training)."""
-    from fedq.coordinator.rounds import _live_throughput
-
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         if job is None or job.status != "running":
             return {"status": "skipped", "reason": "job not running"}
         spec = JobSpec.stored(job.spec)
-        live = _live_throughput(settings) if spec.queues == "auto" else None
+        live = live_throughput(settings) if spec.queues == "auto" else None
         wanted = Counter(q for q, n in spec.queue_counts(live).items() for _ in range(n))
         wanted.subtract(s.scalars(select(ClientUpdate.queue).where(
             ClientUpdate.job_id == job_id, ClientUpdate.status == "training")))

@@ -10,6 +10,8 @@ from sqlalchemy import select
 from fedq.db import Worker, session_scope
 from fedq.db.models import utcnow
 from fedq.db.session import ensure_schema
+from fedq.engine.broker import live_queues
+from fedq.settings import Settings
 
 #: Weight of the newest measurement in the throughput moving average.
 THROUGHPUT_ALPHA = 0.3
@@ -64,3 +66,12 @@ def queue_throughput(db_url: str, live: dict[str, list[str]]) -> dict[str, float
     measured = sorted(v for v in rows.values() if v)
     default = measured[len(measured) // 2] if measured else 1.0
     return {q: sum(rows.get(h) or default for h in hosts) for q, hosts in live.items()}
+
+
+def live_throughput(settings: Settings) -> dict[str, float]:
+    """Queue -> summed measured throughput of its live consumers (for ``queues: auto``)."""
+    try:
+        live = live_queues(timeout=1.0)
+    except Exception:  # no answer: plan as if nothing is measured
+        return {}
+    return queue_throughput(settings.database_url, live)

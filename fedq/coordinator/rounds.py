@@ -20,11 +20,10 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
-from fedq.coordinator.roster import queue_throughput
+from fedq.coordinator.roster import live_throughput
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
-from fedq.engine.broker import live_queues
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.refs import TrainRef
 from fedq.settings import Settings
@@ -78,7 +77,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
         spec = JobSpec.stored(job.spec)
         model = BlobRef(job.global_key, job.global_sha256, job.global_size)
         plan = plan_round(spec, round_number,
-                          _live_throughput(settings) if spec.queues == "auto" else None)
+                          live_throughput(settings) if spec.queues == "auto" else None)
         rnd = Round(job_id=job_id, number=round_number, status="training", attempt=1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s),
                     planned={"clients": [a.client for a in plan],
@@ -143,11 +142,3 @@ def request_round(job_id: str, round_number: int) -> None:
     """Ask the control queue to start ``round_number`` (after a commit, on submit, resume)."""
     app.send_task(START_ROUND_TASK, args=(job_id, round_number), queue=CONTROL_QUEUE)
 
-
-def _live_throughput(settings: Settings) -> dict[str, float]:
-    """Queue -> summed measured throughput of its live consumers (for ``queues: auto``)."""
-    try:
-        live = live_queues(timeout=1.0)
-    except Exception:  # no answer: plan as if nothing is measured
-        return {}
-    return queue_throughput(settings.database_url, live)
