@@ -47,6 +47,9 @@ class TrainStats:
     gpu_peak_mb: float | None = None  # peak GPU memory torch allocated in the task
     gpu_util: float | None = None  # mean GPU utilisation (%) sampled during training
     tokens: int = 0  # language models: tokens processed (samples processed x context)
+    started: float | None = None  # the task's start, Unix seconds on the worker's clock
+    download_seconds: float = 0.0  # fetching the global model (0: this process kept it)
+    upload_seconds: float = 0.0  # encoding and storing the update
 
     @classmethod
     def from_json(cls, data: Any) -> "TrainStats":

@@ -23,6 +23,8 @@ FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests
 FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
 FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 10)
 FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
+FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
+                           with the job, round, client, task, worker and queue
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
                            ``fedq doctor`` checks the image against
 =========================  ==============================================================
@@ -34,7 +36,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -67,6 +69,7 @@ class Settings(BaseModel):
     watchdog_interval: float = Field(default=10.0, gt=0)
     finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
+    log_format: Literal["text", "json"] = "text"
 
     @property
     def embedded_broker(self) -> bool:
@@ -81,7 +84,7 @@ _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
-    "IMAGE_CLASS",
+    "IMAGE_CLASS", "LOG_FORMAT",
 }
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
@@ -124,6 +127,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "watchdog_interval": get("WATCHDOG_INTERVAL") or 10.0,
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
+        "log_format": get("LOG_FORMAT") or "text",
     }
     try:
         return Settings(**raw)

@@ -1,5 +1,5 @@
 """``python -m fedq.cli``: the fedq command."""
 
-from fedq.cli.commands import main
+from fedq.cli import main
 
 main()

@@ -200,11 +200,25 @@ def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
             out.print(clients_table(clients))
 
 
+def _ago(iso: str | None) -> str:
+    """'12s ago' / '5m ago' / '3h ago' / '2d ago' for an ISO time; '-' for none."""
+    if not iso:
+        return "-"
+    from datetime import datetime, timezone
+
+    seconds = (datetime.now(timezone.utc) - datetime.fromisoformat(iso)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
+
+
 @main.command()
 @click.option("--timeout", default=1.0, show_default=True, help="seconds to wait for replies")
 @expected_errors
 def workers(timeout: float) -> None:
-    """Workers: live status (Celery inspect), hardware and measured throughput."""
+    """Workers: live status (Celery inspect), hardware, torch build, measured throughput,
+    tasks done and failed, GPU memory and utilisation of the last task, last heartbeat."""
     from fedq.coordinator.roster import list_workers
     from fedq.engine.app import app
     from fedq.engine.broker import check_broker
@@ -218,20 +232,25 @@ def workers(timeout: float) -> None:
         out.print("no workers (start one: celery -A fedq worker -Q cpu)")
         return
     table = Table("worker", "status", "queues", "running", "hardware", "torch", "samples/s",
-                  "tasks", "last seen")
+                  "done", "failed", "GPU MB / %", "last task", "last seen")
     for host in sorted(set(queues) | set(known)):
         info = known.get(host, {})
         hw = info.get("hardware") or {}
         gpus = hw.get("gpus") or []
         hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
-                             for g in gpus) or ("cpu" if hw else "-")
+                             for g in gpus) or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
         live = host in queues
         names = ",".join(q["name"] for q in queues[host]) if live else ",".join(
             info.get("queues") or [])
+        gpu = (f"{fmt(info.get('gpu_peak_mb'), '.0f')} / {fmt(info.get('gpu_util'), '.0f')}"
+               if info.get("gpu_peak_mb") is not None else "-")
+        failed = info.get("tasks_failed", 0)
         table.add_row(host, "[green]live[/]" if live else "[dim]gone[/]", names,
                       str(len(active.get(host, []))) if live else "-", hardware,
                       str(hw.get("torch", "-")), fmt(info.get("samples_per_second"), ".0f"),
-                      str(info.get("tasks_done", 0)), str(info.get("last_seen", "-")))
+                      str(info.get("tasks_done", 0)),
+                      f"[red]{failed}[/]" if failed else "0", gpu,
+                      _ago(info.get("last_task")), _ago(info.get("last_seen")))
     out.print(table)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -12,7 +13,8 @@ from rich.table import Table
 from fedq.errors import WatchTimeout
 
 # Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
-out = Console(width=None if sys.stdout.isatty() else 120)
+# Not a terminal: 120 columns unless COLUMNS says otherwise (rich reads it).
+out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 

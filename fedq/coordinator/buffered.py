@@ -53,9 +53,9 @@ from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef, global_key, state_key
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, apply_server, reduce, update_weight
-from fedq.coordinator.roster import live_throughput, record_throughput
+from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
 from fedq.db import ClientUpdate, Job, Round, session_scope
-from fedq.db.models import aware, utcnow
+from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
 from fedq.process import PROCESS
@@ -170,6 +170,9 @@ def _fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
                                                   ref.stats.amp)
         row.stopped_by_budget, row.tokens = ref.stats.stopped_by_budget, ref.stats.tokens
         row.gpu_peak_mb, row.gpu_util = ref.stats.gpu_peak_mb, ref.stats.gpu_util
+        row.download_seconds = ref.stats.download_seconds
+        row.upload_seconds = ref.stats.upload_seconds
+    row.started_at = worker_time(ref.stats.started)
 
 
 def _filling(s: Session, job: Job, spec: JobSpec) -> int:
@@ -250,6 +253,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
             # next version, only once that version is applied (below, by start()).
             if not full and job.status == "running" and _filling(s, job, spec) <= spec.rounds:
                 tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
+        record_tasks(s, [row])
         status = row.status
     _send(job_id, spec, tasks)
     if revoke:
@@ -354,6 +358,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             accuracy=accuracy, bytes_up=sum(r.bytes_up for r in rows),
             raw_bytes_up=outcome.raw_bytes, bytes_down=sum(r.bytes_down for r in rows),
             global_key=blob.key, global_sha256=blob.sha256,
+            finalize_seconds=time.perf_counter() - started,
             planned={"clients": [r.client for r in rows], "queues": [r.queue for r in rows],
                      "buffer": spec.aggregation.buffer}))
         if claimed.rowcount != 1 or job.committed_round != version - 1:  # type: ignore[attr-defined]

@@ -46,10 +46,10 @@ from fedq.coordinator.policy import (
     decide,
     pick_results,
 )
-from fedq.coordinator.roster import record_throughput
+from fedq.coordinator.roster import record_tasks, record_throughput
 from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
 from fedq.db import ClientUpdate, Job, Round, session_scope
-from fedq.db.models import aware, utcnow
+from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.process import PROCESS
@@ -185,6 +185,7 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
         "raw_bytes_up": outcome.raw_bytes,
         "bytes_down": sum(r.bytes_down or 0 for r in rows),
         "global_key": blob.key, "global_sha256": blob.sha256,
+        "finalize_seconds": time.perf_counter() - started,
         "epsilon": epsilon(number, noise_multiplier=dp.noise_multiplier,
                            sample_rate=spec.clients_per_round / spec.num_clients,
                            delta=dp.delta) if dp else None,
@@ -221,7 +222,10 @@ def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
         amp=r.ref.stats.amp if r.ref.status == "ok" else None,
         stopped_by_budget=r.ref.stats.stopped_by_budget if r.ref.status == "ok" else None,
         gpu_peak_mb=r.ref.stats.gpu_peak_mb, gpu_util=r.ref.stats.gpu_util,
-        tokens=r.ref.stats.tokens if r.ref.status == "ok" else None)
+        tokens=r.ref.stats.tokens if r.ref.status == "ok" else None,
+        started_at=worker_time(r.ref.stats.started),
+        download_seconds=r.ref.stats.download_seconds if r.ref.status == "ok" else None,
+        upload_seconds=r.ref.stats.upload_seconds if r.ref.status == "ok" else None)
         for r in records]
 
 
@@ -300,7 +304,8 @@ def record_late(settings: Settings, results: Sequence[Any], job_id: str,
                 for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
                                "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error",
                                "train_seconds", "device", "amp", "stopped_by_budget",
-                               "gpu_peak_mb", "gpu_util", "tokens"):
+                               "gpu_peak_mb", "gpu_util", "tokens", "started_at",
+                               "download_seconds", "upload_seconds"):
                     setattr(row, column, getattr(fresh, column))
                 row.status = "late"
                 late += 1
@@ -326,6 +331,7 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             return False, False
         s.add_all(rows)
         record_throughput(s, throughput)
+        record_tasks(s, rows)
         job = s.get(Job, job_id)
         assert job is not None
         done = True

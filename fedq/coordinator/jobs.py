@@ -17,7 +17,7 @@ from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, session_scope
-from fedq.db.models import utcnow
+from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.app import app
 from fedq.engine.broker import check_broker
@@ -228,7 +228,21 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  if r.number in tokens and r.eval_loss is not None else None,
                  "staleness_mean": stale[r.number][0] if r.number in stale else None,
                  "staleness_max": stale[r.number][1] if r.number in stale else None,
+                 "started_at": aware(r.started_at).isoformat(),
+                 "finished_at": aware(r.finished_at).isoformat() if r.finished_at else None,
+                 "finalize_seconds": r.finalize_seconds,
                  "error": r.error} for r in rounds]
+
+
+def job_record(settings: Settings, job_id: str) -> dict[str, Any]:
+    """The job's row as a dict, its spec included (for reports)."""
+    get_job(settings, job_id)  # JobNotFound
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return {"id": job.id, "name": job.name, "status": job.status, "spec": job.spec,
+                "committed_round": job.committed_round, "total_rounds": job.total_rounds,
+                "error": job.error, "created_at": aware(job.created_at).isoformat()}
 
 
 def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
@@ -237,6 +251,10 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
         rows = s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id)
                          .order_by(ClientUpdate.round_number, ClientUpdate.client,
                                    ClientUpdate.task_index)).all()
+        # when each task was sent: a synchronous round sends all at its start (its row
+        # is written at the commit); a buffered task's row is written when it is sent
+        opened = {n: aware(t) for n, t in s.execute(
+            select(Round.number, Round.started_at).where(Round.job_id == job_id)).tuples()}
         return [{"round": r.round_number, "client": r.client, "status": r.status,
                  "queue": r.queue, "worker": r.worker, "samples": r.samples,
                  "processed": r.processed, "steps": r.steps,
@@ -247,9 +265,14 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util, "tokens": r.tokens,
                  "task": r.task_index or None, "base_version": r.base_version,
                  "staleness": r.staleness, "weight": r.weight,
+                 "dispatched_at": (aware(r.created_at) if r.task_index or
+                                   r.round_number not in opened
+                                   else opened[r.round_number]).isoformat(),
+                 "started_at": aware(r.started_at).isoformat() if r.started_at else None,
+                 "download_seconds": r.download_seconds, "upload_seconds": r.upload_seconds,
                  "error": r.error} for r in rows]
 
 
 
-__all__ = ["FINISHED", "JobView", "cancel", "client_results", "get_job", "list_jobs",
-           "resume", "round_results", "submit"]
+__all__ = ["FINISHED", "JobView", "cancel", "client_results", "get_job", "job_record",
+           "list_jobs", "resume", "round_results", "submit"]

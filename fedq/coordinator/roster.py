@@ -7,8 +7,8 @@ from typing import Any
 
 from sqlalchemy import select
 
-from fedq.db import Worker, session_scope
-from fedq.db.models import utcnow
+from fedq.db import ClientUpdate, Worker, session_scope
+from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
 from fedq.settings import Settings
@@ -50,12 +50,37 @@ def record_throughput(session: Any, measurements: Iterable[tuple[str, int, float
         row.last_seen = now
 
 
+def record_tasks(session: Any, rows: Iterable[ClientUpdate]) -> None:
+    """Per-worker diagnostics from finished task rows: failures (``error``,
+    ``rejected``), the GPU memory and utilisation of the last task, when it ran.
+
+    Runs inside the caller's transaction (the round commit, a buffered absorb)."""
+    now = utcnow()
+    for row in rows:
+        if not row.worker or row.worker == "?" or row.status in ("training", "missing"):
+            continue
+        worker = session.get(Worker, row.worker)
+        if worker is None:
+            worker = Worker(hostname=row.worker, queues=[], hardware={}, tasks_done=0,
+                            tasks_failed=0)
+            session.add(worker)
+        if row.status in ("error", "rejected"):
+            worker.tasks_failed = (worker.tasks_failed or 0) + 1
+        if row.gpu_peak_mb is not None or row.gpu_util is not None:
+            worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util
+        worker.last_task_at = now
+
+
 def list_workers(db_url: str) -> list[dict[str, Any]]:
     ensure_schema(db_url)
     with session_scope(db_url) as s:
         return [{"hostname": w.hostname, "queues": w.queues, "hardware": w.hardware,
-                 "tasks_done": w.tasks_done, "samples_per_second": w.samples_per_second,
-                 "last_seen": w.last_seen.isoformat(timespec="seconds")}
+                 "tasks_done": w.tasks_done, "tasks_failed": w.tasks_failed or 0,
+                 "samples_per_second": w.samples_per_second,
+                 "gpu_peak_mb": w.gpu_peak_mb, "gpu_util": w.gpu_util,
+                 "last_task": aware(w.last_task_at).isoformat(timespec="seconds")
+                 if w.last_task_at else None,
+                 "last_seen": aware(w.last_seen).isoformat(timespec="seconds")}
                 for w in s.scalars(select(Worker).order_by(Worker.hostname))]
 
 

@@ -33,7 +33,7 @@ from fedq.coordinator import buffered
 from fedq.coordinator.finalize import finalize_round
 from fedq.coordinator.policy import repair
 from fedq.coordinator.rounds import request_round
-from fedq.db import Job, Round, session_scope
+from fedq.db import Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.settings import Settings
@@ -69,6 +69,12 @@ def scan(settings: Settings) -> list[NextRound]:
         return out
 
 
+def _outcome(result: Any) -> str | None:
+    if isinstance(result, dict):
+        result = result.get("status")
+    return None if result is None else str(result)[:32]
+
+
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     """One pass over the running jobs; returns what it did, one dict per action."""
     ensure_schema(settings.database_url)
@@ -92,4 +98,10 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
                             "action": f"finalize ({why})", "result": result.get("status")})
     for action in actions:
         log.warning("fedq watchdog: %s", action)
+    if actions:
+        with session_scope(settings.database_url) as s:
+            s.add_all(WatchdogAction(job_id=str(a["job"]),
+                                     round_number=a.get("round", a.get("version")),
+                                     action=str(a["action"])[:64],
+                                     result=_outcome(a.get("result"))) for a in actions)
     return actions

@@ -30,6 +30,11 @@ def aware(ts: datetime) -> datetime:
     return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
+def worker_time(started: float | None) -> datetime | None:
+    """A worker's Unix timestamp as an aware datetime (None stays None)."""
+    return None if started is None else datetime.fromtimestamp(started, tz=timezone.utc)
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
@@ -91,6 +96,7 @@ class Round(Base):
     global_key: Mapped[str | None] = mapped_column(String(300), default=None)
     global_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    finalize_seconds: Mapped[float | None] = mapped_column(Float, default=None)
 
 
 class ClientUpdate(Base):
@@ -140,6 +146,11 @@ class ClientUpdate(Base):
     base_version: Mapped[int | None] = mapped_column(Integer, default=None)
     staleness: Mapped[int | None] = mapped_column(Integer, default=None)
     weight: Mapped[float | None] = mapped_column(Float, default=None)
+    # Where the task's time went (migration 0007): its start on the worker's clock and
+    # the seconds of the model download and the update upload.
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    download_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    upload_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -151,5 +162,23 @@ class Worker(Base):
     hardware: Mapped[dict[str, Any]] = mapped_column(JSON)
     tasks_done: Mapped[int] = mapped_column(Integer, default=0)
     samples_per_second: Mapped[float | None] = mapped_column(Float, default=None)
+    tasks_failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)  # last task
+    gpu_util: Mapped[float | None] = mapped_column(Float, default=None)  # last task, %
+    last_task_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                          default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WatchdogAction(Base):
+    """One repair the watchdog made (fedq/coordinator/watchdog.py)."""
+
+    __tablename__ = "watchdog_actions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    job_id: Mapped[str] = mapped_column(String(32), index=True)
+    round_number: Mapped[int | None] = mapped_column(Integer, default=None)
+    action: Mapped[str] = mapped_column(String(64))
+    result: Mapped[str | None] = mapped_column(String(32), default=None)

@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from fedq.engine import logs  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
 from fedq.engine.names import (
     ABSORB_UPDATE_TASK,
     ALL_QUEUES,

@@ -26,3 +26,22 @@ def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
         for q in queues or []:
             out.setdefault(q["name"], []).append(worker)
     return out
+
+
+def queue_depths(queues: list[str]) -> dict[str, int]:
+    """Queue name -> messages waiting in it (a passive declare: nothing is created).
+    A queue the broker does not know yet counts 0."""
+    depths: dict[str, int] = {}
+    with app.connection_for_read() as conn:
+        for name in queues:
+            channel = conn.channel()
+            try:
+                depths[name] = int(channel.queue_declare(queue=name, passive=True).message_count)
+            except Exception:  # amqp: NOT_FOUND closes the channel; redis: never raises
+                depths[name] = 0
+            finally:
+                try:
+                    channel.close()
+                except Exception:
+                    pass
+    return depths

@@ -15,6 +15,7 @@ Facts behind the rules (docs/hardware.md has the sources):
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import shutil
@@ -52,6 +53,11 @@ class HardwareReport:
     # The kernels compiled into this torch build: known without a GPU (arch_list is
     # empty when CUDA cannot start), so an image can be checked on a CPU host.
     build_arch: list[str] = field(default_factory=list)
+    # The rest of the environment, for `fedq workers` and `fedq report`.
+    cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    memory_gb: float | None = field(default_factory=lambda: _memory_gb())
+    python: str = field(default_factory=platform.python_version)
+    system: str = field(default_factory=platform.platform)
 
     @property
     def hardware_class(self) -> str:
@@ -71,7 +77,17 @@ class HardwareReport:
                    mps=bool(data.get("mps")), jetson=bool(data.get("jetson")),
                    hostname=data.get("hostname", platform.node()),
                    problems=list(data.get("problems", [])),
-                   build_arch=list(data.get("build_arch", [])))
+                   build_arch=list(data.get("build_arch", [])),
+                   cpus=int(data.get("cpus") or 1), memory_gb=data.get("memory_gb"),
+                   python=str(data.get("python", "?")), system=str(data.get("system", "?")))
+
+
+def _memory_gb() -> float | None:
+    """Physical memory in GB (None where sysconf does not say, e.g. Windows)."""
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def classify(capabilities: list[tuple[int, int]]) -> str:

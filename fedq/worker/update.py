@@ -8,6 +8,8 @@ fails never runs its body, so failure is reported as an error ref.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
@@ -26,6 +28,8 @@ from fedq.weights import dump_parts, dumps, loads, raw_size
 from fedq.worker import inner
 from fedq.worker.loop import local_train
 
+log = logging.getLogger(__name__)
+
 
 def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
     """The global model for ``ref`` and the bytes downloaded (0 when the process kept it)."""
@@ -43,7 +47,7 @@ def client_seed(seed: int, round_number: int, client: int) -> int:
 
 def run_training(data: dict, store: BlobStore, worker: str) -> dict:
     """Train one client for one round; always returns an UpdateRef as JSON."""
-    start = time.perf_counter()
+    start, wall = time.perf_counter(), time.time()
     try:
         ref = TrainRef.from_json(data)
     except (KeyError, TypeError, ValueError) as exc:
@@ -52,19 +56,31 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
                          queue=str(data.get("queue", "?")), worker=worker,
                          error=f"malformed train ref: {exc}").to_json()
     try:
-        return _train(ref, store, worker, start).to_json()
+        result = _train(ref, store, worker, start)
+        result = dataclasses.replace(result, stats=dataclasses.replace(result.stats,
+                                                                       started=wall))
+        log.info("trained: %d samples, %d steps, loss %s, %.2fs (download %.2fs, train "
+                 "%.2fs, upload %.2fs)", result.samples, result.steps,
+                 "-" if result.loss is None else f"{result.loss:.4f}", result.seconds,
+                 result.stats.download_seconds, result.stats.train_seconds,
+                 result.stats.upload_seconds)
+        return result.to_json()
     except Exception as exc:  # reported as data, never thrown through the chord
+        log.warning("training failed: %s: %s", type(exc).__name__, exc)
         return UpdateRef(status="error", job=ref.job, round=ref.round, client=ref.client,
                          queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
-                         attempt=ref.attempt, gen=ref.gen,
+                         attempt=ref.attempt, gen=ref.gen, stats=TrainStats(started=wall),
                          error=f"{type(exc).__name__}: {exc}"[:2000]).to_json()
 
 
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
     spec = JobSpec.stored(ref.spec)
+    fetched = time.perf_counter()
     global_weights, bytes_down = fetch_global(store, ref.model)
+    download = time.perf_counter() - fetched
     if spec.zero_compute:
-        return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down)
+        return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down,
+                             download)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     idx = torch.from_numpy(client_indices(ds.partition_labels(), spec.partition,
                                           spec.num_clients, ref.client, spec.seed))
@@ -89,7 +105,9 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
         delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
                  for k, v in delta.items()}
+    uploading = time.perf_counter()
     up = _upload(ref, spec, store, delta)
+    upload = time.perf_counter() - uploading
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
@@ -101,7 +119,8 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                                       device=stats.device, gpu_peak_mb=stats.gpu_peak_mb,
                                       gpu_util=stats.gpu_util,
                                       tokens=stats.seen * ds.x_train.shape[1]
-                                      if ds.is_text else 0))
+                                      if ds.is_text else 0,
+                                      download_seconds=download, upload_seconds=upload))
 
 
 def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> BlobRef:
@@ -114,7 +133,7 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> B
 
 
 def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, start: float,
-                  global_weights: Weights, bytes_down: int) -> UpdateRef:
+                  global_weights: Weights, bytes_down: int, download: float) -> UpdateRef:
     """Benchmarks: no data, no model, no training; the update changes every floating
     weight by a small amount that differs per client, so averaging is real work."""
     step = 1e-4 * (1 + ref.client % 7)
@@ -126,9 +145,13 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
                  for k, shape, dtype in shapes}
         PROCESS.zero_deltas.clear()
         PROCESS.zero_deltas[(shapes, step)] = delta
+    uploading = time.perf_counter()
     up = _upload(ref, spec, store, delta)
+    upload = time.perf_counter() - uploading
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
                      bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
-                     gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta)))
+                     gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta),
+                                                   download_seconds=download,
+                                                   upload_seconds=upload))

@@ -1,0 +1,216 @@
+"""Figures of a job (``fedq plot``): progress, a timeline of every client task, bytes
+per round per client, and staleness for buffered jobs.
+
+Each ``*_figure`` function takes the rows ``fedq results --json`` prints (rounds and
+client rows, :mod:`fedq.coordinator.jobs`) and returns a matplotlib Figure, so tests
+can count what was drawn; :func:`write_figures` saves them as PNG and SVG. matplotlib
+is the ``[plot]`` extra and runs on its Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fedq.errors import require_extra
+
+#: Colours of a task's phases in the timeline (matplotlib's tab10 palette).
+PHASES = (("queue wait", "#c7c7c7"), ("download", "#1f77b4"), ("train", "#2ca02c"),
+          ("upload", "#ff7f0e"))
+FINALIZE_COLOR = "#d62728"
+FAILED = ("error", "missing", "rejected")
+
+
+def _pyplot() -> Any:
+    require_extra("matplotlib", "plot", "fedq plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ticks() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _when(iso: str | None) -> float | None:
+    return None if iso is None else datetime.fromisoformat(iso).timestamp()
+
+
+def progress_figure(rounds: list[dict[str, Any]], title: str = "") -> Any:
+    """Accuracy and loss per committed round (language models: validation loss in
+    nats per token and perplexity)."""
+    plt = _pyplot()
+    done = [r for r in rounds if r["status"] == "committed"]
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    evaluated = [r for r in done if r.get("accuracy") is not None]
+    if evaluated:
+        acc_ax.plot([r["round"] for r in evaluated], [r["accuracy"] for r in evaluated],
+                    marker="o", label="accuracy")
+        acc_ax.set_ylabel("accuracy")
+    else:
+        perplexity = [r for r in done if r.get("perplexity") is not None]
+        acc_ax.plot([r["round"] for r in perplexity], [r["perplexity"] for r in perplexity],
+                    marker="o", label="perplexity")
+        acc_ax.set_ylabel("validation perplexity")
+    acc_ax.set_xlabel("round")
+    acc_ax.grid(alpha=0.3)
+    for ax in (acc_ax, loss_ax):
+        ax.xaxis.set_major_locator(_ticks())
+    train = [r for r in done if r.get("train_loss") is not None]
+    loss_ax.plot([r["round"] for r in train], [r["train_loss"] for r in train], marker=".",
+                 label="training loss (clients' mean)")
+    held = [r for r in done if r.get("eval_loss") is not None]
+    loss_ax.plot([r["round"] for r in held], [r["eval_loss"] for r in held], marker="o",
+                 label="validation loss")
+    loss_ax.set_xlabel("round")
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    fig.suptitle(title or "progress")
+    return fig
+
+
+def timeline_figure(rounds: list[dict[str, Any]], clients: list[dict[str, Any]],
+                    title: str = "", last: int = 12) -> Any:
+    """One bar per client task of the last ``last`` rounds: queue wait, model download,
+    training, upload; a red bar for each round's finalize step; failed and missing
+    tasks marked with a cross. Seconds on the x axis count from the first round shown.
+
+    Times come from the workers' clocks (task start) and the coordinator's (dispatch,
+    commit); machines whose clocks disagree by more than a task's length show it."""
+    plt = _pyplot()
+    shown = sorted({r["round"] for r in rounds})[-last:]
+    opened = {r["round"]: _when(r.get("started_at")) for r in rounds}
+    closed = {r["round"]: (_when(r.get("finished_at")), r.get("finalize_seconds"))
+              for r in rounds}
+    tasks = [c for c in clients if c["round"] in shown]
+    origin: float = min([t for n in shown if (t := opened.get(n)) is not None] or [0.0])
+    height = max(3.0, 0.28 * len(tasks) + 1.5)
+    fig, ax = plt.subplots(figsize=(11, min(height, 40)), constrained_layout=True)
+    labels: list[str] = []
+    for y, task in enumerate(tasks):
+        labels.append(f"r{task['round']} c{task['client']}"
+                      + (f" t{task['task']}" if task.get("task") else "")
+                      + f"  {(task.get('worker') or '-').split('@')[0]}")
+        sent, start = _when(task.get("dispatched_at")), _when(task.get("started_at"))
+        if start is None or sent is None:
+            ax.plot([(closed[task["round"]][0] or origin) - origin], [y], "x",  # never ran
+                    color=FINALIZE_COLOR, markersize=8)
+            continue
+        train = task.get("train_seconds") or 0.0
+        download = task.get("download_seconds") or 0.0
+        upload = task.get("upload_seconds") or 0.0
+        spans = [(sent, max(start - sent, 0.0)), (start, download),
+                 (start + download, train), (start + download + train, upload)]
+        for (left, width), (_, color) in zip(spans, PHASES):
+            ax.barh(y, width, left=left - origin, color=color, height=0.7)
+        if task["status"] in FAILED:
+            ax.plot([start - origin], [y], "x", color=FINALIZE_COLOR, markersize=8)
+    for n in shown:
+        finished, seconds = closed.get(n, (None, None))
+        if finished is not None and seconds:
+            ax.axvspan(finished - seconds - origin, finished - origin, color=FINALIZE_COLOR,
+                       alpha=0.25, lw=0)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in PHASES]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color=FINALIZE_COLOR, alpha=0.25))
+    ax.legend(handles, [n for n, _ in PHASES] + ["finalize"], loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or "where each round's time went")
+    return fig
+
+
+def bytes_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
+    """Bytes each client uploaded (stacked) and downloaded, per round."""
+    plt = _pyplot()
+    up: dict[int, dict[int, int]] = defaultdict(dict)
+    down: dict[int, int] = defaultdict(int)
+    for c in clients:
+        up[c["client"]][c["round"]] = up[c["client"]].get(c["round"], 0) + (c["bytes_up"] or 0)
+        down[c["round"]] += c["bytes_down"] or 0
+    numbers = sorted({c["round"] for c in clients})
+    fig, (up_ax, down_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    bottom = [0.0] * len(numbers)
+    for client in sorted(up):
+        heights = [up[client].get(n, 0) / 1e6 for n in numbers]
+        up_ax.bar(numbers, heights, bottom=bottom, label=f"client {client}")
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for ax in (up_ax, down_ax):
+        ax.xaxis.set_major_locator(_ticks())
+    up_ax.set_xlabel("round")
+    up_ax.set_ylabel("MB uploaded")
+    if len(up) <= 12:
+        up_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    down_ax.bar(numbers, [down[n] / 1e6 for n in numbers], color="#1f77b4")
+    down_ax.set_xlabel("round")
+    down_ax.set_ylabel("MB downloaded (all clients)")
+    fig.suptitle(title or "bytes per round")
+    return fig
+
+
+def staleness_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
+    """Buffered jobs: how stale the updates were (histogram) and per version (mean)."""
+    plt = _pyplot()
+    used = [c for c in clients if c.get("staleness") is not None and c["status"] == "ok"]
+    fig, (hist_ax, line_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    values = [c["staleness"] for c in used]
+    top = max(values, default=0)
+    hist_ax.hist(values, bins=range(0, top + 2), align="left", rwidth=0.8)
+    hist_ax.set_xlabel("staleness (versions behind)")
+    hist_ax.set_ylabel("updates used")
+    per: dict[int, list[int]] = defaultdict(list)
+    for c in used:
+        per[c["round"]].append(c["staleness"])
+    versions = sorted(per)
+    line_ax.plot(versions, [sum(per[v]) / len(per[v]) for v in versions], marker="o")
+    line_ax.xaxis.set_major_locator(_ticks())
+    line_ax.set_xlabel("version")
+    line_ax.set_ylabel("mean staleness")
+    line_ax.grid(alpha=0.3)
+    fig.suptitle(title or "staleness")
+    return fig
+
+
+def figures(job: dict[str, Any], rounds: list[dict[str, Any]],
+            clients: list[dict[str, Any]]) -> dict[str, Any]:
+    """Name -> Figure for one job (``staleness`` only for buffered jobs)."""
+    name = f"{job['name']} ({job['id']})"
+    out = {"progress": progress_figure(rounds, f"{name}: progress"),
+           "timeline": timeline_figure(rounds, clients, f"{name}: where the time went"),
+           "bytes": bytes_figure(clients, f"{name}: bytes per round")}
+    if any(c.get("staleness") is not None for c in clients):
+        out["staleness"] = staleness_figure(clients, f"{name}: staleness")
+    return out
+
+
+def write_figures(figs: dict[str, Any], folder: Path, stem: str,
+                  formats: tuple[str, ...] = ("png", "svg")) -> list[Path]:
+    """Save each figure as ``folder/stem-NAME.FORMAT``; each file appears whole (written
+    beside, then renamed) so a crash leaves no half-written figure."""
+    plt = _pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figs.items():
+        for fmt in formats:
+            path = folder / f"{stem}-{name}.{fmt}"
+            partial = path.with_name(f".{path.name}.partial")
+            fig.savefig(partial, format=fmt, dpi=110)
+            partial.replace(path)
+            paths.append(path)
+        plt.close(fig)
+    return paths
+
+
+def close(figs: dict[str, Any]) -> None:
+    plt = _pyplot()
+    for fig in figs.values():
+        plt.close(fig)

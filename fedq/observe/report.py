@@ -1,0 +1,94 @@
+"""``fedq report JOB``: one self-contained HTML page to send to a colleague — the
+figures (PNG, inline), the spec, the per-round and per-client tables and the
+environment of each worker that trained for the job. No scripts, no external files.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from datetime import datetime, timezone
+from importlib.metadata import version
+from typing import Any
+
+import yaml
+
+ROUND_COLUMNS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
+                 "finalize_seconds", "participants", "planned", "samples", "bytes_up",
+                 "bytes_down", "tokens_per_second", "staleness_mean", "epsilon", "error")
+CLIENT_COLUMNS = ("round", "client", "task", "status", "queue", "worker", "samples",
+                  "steps", "loss", "seconds", "download_seconds", "train_seconds",
+                  "upload_seconds", "bytes_up", "bytes_down", "device", "gpu_peak_mb",
+                  "gpu_util", "staleness", "weight", "error")
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; font-size: 12px; margin-bottom: 2em; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+th { background: #f0f0f0; } td.text { text-align: left; }
+tr.failed td { background: #fde8e8; }
+img { max-width: 100%; border: 1px solid #eee; margin: 0.5em 0; }
+pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
+"""
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "<td>-</td>"
+    if isinstance(value, float):
+        return f"<td>{value:.4g}</td>"
+    if isinstance(value, int):
+        return f"<td>{value}</td>"
+    return f'<td class="text">{html.escape(str(value))}</td>'
+
+
+def table(rows: list[dict[str, Any]], columns: tuple[str, ...], table_id: str) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        f'<tr{" class=failed" if r.get("status") in ("failed", "error", "missing") else ""}>'
+        + "".join(_cell(r.get(c)) for c in columns) + "</tr>" for r in rows)
+    return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
+
+
+def _png(fig: Any) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def render(job: dict[str, Any], rounds: list[dict[str, Any]], clients: list[dict[str, Any]],
+           workers: list[dict[str, Any]], figs: dict[str, Any]) -> str:
+    """The page, as a string (figures are closed by the caller)."""
+    used = {c["worker"] for c in clients if c.get("worker")}
+    env_rows = [{"worker": w["hostname"], "queues": ",".join(w["queues"] or []),
+                 "hardware": hw.get("hardware_class"), "torch": hw.get("torch"),
+                 "cuda": hw.get("cuda"), "gpus": ", ".join(g.get("name", "?")
+                                                          for g in hw.get("gpus") or []) or None,
+                 "cpus": hw.get("cpus"), "memory_gb": hw.get("memory_gb"),
+                 "python": hw.get("python"), "system": hw.get("system"),
+                 "samples_per_second": w.get("samples_per_second"),
+                 "tasks_done": w.get("tasks_done"), "tasks_failed": w.get("tasks_failed")}
+                for w in workers if w["hostname"] in used
+                for hw in [w.get("hardware") or {}]]
+    images = "".join(f'<h3>{html.escape(name)}</h3><img alt="{html.escape(name)}" '
+                     f'src="data:image/png;base64,{_png(fig)}">' for name, fig in figs.items())
+    made = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    summary = (f"status <b>{html.escape(job['status'])}</b>, round "
+               f"{job['committed_round']} of {job['total_rounds']}"
+               + (f", error: {html.escape(job['error'])}" if job.get("error") else ""))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>fedq job {html.escape(job['name'])} ({html.escape(job['id'])})</title>
+<style>{STYLE}</style></head><body>
+<h1>fedq job {html.escape(job['name'])} <small>{html.escape(job['id'])}</small></h1>
+<p>{summary}. Made {made} by fedq {version('fedq')}.</p>
+<h2>Figures</h2>{images}
+<h2>Rounds</h2>{table(rounds, ROUND_COLUMNS, "rounds")}
+<h2>Client tasks</h2>{table(clients, CLIENT_COLUMNS, "clients")}
+<h2>Workers</h2>{table(env_rows, ("worker", "queues", "hardware", "torch", "cuda", "gpus",
+                                   "cpus", "memory_gb", "python", "system",
+                                   "samples_per_second", "tasks_done",
+                                   "tasks_failed"), "workers")}
+<h2>Spec</h2><pre>{html.escape(yaml.safe_dump(job['spec'], sort_keys=False))}</pre>
+</body></html>
+"""

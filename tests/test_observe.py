@@ -1,0 +1,291 @@
+"""Seeing a job: figures, the HTML report, Prometheus metrics, JSON logs and worker
+diagnostics, on a real job over Redis + PostgreSQL + S3 with real worker processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fedq.coordinator.jobs import client_results, job_record, round_results
+from fedq.coordinator.roster import list_workers
+from fedq.engine.logs import CONTEXT_FIELDS, TaskContext, json_formatter, task_context
+from fedq.errors import ConfigError
+from fedq.observe.plots import PHASES, figures, write_figures
+from fedq.observe.report import render
+from fedq.settings import load_settings
+from fedq.testing.cluster import DIGITS, Cluster, base_env
+from tests.conftest import free_port
+
+# Three clients train on cpu; the fourth lands on a worker whose blob store is
+# elsewhere, so its task fails every round (an error row, a failed task per round).
+SPEC = {**DIGITS, "name": "observed", "queues": {"cpu": 3, "gpu_sm61": 1},
+        "max_redispatch": 0, "eval_every": 1}
+ROUNDS = DIGITS["rounds"]
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory, module_redis_db: str,
+             module_pg_url: str, s3_server: str) -> Iterator[tuple[Cluster, str]]:
+    tmp_path = tmp_path_factory.mktemp("observe")
+    env = base_env(tmp_path, FEDQ_BROKER_URL=module_redis_db,
+                   FEDQ_RESULT_BACKEND=module_redis_db, FEDQ_DATABASE_URL=module_pg_url,
+                   FEDQ_BLOB_URL=f"s3://fedq/{tmp_path.name}", FEDQ_S3_ENDPOINT_URL=s3_server,
+                   FEDQ_LOG_FORMAT="json")
+    env.update({"AWS_ACCESS_KEY_ID": "fedq", "AWS_SECRET_ACCESS_KEY": "fedq-secret",
+                "AWS_DEFAULT_REGION": "us-east-1"})
+    cluster = Cluster(tmp_path, env)
+    cluster.fedq("db", "upgrade")
+    cluster.start(cpu=["cpu"], control=["control"])
+    cluster.add("bad", ["gpu_sm61"], FEDQ_BLOB_URL=str(tmp_path / "elsewhere"))
+    job = cluster.submit(SPEC)
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    yield cluster, job
+    cluster.stop()
+
+
+def _data(cluster: Cluster, job: str) -> tuple[dict[str, Any], list[dict], list[dict]]:
+    settings = cluster.settings
+    return job_record(settings, job), round_results(settings, job), client_results(settings, job)
+
+
+@pytest.mark.slow
+def test_task_rows_say_where_the_time_went(observed: tuple[Cluster, str]) -> None:
+    cluster, job = observed
+    _, rounds, clients = _data(cluster, job)
+    assert all(r["finalize_seconds"] and r["finalize_seconds"] > 0 for r in rounds)
+    ok = [c for c in clients if c["status"] == "ok"]
+    assert len(ok) == 3 * ROUNDS
+    for c in ok:
+        start = c["started_at"]
+        assert start is not None and c["dispatched_at"] <= start, c
+        assert c["download_seconds"] is not None and c["upload_seconds"] > 0
+        assert c["train_seconds"] > 0
+        assert c["download_seconds"] + c["train_seconds"] + c["upload_seconds"] \
+            <= c["seconds"] + 1e-6
+    failed = [c for c in clients if c["status"] == "error"]
+    assert len(failed) == ROUNDS and all(c["started_at"] for c in failed)
+
+
+@pytest.mark.slow
+def test_figures_draw_every_round_and_task(observed: tuple[Cluster, str],
+                                           tmp_path: Path) -> None:
+    cluster, job = observed
+    record, rounds, clients = _data(cluster, job)
+    figs = figures(record, rounds, clients)
+    assert set(figs) == {"progress", "timeline", "bytes"}  # not buffered: no staleness
+    accuracy = figs["progress"].axes[0].lines[0]
+    assert list(accuracy.get_xdata()) == [1, 2, 3]
+    assert list(accuracy.get_ydata()) == [r["accuracy"] for r in rounds]
+    assert len(figs["progress"].axes[1].lines) == 2  # training and validation loss
+    timeline = figs["timeline"].axes[0]
+    ok = [c for c in clients if c["status"] == "ok"]
+    # one bar per phase per task that ran (failed tasks ran too: they downloaded nothing)
+    assert len(timeline.containers) == len(PHASES) * len(clients)
+    assert [t.get_text() for t in timeline.get_yticklabels()][0].startswith("r1 c")
+    crosses = [line for line in timeline.lines if line.get_marker() == "x"]
+    assert len(crosses) == ROUNDS  # the failed task of each round is marked
+    up = figs["bytes"].axes[0]
+    drawn = sum(bar.get_height() for container in up.containers for bar in container)
+    assert drawn == pytest.approx(sum(c["bytes_up"] for c in clients) / 1e6)
+    assert len(up.containers) == len({c["client"] for c in clients})
+    paths = write_figures(figs, tmp_path, job)
+    assert len(paths) == 6
+    for path in paths:
+        data = path.read_bytes()
+        assert data.startswith(b"\x89PNG") if path.suffix == ".png" else b"<svg" in data
+    assert not list(tmp_path.glob(".*partial"))
+    assert ok  # the figures are of a job that trained
+
+    # The CLI writes the same files; bad input is one line and exit 2.
+    cli = cluster.fedq("plot", job, "--out", str(tmp_path / "cli"), "--format", "png")
+    assert sorted(Path(p).name for p in cli.stdout.split()) == sorted(
+        f"{job}-{n}.png" for n in ("progress", "timeline", "bytes"))
+    bad = cluster.fedq("plot", job, "--format", "gif", check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "gif" in bad.stderr
+    missing = cluster.fedq("plot", "nosuchjob", check=False)
+    assert missing.returncode == 4 and "Traceback" not in missing.stderr
+
+
+@pytest.mark.slow
+def test_report_is_one_self_contained_page(observed: tuple[Cluster, str],
+                                           tmp_path: Path) -> None:
+    cluster, job = observed
+    out = tmp_path / "report.html"
+    cluster.fedq("report", job, "--out", str(out))
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page
+    assert len(re.findall(r'<img alt="[a-z]+" src="data:image/png;base64,', page)) == 3
+    rounds = re.search(r'<table id="rounds">(.*?)</table>', page, re.S)
+    assert rounds and rounds.group(1).count("<tr") == 1 + ROUNDS
+    clients = re.search(r'<table id="clients">(.*?)</table>', page, re.S)
+    assert clients and clients.group(1).count("<tr") == 1 + 4 * ROUNDS
+    assert clients.group(1).count("<tr class=failed>") == ROUNDS
+    workers = re.search(r'<table id="workers">(.*?)</table>', page, re.S)
+    assert workers and "cpu@test" in workers.group(1) and "bad@test" in workers.group(1)
+    assert "control@test" not in workers.group(1)  # only machines that trained for it
+    assert "name: observed" in page  # the spec
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
+
+
+@pytest.mark.slow
+def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
+    cluster, job = observed
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fedq.cli", "metrics", "--host",
+                             "127.0.0.1", "--port", str(port)], env=cluster.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        text = _scrape(f"http://127.0.0.1:{port}/metrics", proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    samples: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+
+    def value(metric: str, **labels: str) -> float:
+        found = [s.value for s in samples.get(metric, [])
+                 if all(s.labels.get(k) == v for k, v in labels.items())]
+        assert len(found) == 1, (metric, labels, samples.get(metric))
+        return float(found[0])
+
+    _, rounds, clients = _data(cluster, job)
+    assert value("fedq_rounds_total", job=job, status="committed") == ROUNDS
+    assert value("fedq_round_duration_seconds_count", job=job) == ROUNDS
+    assert value("fedq_round_duration_seconds_sum", job=job) == pytest.approx(
+        sum(r["seconds"] for r in rounds))
+    assert value("fedq_client_updates_total", job=job, status="ok") == 3 * ROUNDS
+    assert value("fedq_client_updates_total", job=job, status="error") == ROUNDS
+    assert value("fedq_last_round_clients", job=job, status="ok") == 3
+    assert value("fedq_accuracy", job=job) == pytest.approx(rounds[-1]["accuracy"])
+    assert value("fedq_bytes_up_total", job=job) == sum(r["bytes_up"] for r in rounds)
+    assert value("fedq_job_committed_rounds", job=job, name="observed") == ROUNDS
+    assert value("fedq_jobs", status="completed") >= 1
+    assert value("fedq_worker_tasks_total", worker="cpu@test", result="done") == 3 * ROUNDS
+    assert value("fedq_worker_tasks_total", worker="bad@test", result="failed") == ROUNDS
+    assert value("fedq_worker_samples_per_second", worker="cpu@test", queues="cpu") > 0
+    assert value("fedq_broker_up") == 1
+    assert value("fedq_queue_depth", queue="cpu") == 0
+
+
+def _scrape(url: str, proc: subprocess.Popen[bytes]) -> str:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.read().decode()
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read().decode() if proc.stdout else ""
+                raise AssertionError(f"fedq metrics did not serve: {out}") from None
+            time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_every_log_line_is_json_with_its_task_context(observed: tuple[Cluster, str]) -> None:
+    cluster, job = observed
+    logs = {w.hostname: w.log_path.read_text().splitlines() for w in cluster.workers}
+    trained: list[dict[str, Any]] = []
+    committed: list[dict[str, Any]] = []
+    for host, lines in logs.items():
+        # Celery's own text format ("[2026-... INFO/MainProcess] ...") must not appear:
+        # every log record went through the JSON formatter.
+        assert not [line for line in lines if re.match(r"\[\d{4}-\d\d-\d\d .*(INFO|WARNING)/",
+                                                       line)], host
+        for line in lines:
+            if not line.startswith("{"):
+                continue  # the worker's start-up banner is printed, not logged
+            entry = json.loads(line)
+            assert {"time", "level", "logger", "message", *CONTEXT_FIELDS} <= set(entry)
+            if entry["message"].startswith("trained:"):
+                trained.append(entry)
+            if entry["logger"] == "fedq.coordinator.finalize" and entry["job"] == job \
+                    and "committed" in entry["message"]:
+                committed.append(entry)
+    assert len(trained) >= 3 * ROUNDS
+    mine = [e for e in trained if e["job"] == job]
+    assert sorted((e["round"], e["client"]) for e in mine) == sorted(
+        (c["round"], c["client"]) for c in client_results(cluster.settings, job)
+        if c["status"] == "ok")
+    for entry in mine:
+        assert entry["worker"] == "cpu@test" and entry["queue"] == "cpu"
+        assert entry["task_id"].startswith(f"fedq-{job}-") and entry["task"] == "fedq.train"
+    assert sorted(e["round"] for e in committed) == [1, 2, 3]
+    assert {e["task"] for e in committed} == {"fedq.finalize_round"}
+    failed = [json.loads(line) for line in logs["bad@test"] if line.startswith("{")
+              and "training failed" in line]
+    assert len(failed) == ROUNDS and all(e["level"] == "WARNING" for e in failed)
+
+
+@pytest.mark.slow
+def test_workers_show_failures_and_throughput(observed: tuple[Cluster, str]) -> None:
+    cluster, _ = observed
+    rows = {w["hostname"]: w for w in list_workers(cluster.settings.database_url)}
+    assert rows["cpu@test"]["tasks_done"] == 3 * ROUNDS and rows["cpu@test"]["tasks_failed"] == 0
+    assert rows["bad@test"]["tasks_failed"] == ROUNDS
+    assert rows["cpu@test"]["last_task"] is not None
+    assert rows["cpu@test"]["hardware"]["cpus"] >= 1
+    table = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "3"],
+                           env={**cluster.env, "COLUMNS": "250"}, capture_output=True,
+                           text=True, timeout=120, check=True).stdout
+    for header in ("failed", "samples/s", "last task", "GPU"):
+        assert header in table, table
+    line = next(line for line in table.splitlines() if "bad@test" in line)
+    assert re.search(rf"│\s*0\s*│\s*{ROUNDS}\s*│", line), line  # 0 done, 3 failed
+
+
+def test_task_context_from_a_task_call() -> None:
+    class Request:
+        id, hostname, delivery_info = "t-1", "w@host", {"routing_key": "cpu"}
+
+    class Train:
+        name, request = "fedq.train", Request()
+
+        def run(self, ref: dict[str, Any]) -> None: ...
+
+    class Finalize:
+        name, request = "fedq.finalize_round", Request()
+
+        def run(self, results: list[Any], job_id: str, round_number: int) -> None: ...
+
+    ref = {"job": "j1", "round": 4, "client": 2, "queue": "cpu"}
+    assert task_context(Train(), (ref,), {}) == {
+        "task_id": "t-1", "task": "fedq.train", "worker": "w@host", "queue": "cpu",
+        "job": "j1", "round": 4, "client": 2}
+    assert task_context(Finalize(), ([], "j2", 7), {}) | {"client": None} == {
+        "task_id": "t-1", "task": "fedq.finalize_round", "worker": "w@host",
+        "queue": "cpu", "job": "j2", "round": 7, "client": None}
+
+
+def test_json_formatter_writes_one_object_with_every_field() -> None:
+    record = logging.LogRecord("fedq.x", logging.INFO, __file__, 1, "hello %s", ("you",), None)
+    TaskContext().filter(record)
+    entry = json.loads(json_formatter().format(record))
+    assert entry["message"] == "hello you" and entry["level"] == "INFO"
+    assert entry["logger"] == "fedq.x" and set(CONTEXT_FIELDS) <= set(entry)
+
+
+def test_log_format_setting_is_checked() -> None:
+    assert load_settings({"FEDQ_LOG_FORMAT": "json"}).log_format == "json"
+    with pytest.raises(ConfigError, match="FEDQ_LOG_FORMAT"):
+        load_settings({"FEDQ_LOG_FORMAT": "xml"})
+
+
+def test_report_escapes_what_it_shows() -> None:
+    job = {"id": "j", "name": "<b>x</b>", "status": "failed", "committed_round": 0,
+           "total_rounds": 1, "error": "<script>", "spec": {"name": "<i>"}}
+    page = render(job, [], [], [], {})
+    assert "<script>" not in page and "&lt;script&gt;" in page and "<b>x</b>" not in page
