@@ -16,10 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fedq.aggregate.staleness import staleness_factor
+from fedq.coordinator.roster import list_workers
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
 from fedq.errors import SpecError
+from fedq.observe.plots import close, figures
 from fedq.spec import describe, parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from tests.test_faults import _migrated_cluster, private_redis
@@ -132,6 +135,23 @@ def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
     table = cluster.fedq("results", job, "--clients").stdout
     assert "version" in table and "staleness of the used updates:" in table
     assert "updates/s" in table
+    # The staleness figure counts every update used, at its staleness.
+    figs = figures(data["job"], data["rounds"], data["clients"])
+    hist = figs["staleness"].axes[0]
+    used = [c["staleness"] for c in data["clients"] if c["status"] == "ok"]
+    assert sum(bar.get_height() for bar in hist.patches) == len(used) == 5 * 2
+    assert [round(bar.get_height()) for bar in hist.patches][:max(used) + 1] == \
+        [used.count(s) for s in range(max(used) + 1)]
+    assert list(figs["staleness"].axes[1].lines[0].get_xdata()) == [1, 2, 3, 4, 5]
+    close(figs)
+    # fedq metrics on the embedded default (SQLite, filesystem broker): versions count
+    # as rounds; the queue depths come from the broker's folder.
+    scrape = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(cluster.fedq("metrics", "--once").stdout)
+              for s in f.samples}
+    assert scrape[("fedq_rounds_total", (("job", job), ("status", "committed")))] == 5
+    assert scrape[("fedq_broker_up", ())] == 1
+    assert scrape[("fedq_queue_depth", (("queue", "cpu"),))] >= 0
 
     # A duplicate callback for a task already absorbed changes nothing.
     app = cluster.client_app()
@@ -273,3 +293,5 @@ def test_buffered_job_whose_tasks_all_fail_stops_with_a_reason(redis_cluster: Cl
     rows = cluster.updates(job)
     assert [u.status for u in rows].count("error") >= 4
     assert not [u for u in rows if u.status == "training"]
+    workers = {w["hostname"]: w for w in list_workers(cluster.settings.database_url)}
+    assert workers["w1@test"]["tasks_failed"] == [u.status for u in rows].count("error")

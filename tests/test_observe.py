@@ -289,3 +289,18 @@ def test_report_escapes_what_it_shows() -> None:
            "total_rounds": 1, "error": "<script>", "spec": {"name": "<i>"}}
     page = render(job, [], [], [], {})
     assert "<script>" not in page and "&lt;script&gt;" in page and "<b>x</b>" not in page
+
+
+@pytest.mark.slow
+def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, str]) -> None:
+    cluster, _ = observed
+    report = json.loads(cluster.fedq("doctor", "--services", "--json").stdout)
+    links = report["services"]
+    assert links["problems"] == [] and links["blob_bytes"] == 10 * 2**20
+    assert links["upload_seconds"] > 0 and links["download_seconds"] > 0
+    assert links["broker_connect_seconds"] > 0 and "fedq-secret" not in json.dumps(report)
+    bad = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services"],
+                         env={**cluster.env, "FEDQ_BROKER_URL": "redis://127.0.0.1:1/0"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "broker redis://127.0.0.1:1/0 is not reachable" in bad.stderr

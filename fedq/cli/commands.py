@@ -200,6 +200,20 @@ def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
             out.print(clients_table(clients))
 
 
+def _print_links(links: dict[str, Any]) -> None:
+    connect = links.get("broker_connect_seconds")
+    out.print(f"broker    {links['broker']}: "
+              + (f"connected in {connect * 1000:.0f} ms" if connect is not None
+                 else "[red]not reachable[/]"), highlight=False)
+    if links.get("upload_seconds") is not None:
+        out.print(f"blobs     {links['blob_store']}: 10 MB up {links['upload_seconds']:.2f} s "
+                  f"({links['upload_mb_per_s']:.0f} MB/s), down "
+                  f"{links['download_seconds']:.2f} s ({links['download_mb_per_s']:.0f} MB/s)",
+                  highlight=False)
+    else:
+        out.print(f"blobs     {links['blob_store']}: [red]not reachable[/]", highlight=False)
+
+
 def _ago(iso: str | None) -> str:
     """'12s ago' / '5m ago' / '3h ago' / '2d ago' for an ISO time; '-' for none."""
     if not iso:
@@ -263,11 +277,17 @@ def workers(timeout: float) -> None:
 @click.option("--batch-size", default=256, show_default=True, help="--smoke: batch size")
 @click.option("--home", default=".fedq/smoke", show_default=True,
               help="--smoke: folder for its state")
+@click.option("--services", is_flag=True,
+              help="also connect to the broker and time a 10 MB blob to and from the "
+                   "blob store (the FEDQ_* settings of this shell)")
 @expected_errors
-def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -> None:
-    """Check this machine: hardware class, torch build vs GPU, a kernel smoke test.
+def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
+           services: bool) -> None:
+    """Check this machine: hardware class, torch build vs GPU, a kernel smoke test,
+    and (--services) the connection to the broker and the blob store.
 
-    Exits 1 when the installed torch cannot drive a GPU here, with the fix."""
+    Exits 1 when the installed torch cannot drive a GPU here, with the fix, or when a
+    service cannot be reached."""
     from fedq.worker.hardware import (
         amp_mode,
         arch_covers,
@@ -287,9 +307,19 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -
         image = {"class": image_cls, "pins": pins().get(image_cls),
                  "problems": image_problems(report, image_cls)}
         problems += [f"image {image_cls}: {p}" for p in image["problems"]]
+    links: dict[str, Any] | None = None
+    if services:
+        from fedq.worker.links import check_services
+
+        if as_json:
+            links = check_services(_settings())
+        else:
+            with out.status("connecting to the broker; a 10 MB blob to and from the store"):
+                links = check_services(_settings())
+        problems += links["problems"]
     if as_json and not smoke:
-        click.echo(json.dumps({**report.to_json(), "image": image, "problems": problems},
-                              indent=2))
+        click.echo(json.dumps({**report.to_json(), "image": image, "services": links,
+                               "problems": problems}, indent=2))
         sys.exit(1 if problems else 0)
     if as_json:  # --smoke --json: the report and the round, one document
         if problems:
@@ -324,6 +354,8 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str) -
                                        "the cpu queue)" if report.mps else ""), highlight=False)
     if report.jetson:
         out.print("jetson    yes: use NVIDIA's JetPack torch, not PyPI wheels (docs/hardware.md)")
+    if links is not None:
+        _print_links(links)
     out.print(f"class     {cls}: start a worker with "
               f"[bold]celery -A fedq worker -Q {cls} -c 1[/] or the image {image_for(cls)}",
               highlight=False)

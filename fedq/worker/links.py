@@ -1,0 +1,55 @@
+"""``fedq doctor --services``: can this machine reach the broker and the blob store,
+and how long does a model-sized blob take each way?"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import time
+from typing import Any
+
+from fedq.blobs import open_store
+from fedq.blobs.base import sha256_hex
+from fedq.engine.broker import check_broker
+from fedq.errors import BlobError, FedqError
+from fedq.settings import Settings, redact
+
+#: The probe blob: about a small CNN's update; a ResNet-18 is 45 MB.
+PROBE_BYTES = 10 * 2**20
+
+
+def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any]:
+    """Connect to the broker (seconds to connect) and write, read back and delete a
+    ``size``-byte random blob (seconds and MB/s each way; the sha256 is checked on
+    read as for every blob). Failures come back as ``problems``, never raised."""
+    report: dict[str, Any] = {"broker": redact(settings.broker_url),
+                              "blob_store": redact(settings.blob_url), "problems": []}
+    started = time.perf_counter()
+    try:
+        check_broker(timeout=5.0)
+        report["broker_connect_seconds"] = time.perf_counter() - started
+    except FedqError as exc:
+        report["problems"].append(str(exc))
+    try:
+        store = open_store(settings.blob_url, settings.s3_endpoint_url)
+        data = os.urandom(size)
+        key = f"doctor/{platform.node()}-{secrets.token_hex(4)}"
+        started = time.perf_counter()
+        ref = store.put(key, data)
+        up = time.perf_counter() - started
+        started = time.perf_counter()
+        back = store.get(ref)
+        down = time.perf_counter() - started
+        store.delete_prefix(key)
+        if sha256_hex(back) != sha256_hex(data):
+            raise BlobError(f"blob {key} came back different")
+        report.update(blob_bytes=size, upload_seconds=up, download_seconds=down,
+                      upload_mb_per_s=size / 1e6 / up if up else None,
+                      download_mb_per_s=size / 1e6 / down if down else None)
+    except FedqError as exc:
+        report["problems"].append(str(exc))
+    except Exception as exc:  # a driver's own error (botocore, redis): one line
+        report["problems"].append(f"blob store {redact(settings.blob_url)}: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    return report
