@@ -2,7 +2,7 @@
 # The deploy stage: starts the Docker engine (scripts/docker-engine.sh), builds the
 # images (scripts/images.sh: cached by Docker's layer cache, so an unchanged tree
 # rebuilds nothing), checks what each image carries, then runs `docker compose up`
-# with the fault cases (tests/test_deploy.py). The daemon it started is stopped at the
+# with the fault cases and the dashboard in headless Chromium (tests/test_deploy.py). The daemon it started is stopped at the
 # end, by its pid; the built images stay in its data root for the next run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +17,12 @@ export DOCKER_HOST
 stop() { if [ "$started_here" = 1 ]; then bash scripts/docker-engine.sh stop; fi; }
 trap stop EXIT
 bash scripts/images.sh
+# The dashboard test opens Flower in headless Chromium: Debian's browser and the
+# matching driver (tests/test_deploy.py drives it with Selenium).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    echo "fedq: installing chromium chromium-driver with apt-get" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+fi
 .venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py "$@"

@@ -13,6 +13,7 @@ missing engine or image fails."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +49,8 @@ class Stack:
     cli: Cluster  # the fedq CLI and database reads, from the host
     worker_env: Path
     home: Path
+    ports: dict[str, int]
+    flower_password: str
 
     def run(self, *args: str, check: bool = True, timeout: float = 300) -> str:
         proc = subprocess.run(list(args), env=self.docker, capture_output=True, text=True,
@@ -127,7 +131,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     docker = _docker_env()
     home = tmp_path_factory.mktemp("deploy")
     pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
-    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower")}
+    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
     env_file = home / "compose.env"
     env_file.write_text("".join(f"{k.upper()}_PASSWORD={v}\n" for k, v in pw.items()) +
                         "".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
@@ -152,7 +156,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     compose = ["docker-compose", "-p", project, "--env-file", str(env_file),
                "-f", str(ROOT / "docker" / "compose.yaml"),
                "-f", str(ROOT / "docker" / "compose.debian.yaml")]
-    s = Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home)
+    s = Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home, ports,
+              pw["flower"])
     try:
         s.up()
         yield s
@@ -201,13 +206,13 @@ def _mid_task(stack: Stack, container: str, job: str, number: int,
 
 
 def test_stack_is_healthy_and_keeps_passwords_off_command_lines(stack: Stack) -> None:
-    for service in ("beat", "flower"):
+    for service in ("beat", "flower", "metrics"):
         stack.wait_healthy(service)
     passwords = [line.split("=", 1)[1] for line in
                  (stack.home / "compose.env").read_text().splitlines()
                  if "_PASSWORD=" in line]
     assert len(passwords) == 4
-    for service in ("redis", "control", "beat", "flower", "postgres", "s3"):
+    for service in ("redis", "control", "beat", "flower", "metrics", "postgres", "s3"):
         top = stack.run("docker", "top", stack.container(service), "-eo", "pid,args")
         assert len(top.splitlines()) >= 2, top  # the header and at least one process
         assert not any(p in top for p in passwords), (service, top)
@@ -217,6 +222,38 @@ def test_stack_is_healthy_and_keeps_passwords_off_command_lines(stack: Stack) ->
     migrate = stack.run("docker", "ps", "-a", "--filter", f"name={stack.project}_migrate",
                         "--format", "{{.Status}}")
     assert migrate.startswith("Exited (0)"), migrate
+
+
+def _browser() -> Any:
+    """Headless Chromium from Debian's packages (chromium, chromium-driver), driven by
+    Selenium through the driver the package ships (no driver download)."""
+    import shutil
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        missing("Chromium", "apt-get install chromium chromium-driver "
+                            "(scripts/test-deploy.sh does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,900"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def _page_with(browser: Any, url: str, words: list[str], timeout: float = 60) -> str:
+    """Open ``url``, reloading until every word is on the rendered page."""
+    deadline = time.monotonic() + timeout
+    while True:
+        browser.get(url)
+        time.sleep(1.5)  # Flower fills its tables by XHR after the page loads
+        text = browser.find_element("tag name", "body").text
+        if all(w in text for w in words) or time.monotonic() > deadline:
+            assert all(w in text for w in words), (url, words, text[:2000])
+            return text
 
 
 def test_job_survives_a_worker_container_killed_mid_round(stack: Stack) -> None:
@@ -277,3 +314,52 @@ def test_down_and_up_keeps_jobs_rounds_and_blobs_and_resume_continues(
     assert "resumed at round 2" in out, out
     _wait(stack, job)
     _each_round_once(stack, job, 4)
+
+
+def test_dashboard_in_a_real_browser_and_metrics_during_a_job(stack: Stack) -> None:
+    """Flower with basic auth, opened in headless Chromium while a job runs: it lists
+    fedq's tasks and the hardware queues; a screenshot is saved (docs/deploy.md shows
+    it). The metrics service answers with the job's rounds."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not stack.run("docker", "ps", "-q", "--filter", f"name={stack.project}-w2").strip():
+        stack.start_worker("w2")
+    stack.wait_healthy("flower")
+    stack.wait_healthy("metrics")
+    job = _submit(stack, rounds=3)
+    stack.cli.wait_for_round(job, 1, timeout=240)
+    base = f"http://127.0.0.1:{stack.ports['flower']}"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(base + "/tasks", timeout=10)
+    assert refused.value.code == 401  # no password, no dashboard
+
+    browser = _browser()
+    try:
+        token = base64.b64encode(f"admin:{stack.flower_password}".encode()).decode()
+        browser.execute_cdp_cmd("Network.enable", {})
+        browser.execute_cdp_cmd("Network.setExtraHTTPHeaders",
+                                {"headers": {"Authorization": f"Basic {token}"}})
+        tasks = _page_with(browser, base + "/tasks", ["fedq.train", f"fedq-{job}-"])
+        assert "fedq.finalize_round" in tasks or "fedq.start_round" in tasks, tasks[:2000]
+        shots = Path(os.environ.get("FEDQ_TEST_SCREENSHOTS") or stack.home)
+        shots.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(shots / "flower-tasks.png"))
+        _page_with(browser, base + "/broker", ["control", "cpu", "gpu_new", "gpu_sm61"])
+        assert browser.save_screenshot(str(shots / "flower-broker.png"))
+        _page_with(browser, base + "/workers", ["control@", "w2@"])
+    finally:
+        browser.quit()
+    assert (shots / "flower-tasks.png").stat().st_size > 10_000
+
+    _wait(stack, job)
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['metrics']}/metrics",
+                                timeout=30) as response:
+        text = response.read().decode()
+    committed = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "fedq_rounds_total" and s.labels == {"job": job,
+                                                                  "status": "committed"}]
+    assert committed == [3]

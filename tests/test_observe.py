@@ -32,6 +32,7 @@ from tests.conftest import free_port
 SPEC = {**DIGITS, "name": "observed", "queues": {"cpu": 3, "gpu_sm61": 1},
         "max_redispatch": 0, "eval_every": 1}
 ROUNDS = DIGITS["rounds"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +153,11 @@ def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
         proc.terminate()
         proc.wait(timeout=10)
     samples: dict[str, list[Any]] = {}
+    served: set[str] = set()  # every series name, with or without samples now
     for family in text_string_to_metric_families(text):
+        served.add(family.name + ("_total" if family.type == "counter" else ""))
         for s in family.samples:
+            served.add(s.name)
             samples.setdefault(s.name, []).append(s)
 
     def value(metric: str, **labels: str) -> float:
@@ -179,6 +183,13 @@ def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
     assert value("fedq_worker_samples_per_second", worker="cpu@test", queues="cpu") > 0
     assert value("fedq_broker_up") == 1
     assert value("fedq_queue_depth", queue="cpu") == 0
+
+    # The Grafana dashboard in docker/ queries only series this endpoint serves.
+    dashboard = json.loads((ROOT / "docker" / "grafana" / "fedq-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\b(fedq_[a-z_]+)", target["expr"])}
+    assert len(queried) >= 12
+    assert queried <= served, queried - served
 
 
 def _scrape(url: str, proc: subprocess.Popen[bytes]) -> str:
