@@ -2,8 +2,9 @@
 # The deploy stage: starts the Docker engine (scripts/docker-engine.sh), builds the
 # images (scripts/images.sh: cached by Docker's layer cache, so an unchanged tree
 # rebuilds nothing), checks what each image carries, then runs `docker compose up`
-# with the fault cases and the dashboard in headless Chromium (tests/test_deploy.py). The daemon it started is stopped at the
-# end, by its pid; the built images stay in its data root for the next run.
+# with the fault cases and the dashboard in headless Chromium (tests/test_deploy.py).
+# The daemon it started is stopped at the end, by its pid; the built images stay in
+# its data root for the next run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
