@@ -133,7 +133,7 @@ def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedq.settings import get_settings
 
     real = importlib.util.find_spec
-    hidden = {"boto3", "psycopg"}
+    hidden = {"boto3", "psycopg", "matplotlib", "prometheus_client"}
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in hidden else real(name, *a))
     monkeypatch.setenv("FEDQ_DATABASE_URL", "postgresql+psycopg://u@127.0.0.1:1/none")
@@ -152,6 +152,12 @@ def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
     with pytest.raises(MissingExtra, match=r"pip install 'fedq\[s3\]'"):
         S3BlobStore("s3://bucket/prefix")
+    for args, extra in ((["plot", "somejob"], "plot"), (["report", "somejob"], "plot"),
+                        (["metrics", "--once"], "metrics")):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and f"pip install 'fedq[{extra}]'" in lines[0], result.output
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import click
 
 from fedq.cli.commands import _settings, expected_errors, main
 from fedq.cli.output import out
-from fedq.errors import ConfigError
+from fedq.errors import ConfigError, require_extra
 
 
 def _job_data(job_id: str) -> tuple[dict, list[dict], list[dict]]:
@@ -33,6 +33,7 @@ def plot(job_id: str, folder: Path, formats: str) -> None:
     """Write the job's figures: progress, task timeline, bytes, staleness (buffered)."""
     from fedq.observe.plots import figures, write_figures
 
+    require_extra("matplotlib", "plot", "fedq plot")
     wanted = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
     bad = [f for f in wanted if f not in ("png", "svg", "pdf")]
     if bad or not wanted:
@@ -56,6 +57,7 @@ def report(job_id: str, path: Path | None) -> None:
     from fedq.observe.plots import close, figures
     from fedq.observe.report import render
 
+    require_extra("matplotlib", "plot", "fedq report")
     job, rounds, clients = _job_data(job_id)
     figs = figures(job, rounds, clients) if rounds else {}
     page = render(job, rounds, clients, list_workers(_settings().database_url), figs)
@@ -78,6 +80,7 @@ def metrics(host: str, port: int, once: bool) -> None:
     from fedq.engine.names import TRAINING_QUEUES
     from fedq.observe.metrics import exposition, serve
 
+    require_extra("prometheus_client", "metrics", "fedq metrics")
     settings = _settings()
     queues = [*TRAINING_QUEUES, "control"]
     if once:
