@@ -41,12 +41,23 @@ docker tag "$base_tag" fedq-debian:bookworm
 wheels="$cache/wheels-$(sha256sum requirements/dev.lock | cut -c1-12)"
 if [ ! -f "$wheels/.complete" ]; then
     echo "fedq: downloading the lock's wheels into $wheels" >&2
-    # Markers stripped: an image's Python (Debian's 3.11.2, Ubuntu's 3.12) needs some
-    # wheels that this host's Python skips (async-timeout below 3.11.3, say).
+    # Markers evaluated for the images' Python, Debian bookworm's 3.11.2, not this
+    # host's: some wheels apply only below 3.11.3 (async-timeout, say).
     log=$(mktemp); reqs=$(mktemp)
-    sed 's/ *;.*//' requirements/dev.lock > "$reqs"
+    "$python" - requirements/dev.lock > "$reqs" <<'PY'
+import sys
+from packaging.requirements import Requirement
+env = {"python_version": "3.11", "python_full_version": "3.11.2", "os_name": "posix",
+       "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+       "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+for line in open(sys.argv[1]):
+    if line[:1].isalnum():
+        req = Requirement(line.strip())
+        if req.marker is None or req.marker.evaluate(env):
+            print(f"{req.name}{req.specifier}")
+PY
     if ! "$python" -m pip download -q --no-deps -r "$reqs" -d "$wheels" >"$log" 2>&1; then
-        grep -v "^WARNING: Location" "$log" >&2; rm -f "$log"; exit 1
+        grep -v "^WARNING: Location" "$log" >&2; rm -f "$log" "$reqs"; exit 1
     fi
     rm -f "$log" "$reqs"
     touch "$wheels/.complete"

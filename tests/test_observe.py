@@ -77,6 +77,10 @@ def test_task_rows_say_where_the_time_went(observed: tuple[Cluster, str]) -> Non
             <= c["seconds"] + 1e-6
     failed = [c for c in clients if c["status"] == "error"]
     assert len(failed) == ROUNDS and all(c["started_at"] for c in failed)
+    table = subprocess.run([sys.executable, "-m", "fedq.cli", "results", job, "--clients"],
+                           env={**cluster.env, "COLUMNS": "300"}, capture_output=True,
+                           text=True, timeout=120, check=True).stdout
+    assert "down s" in table and "up s" in table and "train s" in table
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
     names = ["version", "task", "from", "stale", "weight"] if buffered else ["round"]
     table = Table(*names, "client", "status", "worker", "device", "amp", "steps",
                   "tokens/s" if text else "samples/s",
-                  "train s", "MB up", "norm", "GPU MB", "GPU %", "note")
+                  "down s", "train s", "up s", "MB up", "norm", "GPU MB", "GPU %", "note")
     for r in rows:
         first = [str(r["round"] or "-"), str(r["task"]), str(r["base_version"]),
                  "-" if r["staleness"] is None else str(r["staleness"]),
@@ -117,7 +117,8 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
         note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
         table.add_row(*first, str(r["client"]), status_style(r["status"]),
                       r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",
-                      str(r["steps"]), fmt(rate, ".0f"), fmt(r.get("train_seconds"), ".2f"),
+                      str(r["steps"]), fmt(rate, ".0f"), fmt(r.get("download_seconds"), ".2f"),
+                      fmt(r.get("train_seconds"), ".2f"), fmt(r.get("upload_seconds"), ".2f"),
                       mb(r["bytes_up"]), fmt(r["update_norm"], ".3g"),
                       fmt(r.get("gpu_peak_mb"), ".0f"), fmt(r.get("gpu_util"), ".0f"),
                       (note or "")[:60])
