@@ -147,6 +147,14 @@ def test_report_is_one_self_contained_page(observed: tuple[Cluster, str],
 @pytest.mark.slow
 def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
     cluster, job = observed
+    # Two tasks wait on gpu_new, which no worker consumes: the depth counts them as
+    # kombu itself does (fedq reads Redis' lists directly, in one round trip).
+    app = cluster.client_app()
+    for _ in range(2):
+        app.send_task("fedq.train", args=[{}], queue="gpu_new")
+    with app.connection_for_read() as conn:
+        waiting = conn.default_channel.queue_declare(queue="gpu_new", passive=True)
+    assert waiting.message_count == 2
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "fedq.cli", "metrics", "--host",
                              "127.0.0.1", "--port", str(port)], env=cluster.env,
@@ -187,6 +195,10 @@ def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
     assert value("fedq_worker_samples_per_second", worker="cpu@test", queues="cpu") > 0
     assert value("fedq_broker_up") == 1
     assert value("fedq_queue_depth", queue="cpu") == 0
+    assert value("fedq_queue_depth", queue="gpu_new") == 2
+    import redis
+
+    redis.Redis.from_url(cluster.env["FEDQ_BROKER_URL"]).delete("gpu_new")
 
     # The Grafana dashboard in docker/ queries only series this endpoint serves.
     dashboard = json.loads((ROOT / "docker" / "grafana" / "fedq-dashboard.json").read_text())

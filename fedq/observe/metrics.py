@@ -35,6 +35,21 @@ class FedqCollector:
 
     def __init__(self, settings: Settings, queues: list[str], broker: bool = True) -> None:
         self.settings, self.queues, self.broker = settings, queues, broker
+        self._conn: Any = None  # one broker connection, kept across scrapes
+        self._schema_checked = False
+
+    def _depths(self) -> dict[str, int]:
+        from fedq.engine.app import app
+        from fedq.engine.broker import queue_depths
+
+        if self._conn is None:
+            self._conn = app.connection_for_read()
+        try:
+            return queue_depths(self.queues, self._conn)
+        except Exception:
+            self._conn.release()  # reconnect on the next scrape
+            self._conn = None
+            raise
 
     def describe(self) -> list[Any]:
         return []  # families are only known at scrape time (no registry-time query)
@@ -47,7 +62,9 @@ class FedqCollector:
         )
 
         started = time.perf_counter()
-        ensure_schema(self.settings.database_url)
+        if not self._schema_checked:  # once per process, not per scrape
+            ensure_schema(self.settings.database_url)
+            self._schema_checked = True
         with session_scope(self.settings.database_url) as s:
             jobs = s.execute(select(Job.id, Job.name, Job.status, Job.committed_round,
                                     Job.total_rounds)).all()
@@ -174,9 +191,7 @@ class FedqCollector:
             depth = GaugeMetricFamily("fedq_queue_depth", "Tasks waiting in each queue",
                                       labels=["queue"])
             try:
-                from fedq.engine.broker import queue_depths
-
-                for name, n in queue_depths(self.queues).items():
+                for name, n in self._depths().items():
                     depth.add_metric([name], n)
                 broker_up.add_metric([], 1)
                 yield depth

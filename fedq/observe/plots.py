@@ -165,6 +165,7 @@ def staleness_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
     values = [c["staleness"] for c in used]
     top = max(values, default=0)
     hist_ax.hist(values, bins=range(0, top + 2), align="left", rwidth=0.8)
+    hist_ax.xaxis.set_major_locator(_ticks())
     hist_ax.set_xlabel("staleness (versions behind)")
     hist_ax.set_ylabel("updates used")
     per: dict[int, list[int]] = defaultdict(list)
