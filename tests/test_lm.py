@@ -19,6 +19,7 @@ from fedq.coordinator.evaluation import initial_weights
 from fedq.data import client_indices, load_dataset
 from fedq.data import text as text_data
 from fedq.models import build_model
+from fedq.observe.plots import close, figures
 from fedq.process import PROCESS
 from fedq.refs import TrainRef, UpdateRef
 from fedq.spec import OptimizerSpec, parse_spec
@@ -180,5 +181,12 @@ def test_gpt_job_end_to_end_and_generate(tmp_path: Path, backend: str,
         per_client = cluster.fedq("results", job, "--clients").stdout
         assert "w1@test" in per_client or "w2@test" in per_client  # the per-client table
         assert np.isfinite(out["rounds"][-1]["eval_loss"])
+        # The progress figure of a language model: perplexity and validation loss.
+        figs = figures(out["job"], out["rounds"], out["clients"])
+        left, right = figs["progress"].axes
+        assert left.get_ylabel() == "validation perplexity"
+        assert list(left.lines[0].get_ydata()) == [r["perplexity"] for r in out["rounds"]]
+        assert list(right.lines[1].get_ydata()) == [r["eval_loss"] for r in out["rounds"]]
+        close(figs)
     finally:
         cluster.stop()

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from fedq.errors import WatchTimeout
 
@@ -105,9 +105,10 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
     text = any(r.get("tokens") for r in rows)
     buffered = any(r.get("task") for r in rows)
     names = ["version", "task", "from", "stale", "weight"] if buffered else ["round"]
-    table = Table(*names, "client", "status", "worker", "device", "amp", "steps",
-                  "tokens/s" if text else "samples/s",
-                  "down s", "train s", "up s", "MB up", "norm", "GPU MB", "GPU %", "note")
+    workers = max((len(r["worker"] or "-") for r in rows), default=6)
+    table = Table(*names, "client", "status", Column("worker", min_width=min(workers, 32)),
+                  "device", "amp", "steps", "tokens/s" if text else "samples/s",
+                  "down+up s", "train s", "MB up", "norm", "GPU MB", "GPU %", "note")
     for r in rows:
         first = [str(r["round"] or "-"), str(r["task"]), str(r["base_version"]),
                  "-" if r["staleness"] is None else str(r["staleness"]),
@@ -117,12 +118,18 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
         note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
         table.add_row(*first, str(r["client"]), status_style(r["status"]),
                       r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",
-                      str(r["steps"]), fmt(rate, ".0f"), fmt(r.get("download_seconds"), ".2f"),
-                      fmt(r.get("train_seconds"), ".2f"), fmt(r.get("upload_seconds"), ".2f"),
+                      str(r["steps"]), fmt(rate, ".0f"), _transfer(r),
+                      fmt(r.get("train_seconds"), ".2f"),
                       mb(r["bytes_up"]), fmt(r["update_norm"], ".3g"),
                       fmt(r.get("gpu_peak_mb"), ".0f"), fmt(r.get("gpu_util"), ".0f"),
                       (note or "")[:60])
     return table
+
+
+def _transfer(row: dict[str, Any]) -> str:
+    """Model download + update upload seconds of one task, e.g. '0.01+0.03'."""
+    down, up = row.get("download_seconds"), row.get("upload_seconds")
+    return "-" if down is None and up is None else f"{fmt(down, '.2f')}+{fmt(up, '.2f')}"
 
 
 def buffered_summary(rows: list[dict[str, Any]], seconds: float | None) -> str:

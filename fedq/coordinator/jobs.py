@@ -192,7 +192,8 @@ def _view(s: Any, job: Job) -> JobView:
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
                 "participants", "planned", "samples", "bytes_up", "raw_bytes_up",
                 "compression_ratio", "bytes_down", "epsilon", "tokens", "tokens_per_second",
-                "perplexity", "staleness_mean", "staleness_max", "error")
+                "perplexity", "staleness_mean", "staleness_max", "finalize_seconds",
+                "started_at", "finished_at", "error")
 
 
 def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:

@@ -49,16 +49,16 @@ def progress_figure(rounds: list[dict[str, Any]], title: str = "") -> Any:
     plt = _pyplot()
     done = [r for r in rounds if r["status"] == "committed"]
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    evaluated = [r for r in done if r.get("accuracy") is not None]
-    if evaluated:
-        acc_ax.plot([r["round"] for r in evaluated], [r["accuracy"] for r in evaluated],
-                    marker="o", label="accuracy")
-        acc_ax.set_ylabel("accuracy")
-    else:
-        perplexity = [r for r in done if r.get("perplexity") is not None]
+    perplexity = [r for r in done if r.get("perplexity") is not None]
+    if perplexity:  # a language model: perplexity says more than next-byte accuracy
         acc_ax.plot([r["round"] for r in perplexity], [r["perplexity"] for r in perplexity],
                     marker="o", label="perplexity")
         acc_ax.set_ylabel("validation perplexity")
+    else:
+        evaluated = [r for r in done if r.get("accuracy") is not None]
+        acc_ax.plot([r["round"] for r in evaluated], [r["accuracy"] for r in evaluated],
+                    marker="o", label="accuracy")
+        acc_ax.set_ylabel("accuracy")
     acc_ax.set_xlabel("round")
     acc_ax.grid(alpha=0.3)
     for ax in (acc_ax, loss_ax):
