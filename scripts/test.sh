@@ -5,10 +5,9 @@
 # With CI=true a missing service fails the run instead of skipping its tests.
 #
 # With no arguments the suite runs as two pytest processes side by side: the fault
-# tests (mostly waiting on deadlines and killed processes), the strategy jobs and the
-# observability job beside everything else, on disjoint Redis database numbers and
-# temporary folders
-# (13 minutes instead of 17 serially on this 2-core machine). With arguments, one
+# tests (mostly waiting on deadlines and killed processes) and the strategy jobs
+# beside everything else, on disjoint Redis database numbers and temporary folders
+# (about 14 minutes on this 2-core machine). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +17,7 @@ bash scripts/bootstrap.sh
 if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest "$@"
 fi
-side=(tests/test_faults.py tests/test_buffered.py tests/test_finalize.py tests/test_strategy_jobs.py
-      tests/test_observe.py)
+side=(tests/test_faults.py tests/test_buffered.py tests/test_finalize.py tests/test_strategy_jobs.py)
 tmp="${TMPDIR:-/tmp}/fedq-tests-$$"
 mkdir -p "$tmp"
 FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider \
