@@ -7,7 +7,7 @@
 # With no arguments the suite runs as two pytest processes side by side: the fault
 # tests (mostly waiting on deadlines and killed processes) and the strategy jobs
 # beside everything else, on disjoint Redis database numbers and temporary folders
-# (about 14 minutes on this 2-core machine). With arguments, one
+# (about 15 minutes on this 2-core machine). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

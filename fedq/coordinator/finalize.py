@@ -321,6 +321,9 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
     (committed, job_done); (False, _) when another delivery got there first."""
     now = utcnow()
     with session_scope(settings.database_url) as s:
+        # The job row first, as `fedq cancel` and buffered jobs take it: claiming the
+        # round first deadlocked against a concurrent cancel on PostgreSQL.
+        s.execute(update(Job).where(Job.id == job_id).values(updated_at=now))
         values: dict[str, Any] = {"status": "failed" if failed else "committed",
                                   "finished_at": now, "error": failed}
         values.update(metrics or {})
