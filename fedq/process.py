@@ -9,7 +9,9 @@ the next, and each is kept here, nowhere else:
 - ``accumulator``: FedAvg's model-sized mean buffer, reused round to round (a fresh one
   pays a page fault per 4 kB page every round); released when a job ends;
 - ``store``: one blob store client per URL (connection pools);
-- ``zero_deltas``: the benchmark-only fixed update of ``zero_compute`` jobs.
+- ``zero_deltas``: the benchmark-only fixed update of ``zero_compute`` jobs;
+- ``uplink_mbit``: a training worker's upload rate, measured on its last large upload
+  (``codec: auto`` picks the update codec from it).
 
 Pure memoisation (a dataset loaded from its arguments, a partition from its seed,
 a database engine per URL) stays beside its function as ``functools.lru_cache``.
@@ -35,6 +37,7 @@ class ProcessState:
     accumulator: Accumulator = field(default_factory=Accumulator)
     stores: dict[tuple[str, str | None], BlobStore] = field(default_factory=dict)
     zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
+    uplink_mbit: float | None = None
 
     def model(self, sha256: str) -> Weights | None:
         """The kept model with this sha256, if any (and mark it recently used)."""
@@ -62,6 +65,7 @@ class ProcessState:
         self.accumulator.release()
         self.stores.clear()
         self.zero_deltas.clear()
+        self.uplink_mbit = None
 
 
 PROCESS = ProcessState()

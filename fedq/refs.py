@@ -50,6 +50,8 @@ class TrainStats:
     started: float | None = None  # the task's start, Unix seconds on the worker's clock
     download_seconds: float = 0.0  # fetching the global model (0: this process kept it)
     upload_seconds: float = 0.0  # encoding and storing the update
+    codec: str = ""  # the update's codec (``codec: auto`` picks it per worker)
+    uplink_mbit: float | None = None  # the uplink speed the worker chose it for
 
     @classmethod
     def from_json(cls, data: Any) -> "TrainStats":
@@ -57,6 +59,11 @@ class TrainStats:
             return cls()
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: Uploads smaller than this say more about latency than about a link's rate: the
+#: uplink is measured (worker, ``fedq workers``) only from larger ones.
+MEASURE_UPLINK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

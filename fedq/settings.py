@@ -25,6 +25,10 @@ FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 1
 FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
 FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
                            with the job, round, client, task, worker and queue
+FEDQ_BLOB_CACHE            a folder the workers of one machine share: each global model
+                           is downloaded once per machine, not once per worker
+FEDQ_UPLINK_MBIT           this worker's uplink in Mbit/s, for ``codec: auto`` (default:
+                           measured from its last upload of at least 1 MiB)
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
                            ``fedq doctor`` checks the image against
 =========================  ==============================================================
@@ -70,6 +74,8 @@ class Settings(BaseModel):
     finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
     log_format: Literal["text", "json"] = "text"
+    blob_cache: Path | None = None
+    uplink_mbit: float | None = Field(default=None, gt=0)
 
     @property
     def embedded_broker(self) -> bool:
@@ -84,7 +90,7 @@ _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
-    "IMAGE_CLASS", "LOG_FORMAT",
+    "IMAGE_CLASS", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT",
 }
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
@@ -128,6 +134,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
         "log_format": get("LOG_FORMAT") or "text",
+        "blob_cache": get("BLOB_CACHE"),
+        "uplink_mbit": get("UPLINK_MBIT"),
     }
     try:
         return Settings(**raw)

@@ -142,9 +142,12 @@ class DPSpec(_Strict):
 class CompressionSpec(_Strict):
     """How clients encode their updates (fedq/aggregate/compression.py)."""
 
-    codec: Literal["none", "fp16", "int8"] = "none"
+    codec: Literal["none", "fp16", "int8", "auto"] = "none"
     zstd: bool = False
     chunk: int = Field(default=256, ge=8, description="int8: elements per scale")
+    slow_link_mbit: float = Field(
+        default=100.0, gt=0, description="auto: int8 on a worker whose uplink is "
+        "slower than this (Mbit/s), fp32 otherwise and while it is not yet measured")
 
 
 class ByzantineSpec(_Strict):

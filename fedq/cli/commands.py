@@ -246,7 +246,7 @@ def workers(timeout: float) -> None:
         out.print("no workers (start one: celery -A fedq worker -Q cpu)")
         return
     table = Table("worker", "status", "queues", "running", "hardware", "torch", "samples/s",
-                  "done", "failed", "GPU MB / %", "last task", "last seen")
+                  "done", "failed", "GPU MB / %", "uplink", "last task", "last seen")
     for host in sorted(set(queues) | set(known)):
         info = known.get(host, {})
         hw = info.get("hardware") or {}
@@ -259,11 +259,14 @@ def workers(timeout: float) -> None:
         gpu = (f"{fmt(info.get('gpu_peak_mb'), '.0f')} / {fmt(info.get('gpu_util'), '.0f')}"
                if info.get("gpu_peak_mb") is not None else "-")
         failed = info.get("tasks_failed", 0)
+        uplink = " ".join(x for x in (
+            f"{info['uplink_mbit']:.0f} Mbit/s" if info.get("uplink_mbit") else "",
+            info.get("codec") or "") if x) or "-"
         table.add_row(host, "[green]live[/]" if live else "[dim]gone[/]", names,
                       str(len(active.get(host, []))) if live else "-", hardware,
                       str(hw.get("torch", "-")), fmt(info.get("samples_per_second"), ".0f"),
                       str(info.get("tasks_done", 0)),
-                      f"[red]{failed}[/]" if failed else "0", gpu,
+                      f"[red]{failed}[/]" if failed else "0", gpu, uplink,
                       _ago(info.get("last_task")), _ago(info.get("last_seen")))
     out.print(table)
 

@@ -225,7 +225,8 @@ def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
         tokens=r.ref.stats.tokens if r.ref.status == "ok" else None,
         started_at=worker_time(r.ref.stats.started),
         download_seconds=r.ref.stats.download_seconds if r.ref.status == "ok" else None,
-        upload_seconds=r.ref.stats.upload_seconds if r.ref.status == "ok" else None)
+        upload_seconds=r.ref.stats.upload_seconds if r.ref.status == "ok" else None,
+        codec=r.ref.stats.codec or None if r.ref.status == "ok" else None)
         for r in records]
 
 

@@ -11,6 +11,7 @@ from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
+from fedq.refs import MEASURE_UPLINK_BYTES
 from fedq.settings import Settings
 
 #: Weight of the newest measurement in the throughput moving average.
@@ -68,6 +69,10 @@ def record_tasks(session: Any, rows: Iterable[ClientUpdate]) -> None:
             worker.tasks_failed = (worker.tasks_failed or 0) + 1
         if row.gpu_peak_mb is not None or row.gpu_util is not None:
             worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util
+        if row.codec:
+            worker.codec = row.codec
+        if row.bytes_up and row.upload_seconds and row.bytes_up >= MEASURE_UPLINK_BYTES:
+            worker.uplink_mbit = row.bytes_up * 8 / row.upload_seconds / 1e6
         worker.last_task_at = now
 
 
@@ -78,6 +83,7 @@ def list_workers(db_url: str) -> list[dict[str, Any]]:
                  "tasks_done": w.tasks_done, "tasks_failed": w.tasks_failed or 0,
                  "samples_per_second": w.samples_per_second,
                  "gpu_peak_mb": w.gpu_peak_mb, "gpu_util": w.gpu_util,
+                 "uplink_mbit": w.uplink_mbit, "codec": w.codec,
                  "last_task": aware(w.last_task_at).isoformat(timespec="seconds")
                  if w.last_task_at else None,
                  "last_seen": aware(w.last_seen).isoformat(timespec="seconds")}

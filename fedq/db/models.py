@@ -151,6 +151,7 @@ class ClientUpdate(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     download_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     upload_seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    codec: Mapped[str | None] = mapped_column(String(16), default=None)  # migration 0008
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -167,6 +168,9 @@ class Worker(Base):
     gpu_util: Mapped[float | None] = mapped_column(Float, default=None)  # last task, %
     last_task_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
                                                           default=None)
+    # The uplink (Mbit/s) its last large upload measured, and the codec it last sent.
+    uplink_mbit: Mapped[float | None] = mapped_column(Float, default=None)
+    codec: Mapped[str | None] = mapped_column(String(16), default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -17,11 +17,12 @@ import torch
 from fedq.aggregate.compression import encode, zstd_compress
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.blobs.cache import HostCache
 from fedq.data import client_indices, load_dataset
 from fedq.models import build_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
-from fedq.refs import TrainRef, TrainStats, UpdateRef
+from fedq.refs import MEASURE_UPLINK_BYTES, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads, raw_size
@@ -32,13 +33,31 @@ log = logging.getLogger(__name__)
 
 
 def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
-    """The global model for ``ref`` and the bytes downloaded (0 when the process kept it)."""
+    """The global model for ``ref`` and the bytes downloaded (0 when this process kept
+    it, or another worker of this machine had put it in the FEDQ_BLOB_CACHE folder)."""
     kept = PROCESS.model(ref.sha256)
     if kept is not None:
         return kept, 0
-    weights = loads(store.get(ref), what=f"blob {ref.key}")
+    folder = get_settings().blob_cache
+    if folder is not None:
+        data, downloaded = HostCache(folder).get(store, ref)
+    else:
+        data, downloaded = store.get(ref), True
+    weights = loads(data, what=f"blob {ref.key}")
     PROCESS.keep_model(ref.sha256, weights)
-    return weights, ref.size
+    return weights, ref.size if downloaded else 0
+
+
+def pick_codec(spec: JobSpec) -> tuple[str, float | None]:
+    """The update codec for this worker and the uplink speed (Mbit/s) it was picked
+    for: ``codec: auto`` sends int8 over an uplink slower than ``slow_link_mbit``."""
+    uplink = get_settings().uplink_mbit or PROCESS.uplink_mbit
+    codec = spec.compression.codec
+    if codec != "auto":
+        return codec, uplink
+    if uplink is None:  # not measured yet: fp32, and this upload measures it
+        return "none", None
+    return ("int8" if uplink < spec.compression.slow_link_mbit else "none"), uplink
 
 
 def client_seed(seed: int, round_number: int, client: int) -> int:
@@ -105,9 +124,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
         delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
                  for k, v in delta.items()}
-    uploading = time.perf_counter()
-    up = _upload(ref, spec, store, delta)
-    upload = time.perf_counter() - uploading
+    up, upload, sent = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
@@ -120,16 +137,27 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                                       gpu_util=stats.gpu_util,
                                       tokens=stats.seen * ds.x_train.shape[1]
                                       if ds.is_text else 0,
-                                      download_seconds=download, upload_seconds=upload))
+                                      download_seconds=download, upload_seconds=upload,
+                                      codec=sent.codec, uplink_mbit=sent.uplink_mbit))
 
 
-def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights) -> BlobRef:
-    stored, meta = encode(delta, spec.compression.codec, spec.compression.chunk)
+def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
+            delta: Weights) -> tuple[BlobRef, float, TrainStats]:
+    """Encode and store ``delta``: its ref, the seconds it took and the codec fields
+    of the task's stats. A large upload measures this worker's uplink."""
+    codec, uplink = pick_codec(spec)
+    started = time.perf_counter()
+    stored, meta = encode(delta, codec, spec.compression.chunk)
     meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
     key = update_key(ref.job, ref.round, ref.client, ref.attempt)
     if spec.compression.zstd:
-        return store.put(key, zstd_compress(dumps(stored, meta)))
-    return store.put_parts(key, dump_parts(stored, meta))
+        up = store.put(key, zstd_compress(dumps(stored, meta)))
+    else:
+        up = store.put_parts(key, dump_parts(stored, meta))
+    seconds = time.perf_counter() - started
+    if up.size >= MEASURE_UPLINK_BYTES:
+        PROCESS.uplink_mbit = up.size * 8 / max(seconds, 1e-6) / 1e6
+    return up, seconds, TrainStats(codec=codec, uplink_mbit=uplink)
 
 
 def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, start: float,
@@ -145,13 +173,12 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
                  for k, shape, dtype in shapes}
         PROCESS.zero_deltas.clear()
         PROCESS.zero_deltas[(shapes, step)] = delta
-    uploading = time.perf_counter()
-    up = _upload(ref, spec, store, delta)
-    upload = time.perf_counter() - uploading
+    up, upload, sent = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
                      bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
                      gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta),
                                                    download_seconds=download,
-                                                   upload_seconds=upload))
+                                                   upload_seconds=upload, codec=sent.codec,
+                                                   uplink_mbit=sent.uplink_mbit))

@@ -1,0 +1,79 @@
+"""A blob cache shared by the workers of one machine (``FEDQ_BLOB_CACHE``).
+
+A multi-GPU box runs one worker per GPU; each round they all need the same global
+model. With a cache folder they download it once per machine: files are named by
+the blob's sha256, written to a temporary name and renamed into place (a crash
+mid-write leaves only a temporary file, never a short blob), and every read is
+verified against the sha256 again (a file damaged on disk is deleted and fetched
+anew). Workers that miss at the same moment take an exclusive ``flock`` on the
+blob's lock file, so one downloads and the others read what it wrote.
+
+Only the newest ``keep`` blobs stay; temporary files older than an hour are removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from fedq.blobs.base import BlobRef, BlobStore, sha256_hex
+
+DEFAULT_KEEP = 4
+_STALE_TMP_S = 3600.0
+
+
+class HostCache:
+    def __init__(self, folder: Path, keep: int = DEFAULT_KEEP) -> None:
+        self.folder, self.keep = Path(folder), keep
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def get(self, store: BlobStore, ref: BlobRef) -> tuple[bytes, bool]:
+        """The verified bytes of ``ref`` and whether they came over the network."""
+        path = self.folder / ref.sha256
+        data = self._read(path, ref)
+        if data is not None:
+            return data, False
+        with open(self.folder / f"{ref.sha256}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = self._read(path, ref)  # another worker may have fetched it meanwhile
+            if data is not None:
+                return data, False
+            data = store.get(ref)  # verified against ref.sha256 by the store
+            tmp = self.folder / f".{ref.sha256}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        self._evict()
+        return data, True
+
+    def _read(self, path: Path, ref: BlobRef) -> bytes | None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(data) == ref.size and sha256_hex(data) == ref.sha256:
+            os.utime(path)  # recently used: evicted last
+            return data
+        path.unlink(missing_ok=True)  # damaged on disk: fetch it again
+        return None
+
+    def _evict(self) -> None:
+        now = time.time()
+        blobs = []
+        for p in self.folder.iterdir():
+            try:
+                mtime = p.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if p.name.endswith(".tmp"):
+                if now - mtime > _STALE_TMP_S:
+                    p.unlink(missing_ok=True)
+            elif not p.name.endswith(".lock"):
+                blobs.append((mtime, p))
+        for _, p in sorted(blobs, reverse=True)[self.keep:]:
+            p.unlink(missing_ok=True)
+            (p.parent / f"{p.name}.lock").unlink(missing_ok=True)
