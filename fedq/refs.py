@@ -51,7 +51,7 @@ class TrainStats:
     download_seconds: float = 0.0  # fetching the global model (0: this process kept it)
     upload_seconds: float = 0.0  # encoding and storing the update
     codec: str = ""  # the update's codec (``codec: auto`` picks it per worker)
-    uplink_mbit: float | None = None  # the uplink speed the worker chose it for
+    uplink_mbit: float | None = None  # the worker's uplink (Mbit/s): its last large upload
 
     @classmethod
     def from_json(cls, data: Any) -> "TrainStats":

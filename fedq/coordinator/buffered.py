@@ -172,7 +172,7 @@ def _fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
         row.gpu_peak_mb, row.gpu_util = ref.stats.gpu_peak_mb, ref.stats.gpu_util
         row.download_seconds = ref.stats.download_seconds
         row.upload_seconds = ref.stats.upload_seconds
-        row.codec = ref.stats.codec or None
+        row.codec, row.uplink_mbit = ref.stats.codec or None, ref.stats.uplink_mbit
     row.started_at = worker_time(ref.stats.started)
 
 

@@ -226,7 +226,8 @@ def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
         started_at=worker_time(r.ref.stats.started),
         download_seconds=r.ref.stats.download_seconds if r.ref.status == "ok" else None,
         upload_seconds=r.ref.stats.upload_seconds if r.ref.status == "ok" else None,
-        codec=r.ref.stats.codec or None if r.ref.status == "ok" else None)
+        codec=r.ref.stats.codec or None if r.ref.status == "ok" else None,
+        uplink_mbit=r.ref.stats.uplink_mbit)
         for r in records]
 
 

@@ -11,7 +11,6 @@ from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
-from fedq.refs import MEASURE_UPLINK_BYTES
 from fedq.settings import Settings
 
 #: Weight of the newest measurement in the throughput moving average.
@@ -71,8 +70,8 @@ def record_tasks(session: Any, rows: Iterable[ClientUpdate]) -> None:
             worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util
         if row.codec:
             worker.codec = row.codec
-        if row.bytes_up and row.upload_seconds and row.bytes_up >= MEASURE_UPLINK_BYTES:
-            worker.uplink_mbit = row.bytes_up * 8 / row.upload_seconds / 1e6
+        if row.uplink_mbit:
+            worker.uplink_mbit = row.uplink_mbit
         worker.last_task_at = now
 
 

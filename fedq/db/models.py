@@ -151,7 +151,9 @@ class ClientUpdate(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     download_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     upload_seconds: Mapped[float | None] = mapped_column(Float, default=None)
-    codec: Mapped[str | None] = mapped_column(String(16), default=None)  # migration 0008
+    # Migration 0008: the update's codec, the worker's uplink (Mbit/s) as it measured it.
+    codec: Mapped[str | None] = mapped_column(String(16), default=None)
+    uplink_mbit: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -32,6 +32,7 @@ class WorkerProcess:
     concurrency: int = 1
     extra_args: Sequence[str] = ()
     app: str = "fedq"
+    prefix: Sequence[str] = ()  # e.g. ``ip netns exec NS``: run it on an emulated host
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,7 +40,7 @@ class WorkerProcess:
         return self.name if "@" in self.name else f"celery@{self.name}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", self.app, "worker",
+        return [*self.prefix, sys.executable, "-m", "celery", "-A", self.app, "worker",
                 "-Q", ",".join(self.queues), "-n", self.name, "--pool", self.pool,
                 "-c", str(self.concurrency), "--without-gossip", "--without-mingle",
                 "-l", "INFO", *self.extra_args]

@@ -143,21 +143,23 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
 
 def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
             delta: Weights) -> tuple[BlobRef, float, TrainStats]:
-    """Encode and store ``delta``: its ref, the seconds it took and the codec fields
-    of the task's stats. A large upload measures this worker's uplink."""
-    codec, uplink = pick_codec(spec)
+    """Encode and store ``delta``: its ref, the seconds it took, and the codec it was
+    sent with and this worker's uplink as the task's stats report them. A large upload
+    measures the uplink (the put alone, not the encoding)."""
+    codec, _ = pick_codec(spec)
     started = time.perf_counter()
     stored, meta = encode(delta, codec, spec.compression.chunk)
     meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
     key = update_key(ref.job, ref.round, ref.client, ref.attempt)
-    if spec.compression.zstd:
-        up = store.put(key, zstd_compress(dumps(stored, meta)))
-    else:
-        up = store.put_parts(key, dump_parts(stored, meta))
-    seconds = time.perf_counter() - started
-    if up.size >= MEASURE_UPLINK_BYTES:
-        PROCESS.uplink_mbit = up.size * 8 / max(seconds, 1e-6) / 1e6
-    return up, seconds, TrainStats(codec=codec, uplink_mbit=uplink)
+    parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
+        else dump_parts(stored, meta)
+    sending = time.perf_counter()
+    up = store.put_parts(key, parts)
+    done = time.perf_counter()
+    if up.size >= MEASURE_UPLINK_BYTES:  # the put alone: the link, not the encoder
+        PROCESS.uplink_mbit = up.size * 8 / max(done - sending, 1e-6) / 1e6
+    return up, done - started, TrainStats(codec=codec, uplink_mbit=PROCESS.uplink_mbit
+                                          or get_settings().uplink_mbit)
 
 
 def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, start: float,

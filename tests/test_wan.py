@@ -1,0 +1,222 @@
+"""Machines with their own addresses over emulated WAN links (fedq/testing/wan.py).
+
+Each host is a network namespace on a veth pair, rate-capped by tbf, its latency made
+by a relay; the workers in it reach Redis only over that link. The fault test cuts
+links mid-download, mid-upload, flaps one and resets the control worker's connection
+to Redis, and checks that every round commits once with every update. Needs root.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedq.blobs import BlobRef
+from fedq.blobs.cache import HostCache
+from fedq.blobs.local import LocalBlobStore
+from fedq.coordinator.roster import list_workers
+from fedq.testing.cluster import Cluster, base_env, record_outcome
+from fedq.testing.procs import WorkerProcess, start_workers
+from fedq.testing.wan import Host, Profile, Relays, have_netns, probe, serve_probe_target
+from tests.conftest import missing
+
+LINK = Profile("test", down_mbit=40, up_mbit=20, rtt_ms=20)
+HIDDEN = 16384  # an MLP of 1.2 M parameters: a 4.8 MB model, ~1 s down, ~2 s up at LINK
+MODEL_BYTES_MIN = 4_000_000
+
+
+@pytest.fixture(scope="module")
+def relays() -> Iterator[Relays]:
+    why = have_netns()
+    if why:
+        missing("network namespaces + tbf", why)
+    r = Relays()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def host(relays: Relays) -> Iterator[Host]:
+    h = Host("t", LINK).create()
+    yield h
+    h.destroy()
+
+
+def test_emulated_link_matches_its_profile(relays: Relays, host: Host) -> None:
+    server, _ = serve_probe_target()
+    try:
+        relay = host.forward(relays, server.getsockname()[1])
+        got = probe(host, relay.port, nbytes_up=4_000_000, nbytes_down=8_000_000)
+    finally:
+        server.close()
+    assert got["rtt_ms"] == pytest.approx(LINK.rtt_ms, rel=0.10), got
+    assert got["up_mbit"] == pytest.approx(LINK.up_mbit, rel=0.10), got
+    assert got["down_mbit"] == pytest.approx(LINK.down_mbit, rel=0.10), got
+    assert relay.stats.up >= 4_000_000 and relay.stats.down >= 8_000_000
+
+
+class _CountingStore(LocalBlobStore):
+    """A real local store that appends a line to ``reads`` for every read."""
+
+    def __init__(self, root: Path, reads: Path) -> None:
+        super().__init__(str(root))
+        self.reads = reads
+
+    def _read(self, key: str) -> bytes:
+        with open(self.reads, "a") as fh:
+            fh.write(key + "\n")
+        time.sleep(0.2)  # a slow link: the other workers arrive while it downloads
+        return super()._read(key)
+
+
+def _fetch(root: str, reads: str, cache: str, ref: dict[str, object],
+           barrier: Any) -> None:
+    barrier.wait()
+    store = _CountingStore(Path(root), Path(reads))
+    data, _ = HostCache(Path(cache)).get(store, BlobRef.from_json(ref))
+    assert len(data) == ref["size"]
+
+
+def test_host_cache_downloads_once_and_heals(tmp_path: Path) -> None:
+    store = _CountingStore(tmp_path / "blobs", tmp_path / "reads")
+    ref = store.put("global/1", os.urandom(3_000_000))
+    cache = tmp_path / "cache"
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_fetch, args=(str(tmp_path / "blobs"),
+                                              str(tmp_path / "reads"), str(cache),
+                                              ref.to_json(), barrier)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert (tmp_path / "reads").read_text().splitlines() == ["global/1"]  # one download
+    # A file damaged on disk is refused and fetched again; a crash's leftover is ignored.
+    (cache / ref.sha256).write_bytes(b"x" * ref.size)
+    (cache / f".{ref.sha256}.999.tmp").write_bytes(b"half")
+    data, downloaded = HostCache(cache).get(store, ref)
+    assert downloaded and len(data) == ref.size
+    assert len((tmp_path / "reads").read_text().splitlines()) == 2
+    assert HostCache(cache).get(store, ref) == (data, False)
+    # Only the newest `keep` blobs stay.
+    for i in range(3):
+        HostCache(cache, keep=2).get(store, store.put(f"global/{i + 2}", os.urandom(100)))
+    assert len([p for p in cache.iterdir() if not p.name.endswith((".lock", ".tmp"))]) == 2
+
+
+def _wait_bytes(host: Host, index: int, more_than: int, timeout: float = 60) -> None:
+    start = host.bytes()[index]
+    deadline = time.monotonic() + timeout
+    while host.bytes()[index] - start < more_than:
+        assert time.monotonic() < deadline, f"{host.ns}: no traffic"
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_partitions_lose_nothing_and_hosts_download_once(
+        tmp_path: Path, relays: Relays, redis_db: str, pg_url: str) -> None:
+    """Two hosts: A runs two workers sharing a blob cache, B one. Round 2: B's link
+    cut mid-download for 3 s; round 3: mid-upload; round 4: A's link flaps; round 5:
+    the control worker's Redis connections reset and refused for 2 s."""
+    redis_port = int(redis_db.rsplit(":", 1)[1].split("/")[0])
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_BLOB_URL=redis_db, FEDQ_DATABASE_URL=pg_url)
+    cluster = Cluster(tmp_path, env)
+    cluster.fedq("db", "upgrade")
+    hosts = [Host("a", LINK).create(), Host("b", LINK).create()]
+    try:
+        workers = []
+        for host, names in zip(hosts, (["a1", "a2"], ["b1"]), strict=True):
+            url = host.url(redis_db, host.forward(relays, redis_port))
+            for name in names:
+                workers.append(WorkerProcess(
+                    f"{name}@{host.name}", ["cpu"], tmp_path / "logs" / f"{name}.log",
+                    env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url,
+                         "FEDQ_BLOB_URL": url, "FEDQ_BLOB_CACHE": str(tmp_path / host.name)},
+                    prefix=host.exec_prefix()))
+        control_relay = relays.add("127.0.0.1", 0, "127.0.0.1", redis_port,
+                                   Profile("local", 10_000, 10_000, 0))
+        local = redis_db.replace(f"127.0.0.1:{redis_port}",
+                                 f"127.0.0.1:{control_relay.port}")
+        workers.append(WorkerProcess("control@test", ["control"],
+                                     tmp_path / "logs" / "control.log",
+                                     env={**env, "FEDQ_BROKER_URL": local,
+                                          "FEDQ_RESULT_BACKEND": local}))
+        cluster.workers += workers
+        start_workers(workers)
+        spec = {"name": "wan", "model": "mlp", "model_args": {"hidden": HIDDEN},
+                "dataset": "digits", "zero_compute": True, "num_clients": 3,
+                "clients_per_round": 3, "rounds": 5, "eval_every": 0, "keep_updates": 0,
+                "round_timeout_s": 90, "compression": {"codec": "auto",
+                                                       "slow_link_mbit": 100}}
+        a, b = hosts
+        job = cluster.submit(spec)
+        cluster.wait_for_round(job, 2)
+        _wait_bytes(b, 0, 1_500_000)  # B is downloading round 2's model
+        b.cut()
+        time.sleep(3)
+        b.restore()
+        cluster.wait_for_round(job, 3)
+        _wait_bytes(b, 0, MODEL_BYTES_MIN)  # downloaded ...
+        _wait_bytes(b, 1, 400_000)  # ... and uploading
+        b.cut()
+        time.sleep(3)
+        b.restore()
+        cluster.wait_for_round(job, 4)
+        for _ in range(5):
+            a.cut()
+            time.sleep(0.4)
+            a.restore()
+            time.sleep(0.4)
+        cluster.wait_for_round(job, 5)
+        control_relay.reset(refuse_s=2)
+        view = cluster.wait(job, timeout=180)
+        assert view.status == "completed", view.error
+
+        rounds = cluster.rounds(job)
+        assert [(r.number, r.status) for r in rounds] == [(n, "committed")
+                                                         for n in range(1, 6)]
+        updates = cluster.updates(job)
+        assert sorted((u.round_number, u.client) for u in updates) == \
+            [(r, c) for r in range(1, 6) for c in range(3)]
+        lost = sum(1 for u in updates if u.status != "ok")
+        assert lost == 0, [(u.round_number, u.client, u.status, u.error) for u in updates]
+        # Each host downloads each round's model once, whatever its workers do.
+        for number in range(1, 6):
+            model = max(u.bytes_down for u in updates if u.round_number == number)
+            assert model >= MODEL_BYTES_MIN
+            for host in hosts:
+                got = [u.bytes_down for u in updates if u.round_number == number
+                       and u.worker.endswith(f"@{host.name}")]
+                assert not got or sum(got) == model, (number, host.name, got)
+        # The cuts were felt where they were made.
+        b_rows = {u.round_number: u for u in updates if u.worker.endswith("@b")}
+        if 2 in b_rows and b_rows[2].bytes_down:
+            assert b_rows[2].download_seconds > 2.5
+        assert max(u.download_seconds + u.upload_seconds for u in updates
+                   if u.round_number == 3 and u.worker.endswith("@b")) > 2.5
+        # codec: auto sent fp32 until the uplink was measured (~20 Mbit/s), then int8.
+        by_worker: dict[str, list[str | None]] = {}
+        for u in sorted(updates, key=lambda u: u.round_number):
+            by_worker.setdefault(u.worker, []).append(u.codec)
+        for codecs in by_worker.values():
+            assert codecs[0] == "none" and set(codecs[1:]) <= {"int8"}, by_worker
+        assert any(len(c) > 1 for c in by_worker.values())
+        measured = {w["hostname"]: w for w in list_workers(pg_url)}
+        # Host A's two workers share its 20 Mbit/s uplink: each measures 5-20 of it.
+        assert all(4 < measured[w]["uplink_mbit"] < 22 for w in by_worker), measured
+        assert "int8" in cluster.fedq("workers").stdout
+        record_outcome("WAN hosts (netns, 40/20 Mbit/s, 20 ms)",
+                       "link cut mid-download and mid-upload, link flapping, control's "
+                       "Redis connections reset", "completed: every update used", 5, lost)
+    finally:
+        cluster.stop()
+        for h in hosts:
+            h.destroy()
