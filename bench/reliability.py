@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.reliability            # about 5 minutes on 2 cores
 
-Each test in tests/test_faults.py and tests/test_finalize.py kills or corrupts
-something real (a worker's process group, the control worker mid-finalize, the Redis
-server, an update blob) and records one row: scenario, fault, outcome, rounds
+Each test in tests/test_faults.py, test_finalize.py, test_buffered.py and
+test_wan.py kills, cuts or corrupts something real (a worker's process group, the
+control worker mid-finalize, the Redis server, an update blob, a host's network link)
+and records one row: scenario, fault, outcome, rounds
 committed, updates lost. This script collects the rows and renders the table; the
 rest of docs/reliability.md is written by hand below the marker.
 """
@@ -23,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
 MARKER = "<!-- end of generated table -->"
-TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.py"]
+TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.py",
+         "tests/test_wan.py"]
 
 
 def main() -> int:

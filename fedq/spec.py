@@ -393,6 +393,8 @@ def describe(spec: JobSpec) -> str:
         parts.append(f"DP z={spec.dp.noise_multiplier} C={spec.dp.clip_norm} "
                      f"delta={spec.dp.delta}")
     codec = spec.compression.codec + ("+zstd" if spec.compression.zstd else "")
+    if spec.compression.codec == "auto":
+        codec += f" (int8 below {spec.compression.slow_link_mbit:g} Mbit/s uplink)"
     parts.append(f"updates {codec}")
     if spec.prox_mu:
         parts.append(f"FedProx mu {spec.prox_mu}")

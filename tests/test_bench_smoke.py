@@ -60,3 +60,27 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
     assert float(rows["int8+zstd"][0].split()[0]) < float(rows["none"][0].split()[0])
     assert 0.0 < float(rows["none"][2]) <= 1.0  # a real accuracy
     assert 0.0 < float(rows["buffered K=1"][3]) <= 1.0  # a buffered job ran to the end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
+    """bench/wan.py on the LAN preset: hosts in network namespaces (root)."""
+    from fedq.testing.wan import have_netns
+    from tests.conftest import missing
+
+    why = have_netns()
+    if why:
+        missing("network namespaces + tbf", why)
+    out = tmp_path / "wan.md"
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.wan", "--smoke", "--presets", "lan",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=580, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| lan |")]
+    assert len(rows) == 1 + 3  # the emulator's row and three jobs
+    cache = {line.split("|")[1].strip(): float(line.split("|")[2])
+             for line in text.splitlines() if line.startswith(("| on |", "| off |"))}
+    assert cache["off"] > 3.5 and cache["on"] < 1.5  # four workers, one download

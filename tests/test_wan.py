@@ -220,3 +220,34 @@ def test_partitions_lose_nothing_and_hosts_download_once(
         cluster.stop()
         for h in hosts:
             h.destroy()
+
+
+_SIZE = {"num_clients": 2, "clients_per_round": 2, "rounds": 1}
+
+
+def test_codec_auto_follows_the_declared_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedq.errors import SpecError
+    from fedq.process import PROCESS
+    from fedq.settings import get_settings
+    from fedq.spec import describe, parse_spec
+    from fedq.worker.update import pick_codec
+
+    spec = parse_spec({"name": "t", "model": "mlp", "dataset": "digits", **_SIZE,
+                       "compression": {"codec": "auto", "slow_link_mbit": 50}})
+    PROCESS.uplink_mbit = None
+    try:
+        for declared, codec in (("", "none"), ("5", "int8"), ("500", "none")):
+            monkeypatch.setenv("FEDQ_UPLINK_MBIT", declared)
+            get_settings.cache_clear()
+            assert pick_codec(spec)[0] == codec, declared
+        monkeypatch.setenv("FEDQ_UPLINK_MBIT", "")
+        get_settings.cache_clear()
+        PROCESS.uplink_mbit = 12.0  # measured on an earlier upload
+        assert pick_codec(spec) == ("int8", 12.0)
+        assert "int8 below 50 Mbit/s uplink" in describe(spec)
+    finally:
+        PROCESS.uplink_mbit = None
+        get_settings.cache_clear()
+    with pytest.raises(SpecError, match="slow_link_mbit"):
+        parse_spec({"name": "t", "model": "mlp", "dataset": "digits", **_SIZE,
+                    "compression": {"codec": "auto", "slow_link_mbit": 0}})

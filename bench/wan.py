@@ -1,0 +1,339 @@
+"""Rounds over emulated wide-area links; writes docs/wan.md.
+
+    .venv/bin/python -m bench.wan              # ~10 minutes on 2 cores; needs root
+    .venv/bin/python -m bench.wan --smoke      # two presets, one round each
+
+Every training worker runs in a network namespace of its own (fedq/testing/wan.py):
+the link's rate is capped by tbf, its latency made by a relay in user space. The
+control worker, Redis and PostgreSQL stay on this host, as on a coordinator. Three
+tables:
+
+1. the emulator itself: per preset, the round trip and throughput a probe measures
+   inside a host, and the relay's CPU per GB;
+2. seconds per round per preset for a ResNet-18-size (44.7 MB) zero-compute job with
+   fp32 and int8 updates and for the digits job, against the bound the link allows:
+   model bytes / downlink + update bytes / uplink + ``ROUND_TRIPS`` round trips
+   (plus, for digits, the compute its LAN round took);
+3. the per-machine blob cache: four workers on one host, bytes on its link per round
+   with and without ``FEDQ_BLOB_CACHE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, BenchError, commit, machine, pg_database, redis_database
+from bench.fedq_run import run_job, zero_compute_spec
+from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.procs import WorkerProcess, start_workers
+from fedq.testing.wan import (
+    PRESETS,
+    Host,
+    Profile,
+    Relays,
+    have_netns,
+    probe,
+    serve_probe_target,
+)
+
+DOC = ROOT / "docs" / "wan.md"
+MARKER = "<!-- end of generated part -->"
+#: Round trips a round needs beyond its bytes: the task reaches the worker, the model
+#: GET, the update SET, the result reaches the chord (each one request/answer).
+ROUND_TRIPS = 4
+HOSTS = 2
+DIGITS = {"name": "wan-digits", "model": "small_cnn", "dataset": "digits", "num_clients": 2,
+          "clients_per_round": 2, "local_epochs": 1, "batch_size": 32, "eval_every": 0,
+          "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "seed": 1,
+          "round_timeout_s": 900}
+
+
+@dataclass
+class Row:
+    preset: str
+    job: str
+    seconds: float
+    bound: float
+    bytes_down: int
+    bytes_up: int
+
+
+def say(msg: str) -> None:
+    print(f"[wan {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def emulator(relays: Relays, presets: list[Profile]) -> list[dict[str, Any]]:
+    server, _ = serve_probe_target()
+    rows = []
+    try:
+        for p in presets:
+            host = Host("probe", p).create()
+            try:
+                relay = host.forward(relays, server.getsockname()[1])
+                cpu = relays.cpu_seconds()
+                up, down = int(p.up_mbit * 1e6 / 8 * 2), int(p.down_mbit * 1e6 / 8 * 2)
+                got = probe(host, relay.port, up, down)
+                cpu = relays.cpu_seconds() - cpu
+                rows.append({"preset": p, **got, "cpu_per_gb": cpu / ((up + down) / 1e9)})
+                say(f"emulator {p.name}: {got}")
+            finally:
+                host.destroy()
+    finally:
+        server.close()
+    return rows
+
+
+@contextmanager
+def wan_cluster(work: Path, relays: Relays, hosts: list[Host], workers_per_host: int,
+                cache: bool) -> Iterator[Cluster]:
+    """Redis + PostgreSQL here, a control worker here, ``workers_per_host`` training
+    workers in each host reaching Redis through its relay."""
+    with pg_database() as db, redis_database() as redis_url:
+        home = work / f"wan-{time.monotonic_ns()}"
+        env = base_env(home, FEDQ_BROKER_URL=redis_url, FEDQ_RESULT_BACKEND=redis_url,
+                       FEDQ_BLOB_URL=redis_url, FEDQ_DATABASE_URL=db)
+        cluster = Cluster(home, env)
+        cluster.fedq("db", "upgrade")
+        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        procs = [cluster.worker("control", ["control"])]
+        for host in hosts:
+            url = host.url(redis_url, host.forward(relays, port))
+            extra = {"FEDQ_BLOB_CACHE": str(home / f"cache-{host.name}")} if cache else {}
+            procs += [WorkerProcess(f"w{i}@{host.name}", ["cpu"],
+                                    home / "logs" / f"{host.name}-{i}.log",
+                                    env={**env, "FEDQ_BROKER_URL": url,
+                                         "FEDQ_RESULT_BACKEND": url, "FEDQ_BLOB_URL": url,
+                                         **extra},
+                                    prefix=host.exec_prefix())
+                      for i in range(workers_per_host)]
+        cluster.workers += procs
+        try:
+            start_workers(procs)
+            yield cluster
+        finally:
+            cluster.stop()
+            for host in hosts:
+                for relay in host.relays:
+                    relay.close()
+                host.relays.clear()
+
+
+def _round_seconds(cluster: Cluster, spec: dict[str, Any]) -> tuple[float, int, int]:
+    """Mean seconds per round after the first (dispatch to commit), and the bytes one
+    client moved down and up in the last round."""
+    run = run_job(cluster, spec, timeout=1800)
+    rows = run.rounds[1:] if len(run.rounds) > 1 else run.rounds
+    updates = [u for u in cluster.updates(run.job)
+               if u.round_number == run.rounds[-1]["round"]]
+    down = max(u.bytes_down for u in updates)
+    up = max(u.bytes_up for u in updates)
+    return statistics.mean(float(r["seconds"]) for r in rows), down, up
+
+
+def bound(p: Profile, down: int, up: int) -> float:
+    return down * 8 / (p.down_mbit * 1e6) + up * 8 / (p.up_mbit * 1e6) + \
+        ROUND_TRIPS * p.rtt_ms / 1000
+
+
+def rounds_table(work: Path, relays: Relays, presets: list[Profile],
+                 smoke: bool) -> list[Row]:
+    hosts = [Host(f"h{i}", presets[0]).create() for i in range(HOSTS)]
+    out: list[Row] = []
+    try:
+        with wan_cluster(work, relays, hosts, 1, cache=False) as cluster:
+            lan_digits: float | None = None
+            for p in presets:
+                for host in hosts:
+                    host.shape(p)
+                n = 2 if smoke else 3
+                jobs = [("ResNet-18 zero-compute, fp32",
+                         zero_compute_spec("resnet18", n, HOSTS)),
+                        ("ResNet-18 zero-compute, int8",
+                         zero_compute_spec("resnet18", n, HOSTS,
+                                           compression={"codec": "int8"})),
+                        ("digits small CNN, fp32", {**DIGITS, "rounds": n})]
+                for name, spec in jobs:
+                    secs, down, up = _round_seconds(cluster, spec)
+                    b = bound(p, down, up)
+                    if name.startswith("digits"):
+                        if lan_digits is None:  # the first preset: its compute
+                            lan_digits = max(0.0, secs - b)
+                        b += lan_digits
+                    out.append(Row(p.name, name, secs, b, down, up))
+                    say(f"{p.name} {name}: {secs:.2f} s/round, bound {b:.2f} s")
+    finally:
+        for host in hosts:
+            host.destroy()
+    return out
+
+
+def cache_table(work: Path, relays: Relays, smoke: bool) -> list[tuple[str, float, float]]:
+    """Four workers on one host (a 4-GPU box): link bytes per round, cache off and on."""
+    rows = []
+    for cache in (False, True):
+        host = Host("box", PRESETS["metro"]).create()
+        try:
+            with wan_cluster(work, relays, [host], 4, cache=cache) as cluster:
+                n = 2 if smoke else 3
+                before = host.bytes()
+                run = run_job(cluster, zero_compute_spec("resnet18", n, 4), timeout=900)
+                down, up = (b - a for a, b in zip(before, host.bytes(), strict=True))
+                model = max(u.bytes_down for u in cluster.updates(run.job))
+                rows.append(("on" if cache else "off", down / n / model, up / n / model))
+                say(f"cache {'on' if cache else 'off'}: {down / n / 1e6:.1f} MB down/round")
+        finally:
+            host.destroy()
+    return rows
+
+
+def hash_speed() -> list[tuple[str, float]]:
+    data = os.urandom(45_000_000)
+    out = []
+    for name, fn in [("sha256 (hashlib, OpenSSL)", lambda: hashlib.sha256(data).digest())]:
+        t = time.perf_counter()
+        for _ in range(5):
+            fn()
+        out.append((name, (time.perf_counter() - t) / 5))
+    try:
+        import blake3  # type: ignore[import-not-found]
+
+        for threads, label in ((1, "BLAKE3, 1 thread"),
+                               (blake3.blake3.AUTO, "BLAKE3, all cores")):
+            t = time.perf_counter()
+            for _ in range(5):
+                blake3.blake3(data, max_threads=threads).digest()
+            out.append((label, (time.perf_counter() - t) / 5))
+    except ImportError:
+        out.append(("BLAKE3: not installed (pip install blake3 to measure it)", float("nan")))
+    return out
+
+
+def write(path: Path, emu: list[dict[str, Any]], rows: list[Row],
+          cache: list[tuple[str, float, float]], hashes: list[tuple[str, float]],
+          elapsed: float, smoke: bool) -> None:
+    lines = [
+        "# fedq over wide-area links",
+        "",
+        f"Generated by `.venv/bin/python -m bench.wan{' --smoke' if smoke else ''}` on "
+        f"{datetime.now(timezone.utc):%Y-%m-%d} at commit {commit()} ({machine()}, "
+        f"{platform.python_version()}); {elapsed / 60:.1f} minutes. Each training worker "
+        "is a host of its own: a network namespace whose only way to Redis is a veth "
+        "link, rate-capped by tbf, latency from a user-space relay "
+        "(fedq/testing/wan.py).",
+        "",
+        "## The presets and the emulator",
+        "",
+        "A probe inside a host measures the link: median of 20 one-byte round trips, "
+        "and 2 s of bulk transfer each way (a stall is an extra retransmission timeout, "
+        "so the constrained preset's throughput falls below its cap by design). Relay "
+        "CPU: seconds of one core per GB relayed.",
+        "",
+        "| preset | link | source | RTT measured | up measured | down measured | "
+        "relay CPU s/GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in emu:
+        p: Profile = e["preset"]
+        lines.append(
+            f"| {p.name} | {p.describe()} | {p.source} | {e['rtt_ms']:.1f} ms "
+            f"({e['rtt_ms'] / p.rtt_ms - 1:+.0%}) | {e['up_mbit']:.0f} Mbit/s "
+            f"({e['up_mbit'] / p.up_mbit - 1:+.0%}) | {e['down_mbit']:.0f} Mbit/s "
+            f"({e['down_mbit'] / p.down_mbit - 1:+.0%}) | {e['cpu_per_gb']:.2f} |")
+    lines += [
+        "",
+        "## Seconds per round against the link's bound",
+        "",
+        f"{HOSTS} hosts, one worker each, both on the preset's link; the mean of the "
+        "rounds after the first (dispatch to commit). Bound = model bytes / downlink + "
+        f"update bytes / uplink + {ROUND_TRIPS} round trips; the digits bound adds the "
+        f"compute its {rows[0].preset if rows else '?'} round took. Target: within "
+        "1.25x of the bound for the 45 MB model with fp32 updates.",
+        "",
+        "| preset | job | MB down / up per client | s/round | bound s | x bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.preset} | {r.job} | {r.bytes_down / 1e6:.1f} / "
+                     f"{r.bytes_up / 1e6:.1f} | {r.seconds:.2f} | {r.bound:.2f} | "
+                     f"{r.seconds / r.bound:.2f} |")
+    fp32 = {r.preset: r.seconds for r in rows if r.job.endswith("fp32")
+            and r.job.startswith("ResNet")}
+    int8 = {r.preset: r.seconds for r in rows if r.job.endswith("int8")}
+    if "home" in fp32 and "home" in int8:
+        lines += ["", f"int8 against fp32 updates on the home uplink: "
+                      f"{fp32['home'] / int8['home']:.2f}x faster per round (target 3x)."]
+    lines += [
+        "",
+        "## Four workers on one machine: the per-host blob cache",
+        "",
+        "One host (metro link) runs four workers, as a 4-GPU box would; bytes that "
+        "crossed its link per round, in units of the global model.",
+        "",
+        "| FEDQ_BLOB_CACHE | models down per round | models up per round |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {c} | {d:.2f} | {u:.2f} |" for c, d, u in cache]
+    lines += [
+        "",
+        "## Hashing a 45 MB model",
+        "",
+        "| hash | seconds | GB/s |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {n} | {s:.4f} | {45e6 / s / 1e9:.2f} |" if s == s else f"| {n} | - | - |"
+              for n, s in hashes]
+    prose = path.read_text().split(MARKER, 1)[1] if path.exists() and \
+        MARKER in path.read_text() else "\n"
+    path.write_text("\n".join(lines) + "\n\n" + MARKER + prose)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.wan")
+    parser.add_argument("--smoke", action="store_true", help="two presets, short jobs")
+    parser.add_argument("--presets", default=",".join(PRESETS),
+                        help=f"comma-separated subset of {', '.join(PRESETS)}")
+    parser.add_argument("--out", type=Path, default=DOC)
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.presets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        parser.error(f"--presets: unknown preset {unknown[0]!r} (known: {', '.join(PRESETS)})")
+    if args.smoke:
+        names = names[:2]
+    why = have_netns()
+    if why:
+        print(f"bench.wan: cannot make hosts here: {why}", file=sys.stderr)
+        return 1
+    presets = [PRESETS[n] for n in names]
+    started = time.monotonic()
+    relays = Relays()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedq-wan-") as tmp:
+            emu = emulator(relays, presets)
+            rows = rounds_table(Path(tmp), relays, presets, args.smoke)
+            cache = cache_table(Path(tmp), relays, args.smoke)
+    except BenchError as exc:
+        print(f"bench.wan: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        relays.close()
+    write(args.out, emu, rows, cache, hash_speed(), time.monotonic() - started, args.smoke)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
