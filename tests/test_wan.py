@@ -123,11 +123,14 @@ def _wait_bytes(host: Host, index: int, more_than: int, timeout: float = 60) -> 
 def test_partitions_lose_nothing_and_hosts_download_once(
         tmp_path: Path, relays: Relays, redis_db: str, pg_url: str) -> None:
     """Two hosts: A runs two workers sharing a blob cache, B one. Round 2: B's link
-    cut mid-download for 3 s; round 3: mid-upload; round 4: A's link flaps; round 5:
-    the control worker's Redis connections reset and refused for 2 s."""
+    cut mid-download for 3 s; round 3: mid-upload; round 4: A's link flaps, then the
+    control worker's Redis connections are reset and refused for 2 s; round 5: B's
+    link cut past the round's deadline (the round commits without it, its update is
+    recorded late); round 6 as usual."""
     redis_port = int(redis_db.rsplit(":", 1)[1].split("/")[0])
     env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
-                   FEDQ_BLOB_URL=redis_db, FEDQ_DATABASE_URL=pg_url)
+                   FEDQ_BLOB_URL=redis_db, FEDQ_DATABASE_URL=pg_url,
+                   FEDQ_WATCHDOG_INTERVAL="1")
     cluster = Cluster(tmp_path, env)
     cluster.fedq("db", "upgrade")
     hosts = [Host("a", LINK).create(), Host("b", LINK).create()]
@@ -151,10 +154,11 @@ def test_partitions_lose_nothing_and_hosts_download_once(
                                           "FEDQ_RESULT_BACKEND": local}))
         cluster.workers += workers
         start_workers(workers)
+        cluster.start_beat()
         spec = {"name": "wan", "model": "mlp", "model_args": {"hidden": HIDDEN},
                 "dataset": "digits", "zero_compute": True, "num_clients": 3,
-                "clients_per_round": 3, "rounds": 5, "eval_every": 0, "keep_updates": 0,
-                "round_timeout_s": 90, "compression": {"codec": "auto",
+                "clients_per_round": 3, "rounds": 6, "eval_every": 0, "keep_updates": 0,
+                "round_timeout_s": 14, "min_clients": 2, "compression": {"codec": "auto",
                                                        "slow_link_mbit": 100}}
         a, b = hosts
         job = cluster.submit(spec)
@@ -175,36 +179,49 @@ def test_partitions_lose_nothing_and_hosts_download_once(
             time.sleep(0.4)
             a.restore()
             time.sleep(0.4)
-        cluster.wait_for_round(job, 5)
         control_relay.reset(refuse_s=2)
+        cluster.wait_for_round(job, 5)
+        _wait_bytes(b, 0, 1_500_000)
+        b.cut()  # past the 14 s deadline
+        time.sleep(16)
+        b.restore()
         view = cluster.wait(job, timeout=180)
         assert view.status == "completed", view.error
+        deadline = time.monotonic() + 60
+        while not any(u.status == "late" for u in cluster.updates(job)):
+            assert time.monotonic() < deadline, "B's round-5 update was never recorded late"
+            time.sleep(0.3)
 
         rounds = cluster.rounds(job)
         assert [(r.number, r.status) for r in rounds] == [(n, "committed")
-                                                         for n in range(1, 6)]
+                                                         for n in range(1, 7)]
+        assert [r.participants for r in rounds] == [3, 3, 3, 3, 2, 3]
         updates = cluster.updates(job)
         assert sorted((u.round_number, u.client) for u in updates) == \
-            [(r, c) for r in range(1, 6) for c in range(3)]
-        lost = sum(1 for u in updates if u.status != "ok")
+            [(r, c) for r in range(1, 7) for c in range(3)]
+        late = [u for u in updates if u.status == "late"]
+        assert [(u.round_number, u.worker) for u in late] == [(5, "b1@b")]
+        assert late[0].blob_key is not None  # arrived, recorded, never averaged
+        lost = sum(1 for u in updates if u.status not in ("ok", "late"))
         assert lost == 0, [(u.round_number, u.client, u.status, u.error) for u in updates]
+        ok = [u for u in updates if u.status == "ok"]
         # Each host downloads each round's model once, whatever its workers do.
-        for number in range(1, 6):
-            model = max(u.bytes_down for u in updates if u.round_number == number)
+        for number in range(1, 7):
+            model = max(u.bytes_down for u in ok if u.round_number == number)
             assert model >= MODEL_BYTES_MIN
             for host in hosts:
-                got = [u.bytes_down for u in updates if u.round_number == number
+                got = [u.bytes_down for u in ok if u.round_number == number
                        and u.worker.endswith(f"@{host.name}")]
                 assert not got or sum(got) == model, (number, host.name, got)
         # The cuts were felt where they were made.
-        b_rows = {u.round_number: u for u in updates if u.worker.endswith("@b")}
+        b_rows = {u.round_number: u for u in ok if u.worker.endswith("@b")}
         if 2 in b_rows and b_rows[2].bytes_down:
             assert b_rows[2].download_seconds > 2.5
-        assert max(u.download_seconds + u.upload_seconds for u in updates
+        assert max(u.download_seconds + u.upload_seconds for u in ok
                    if u.round_number == 3 and u.worker.endswith("@b")) > 2.5
         # codec: auto sent fp32 until the uplink was measured (~20 Mbit/s), then int8.
         by_worker: dict[str, list[str | None]] = {}
-        for u in sorted(updates, key=lambda u: u.round_number):
+        for u in sorted(ok, key=lambda u: u.round_number):
             by_worker.setdefault(u.worker, []).append(u.codec)
         for codecs in by_worker.values():
             assert codecs[0] == "none" and set(codecs[1:]) <= {"int8"}, by_worker
@@ -214,8 +231,9 @@ def test_partitions_lose_nothing_and_hosts_download_once(
         assert all(4 < measured[w]["uplink_mbit"] < 22 for w in by_worker), measured
         assert "int8" in cluster.fedq("workers").stdout
         record_outcome("WAN hosts (netns, 40/20 Mbit/s, 20 ms)",
-                       "link cut mid-download and mid-upload, link flapping, control's "
-                       "Redis connections reset", "completed: every update used", 5, lost)
+                       "link cut mid-download and mid-upload (3 s), link flapping, the "
+                       "control worker's Redis connections reset, a link cut past the "
+                       "deadline", "completed; the cut-off update recorded late", 6, lost)
     finally:
         cluster.stop()
         for h in hosts:
