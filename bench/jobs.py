@@ -197,6 +197,18 @@ def buffered(ctx: Context) -> Section:
     # x4: six emulated machines on this 2-core one would otherwise queue for the CPUs
     # (the emulated slowness is sleep, which does not).
     slow = [4 * x for x in lognormal_slowdowns(workers)]
+    with fedq_cluster(ctx, "buffered", workers,
+                      slow={i: x for i, x in enumerate(slow) if x > 1.0}) as cluster:
+        return buffered_modes(ctx, cluster, slow, "6. Buffered asynchronous vs synchronous",
+                              "on Redis + PostgreSQL")
+
+
+def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
+                   where: str) -> Section:
+    """Time to accuracy: synchronous (wait for all, time-budgeted) against buffered, on
+    ``cluster``, whose training workers ``w{i}@...`` run ``slow[i]`` times slower
+    (bench/wan.py runs it with each worker on an emulated WAN host)."""
+    workers = len(slow)
     rounds = 2 if ctx.smoke else 15
     k = workers // 2
     sizes = [k] if ctx.smoke else [workers // 3, k]  # K = C/3 and C/2
@@ -205,9 +217,9 @@ def buffered(ctx: Context) -> Section:
               "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
               "round_timeout_s": 300}
     sec = Section(
-        "6. Buffered asynchronous vs synchronous",
-        f"Digits, small_cnn, {2 * workers} clients, {workers} training workers on Redis + "
-        "PostgreSQL whose speeds are drawn log-normal (sigma = 1, seed 0), times 4 so "
+        title,
+        f"Digits, small_cnn, {2 * workers} clients, {workers} training workers {where} "
+        "whose speeds are drawn log-normal (sigma = 1, seed 0), times 4 so "
         "that the six emulated machines do not queue for this machine's two cores "
         f"(FEDQ_SLOWDOWN {', '.join(f'{x:g}' for x in sorted(slow))}), after a one-round "
         "warm-up job. Synchronous: "
@@ -225,34 +237,32 @@ def buffered(ctx: Context) -> Section:
         ["mode", f"time to {target:.0%} (s)", "round / version reaching it",
          "total time (s)", "final accuracy", "speed-up"])
     results: dict[str, tuple[float | None, int | None, float, float]] = {}
-    with fedq_cluster(ctx, "buffered", workers,
-                      slow={i: x for i, x in enumerate(slow) if x > 1.0}) as cluster:
-        if not ctx.smoke:
-            ctx.say("buffered: warm-up (each worker loads the data set once)")
-            run_job(cluster, {**common, "name": "bench-warm-up", "rounds": 1,
-                              "clients_per_round": workers})
-        ctx.say("buffered: synchronous, wait for all")
-        wait_all = run_job(cluster, {**common, "name": "bench-sync", "rounds": rounds,
-                                     "clients_per_round": workers})
-        fast = _fast_seconds(cluster, wait_all.job, [f"w{i}@" for i, x in enumerate(slow)
-                                                     if x > 1.5 * min(slow)])
-        budget = round(statistics.median(fast), 2) if fast else 1.0
-        ctx.say(f"buffered: synchronous, time budget {budget} s")
-        budgeted = run_job(cluster, {**common, "name": "bench-sync-budget", "rounds": rounds,
-                                     "clients_per_round": workers, "local_epochs": 50,
-                                     "time_budget_s": budget, "weight_by": "processed"})
-        runs = [("synchronous, wait for all", wait_all),
-                (f"synchronous, time budget {budget} s", budgeted)]
-        for size in sizes:
-            ctx.say(f"buffered: FedBuff K={size}")
-            runs.append((f"buffered K={size}", run_job(cluster, {
-                **common, "name": f"bench-buffered-{size}", "rounds": rounds * workers // size,
-                "clients_per_round": workers,
-                "aggregation": {"mode": "buffered", "buffer": size}})))
-        for mode, run in runs:
-            hit_t, hit_n, _, final = _time_to(run, target)
-            done = [r for r in run.rounds if r["status"] == "committed"]
-            results[mode] = (hit_t, hit_n, done[-1]["finished_at"] - run.started_at, final)
+    if not ctx.smoke:
+        ctx.say("buffered: warm-up (each worker loads the data set once)")
+        run_job(cluster, {**common, "name": "bench-warm-up", "rounds": 1,
+                          "clients_per_round": workers})
+    ctx.say("buffered: synchronous, wait for all")
+    wait_all = run_job(cluster, {**common, "name": "bench-sync", "rounds": rounds,
+                                 "clients_per_round": workers})
+    fast = _fast_seconds(cluster, wait_all.job, [f"w{i}@" for i, x in enumerate(slow)
+                                                 if x > 1.5 * min(slow)])
+    budget = round(statistics.median(fast), 2) if fast else 1.0
+    ctx.say(f"buffered: synchronous, time budget {budget} s")
+    budgeted = run_job(cluster, {**common, "name": "bench-sync-budget", "rounds": rounds,
+                                 "clients_per_round": workers, "local_epochs": 50,
+                                 "time_budget_s": budget, "weight_by": "processed"})
+    runs = [("synchronous, wait for all", wait_all),
+            (f"synchronous, time budget {budget} s", budgeted)]
+    for size in sizes:
+        ctx.say(f"buffered: FedBuff K={size}")
+        runs.append((f"buffered K={size}", run_job(cluster, {
+            **common, "name": f"bench-buffered-{size}", "rounds": rounds * workers // size,
+            "clients_per_round": workers,
+            "aggregation": {"mode": "buffered", "buffer": size}})))
+    for mode, run in runs:
+        hit_t, hit_n, _, final = _time_to(run, target)
+        done = [r for r in run.rounds if r["status"] == "committed"]
+        results[mode] = (hit_t, hit_n, done[-1]["finished_at"] - run.started_at, final)
     sync_times = [t for m, (t, *_) in results.items() if m.startswith("sync") and t]
     best_sync = min(sync_times) if sync_times else None
     for mode, (t, n, total, final) in results.items():

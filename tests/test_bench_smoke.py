@@ -84,3 +84,5 @@ def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None
     cache = {line.split("|")[1].strip(): float(line.split("|")[2])
              for line in text.splitlines() if line.startswith(("| on |", "| off |"))}
     assert cache["off"] > 3.5 and cache["on"] < 1.5  # four workers, one download
+    assert "## Buffered asynchronous vs synchronous over a WAN" in text
+    assert "| buffered K=1 |" in text
