@@ -19,9 +19,11 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import ROOT, BenchError
+from fedq.testing.wan import Host, Relays
 
 APP = ROOT / "bench" / "flower_app"
 
@@ -45,9 +47,12 @@ def _wait_for(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout: f
 
 
 def flower_rounds(flower_bin: Path, work: Path, engine: str, shapes: list[list[int]],
-                  rounds: int, clients: int, timeout: float = 900) -> list[float]:
+                  rounds: int, clients: int, timeout: float = 900,
+                  hosts: Sequence[Host] = (), relays: Relays | None = None) -> list[float]:
     """Seconds between consecutive rounds (the first not counted) of a zero-compute
-    FedAvg run on Flower's ``deployment`` or ``simulation`` engine."""
+    FedAvg run on Flower's ``deployment`` or ``simulation`` engine. ``hosts``
+    (deployment): SuperNode i runs in ``hosts[i]``'s network namespace and reaches the
+    SuperLink through a relay on its emulated link (bench/wan.py)."""
     if engine not in ("deployment", "simulation"):
         raise ValueError(engine)
     home = work / f"flower-{engine}-{time.monotonic_ns()}"
@@ -62,9 +67,10 @@ def flower_rounds(flower_bin: Path, work: Path, engine: str, shapes: list[list[i
            "PATH": f"{flower_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+    def start(name: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         log = open(home / f"{name}.log", "wb")
-        proc = subprocess.Popen([str(flower_bin / args[0]), *args[1:]], env=env, cwd=home,
+        proc = subprocess.Popen([*prefix, str(flower_bin / args[0]), *args[1:]], env=env,
+                                cwd=home,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         procs.append(proc)
@@ -77,9 +83,17 @@ def flower_rounds(flower_bin: Path, work: Path, engine: str, shapes: list[list[i
         _wait_for(home / "superlink.log", "Starting Flower SuperExec", link, 120,
                   "flower-superlink")
         if engine == "deployment":
-            nodes = [start(f"supernode{i}", "flower-supernode", "--insecure",
-                           "--superlink", f"127.0.0.1:{port}", "--port", str(_free_port()))
-                     for i in range(clients)]
+            nodes = []
+            for i in range(clients):
+                address, prefix = f"127.0.0.1:{port}", []
+                if hosts:
+                    assert relays is not None
+                    host = hosts[i % len(hosts)]
+                    relay = host.forward(relays, port, port=0)
+                    address, prefix = f"{host.root_ip}:{relay.port}", host.exec_prefix()
+                nodes.append(start(f"supernode{i}", "flower-supernode", "--insecure",
+                                   "--superlink", address, "--port", str(_free_port()),
+                                   prefix=prefix))
             for i, node in enumerate(nodes):
                 _wait_for(home / f"supernode{i}.log", "SuperNode ID", node, 120,
                           "flower-supernode")

@@ -75,8 +75,8 @@ def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None
     out = tmp_path / "wan.md"
     env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
     proc = subprocess.run([sys.executable, "-m", "bench.wan", "--smoke", "--presets", "lan",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=580, check=False)
+                           "--flower-presets", "", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=580, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| lan |")]

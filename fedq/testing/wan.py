@@ -202,9 +202,10 @@ class Host:
     def forward(self, relays: "Relays", target_port: int, port: int | None = None,
                 target_host: str = "127.0.0.1") -> "Relay":
         """A relay on this host's link address to ``target_host:target_port``; the
-        host reaches the service at ``self.root_ip:port``."""
-        relay = relays.add(self.root_ip, port or target_port, target_host, target_port,
-                           self.link)
+        host reaches the service at ``self.root_ip:port`` (``port`` 0: any free one;
+        default: the service's own port)."""
+        relay = relays.add(self.root_ip, target_port if port is None else port, target_host,
+                           target_port, self.link)
         self.relays.append(relay)
         return relay
 
