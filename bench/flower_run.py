@@ -110,6 +110,10 @@ def flower_rounds(flower_bin: Path, work: Path, engine: str, shapes: list[list[i
         deadline = time.monotonic() + timeout
         while True:
             stamps = times_file.read_text().split() if times_file.exists() else []
+            failed = [s for s in stamps if s.startswith("error:")]
+            if failed:
+                raise BenchError(f"Flower {engine}: a ClientApp failed "
+                                 f"({failed[0].replace('_', ' ')[:300]}); see {home}")
             if len(stamps) >= rounds:
                 break
             if time.monotonic() > deadline:

@@ -17,6 +17,12 @@ class TimedFedAvg(FedAvg):
         self.times_file = times_file
 
     def aggregate_train(self, server_round, replies):
+        replies = list(replies)
+        errors = [str(m.error) for m in replies if m.has_error()]
+        if errors:  # a failed ClientApp answers small and fast: never time such a round
+            with open(self.times_file, "a") as fh:
+                fh.write(f"error: round {server_round}: {errors[0]}\n".replace(" ", "_"))
+            raise RuntimeError(f"round {server_round}: {len(errors)} client errors")
         result = super().aggregate_train(server_round, replies)
         with open(self.times_file, "a") as fh:
             fh.write(f"{time.time()!r}\n")
