@@ -284,8 +284,8 @@ def test_quorum_failure_redispatches_then_fails_then_resumes(redis_cluster: Clus
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     cluster.start_beat()
     spec = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "rounds": 2,
-            "queues": {"cpu": 2, "gpu_sm61": 1}, "min_clients": 3, "round_timeout_s": 3,
-            "max_redispatch": 1}
+            "queues": {"cpu": 2, "gpu_sm61": 1}, "min_clients": 3, "round_timeout_s": 8,
+            "max_redispatch": 1}  # 8 s: the cpu tasks arrive in time on a loaded machine
     job = cluster.submit(spec)
     view = cluster.wait(job, timeout=120)
     assert view.status == "failed"
