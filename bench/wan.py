@@ -176,9 +176,12 @@ def _jobs(n: int) -> list[tuple[str, dict[str, Any]]]:
     return [("ResNet-18 zero-compute, fp32", zero_compute_spec("resnet18", n, HOSTS)),
             ("ResNet-18 zero-compute, int8",
              zero_compute_spec("resnet18", n, HOSTS, compression={"codec": "int8"})),
+            (INT8_BOTH, zero_compute_spec("resnet18", n, HOSTS,
+                                          compression={"codec": "int8", "downlink": "int8"})),
             ("digits small CNN, fp32", {**DIGITS, "rounds": n})]
 
 
+INT8_BOTH = "ResNet-18 zero-compute, int8 up and down"
 FLOWER_JOB = "Flower Deployment Engine, ResNet-18 zero-compute, fp32"
 
 
@@ -357,9 +360,14 @@ def write(path: Path, emu: list[dict[str, Any]], rows: list[Row],
     fp32 = {r.preset: r.seconds for r in rows if r.job.endswith("fp32")
             and r.job.startswith("ResNet")}
     int8 = {r.preset: r.seconds for r in rows if r.job.endswith("int8")}
+    both = {r.preset: r.seconds for r in rows if r.job == INT8_BOTH}
     if "home" in fp32 and "home" in int8:
         lines += ["", f"int8 against fp32 updates on the home uplink: "
-                      f"{fp32['home'] / int8['home']:.2f}x faster per round (target 3x)."]
+                      f"{fp32['home'] / int8['home']:.2f}x faster per round with int8 "
+                      "updates"
+                      + (f", {fp32['home'] / both['home']:.2f}x with the model also sent "
+                         "down as int8 steps (`compression: {downlink: int8}`)"
+                         if "home" in both else "") + " (target 3x)."]
     lines += [
         "",
         "## Four workers on one machine: the per-host blob cache",

@@ -9,6 +9,25 @@ from fedq.blobs.base import BlobRef
 
 
 @dataclass(frozen=True)
+class StepRef:
+    """The global model as an int8 step from the previous one (``compression:
+    {downlink: int8}``, fedq/aggregate/downlink.py): the step blob and the sha256 of
+    the previous global model's blob, which a worker must hold to use it."""
+
+    blob: BlobRef
+    base: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.blob.to_json(), "base": self.base}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "StepRef | None":
+        if not data:
+            return None
+        return cls(BlobRef.from_json(data), str(data["base"]))
+
+
+@dataclass(frozen=True)
 class TrainRef:
     """What a training task needs: its job's spec, its place, and the global model's ref."""
 
@@ -20,18 +39,20 @@ class TrainRef:
     model: BlobRef
     attempt: int = 1  # dispatch attempt of this round (re-dispatch after a deadline)
     gen: int = 0  # the round row's id: tells a resumed round from the one it replaced
+    step: StepRef | None = None  # the model as a step from the previous one, if published
 
     def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "round": self.round, "client": self.client,
                 "queue": self.queue, "spec": self.spec, "model": self.model.to_json(),
-                "attempt": self.attempt, "gen": self.gen}
+                "attempt": self.attempt, "gen": self.gen,
+                "step": self.step.to_json() if self.step else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainRef":
         return cls(job=str(data["job"]), round=int(data["round"]), client=int(data["client"]),
                    queue=str(data["queue"]), spec=dict(data["spec"]),
                    model=BlobRef.from_json(data["model"]), attempt=int(data.get("attempt", 1)),
-                   gen=int(data.get("gen", 0)))
+                   gen=int(data.get("gen", 0)), step=StepRef.from_json(data.get("step")))
 
 
 @dataclass(frozen=True)

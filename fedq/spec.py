@@ -140,7 +140,8 @@ class DPSpec(_Strict):
 
 
 class CompressionSpec(_Strict):
-    """How clients encode their updates (fedq/aggregate/compression.py)."""
+    """How updates travel up (fedq/aggregate/compression.py) and, with ``downlink``,
+    the new global model down (fedq/aggregate/downlink.py)."""
 
     codec: Literal["none", "fp16", "int8", "auto"] = "none"
     zstd: bool = False
@@ -148,6 +149,11 @@ class CompressionSpec(_Strict):
     slow_link_mbit: float = Field(
         default=100.0, gt=0, description="auto: int8 on a worker whose uplink is "
         "slower than this (Mbit/s), fp32 otherwise and while it is not yet measured")
+    downlink: Literal["none", "int8"] = Field(
+        default="none", description="int8: each new global model is also published as "
+        "an int8 step from the previous one (error feedback on the coordinator), which a "
+        "worker holding the previous model downloads instead of the full model "
+        "(fedq/aggregate/downlink.py)")
 
 
 class ByzantineSpec(_Strict):
@@ -396,6 +402,8 @@ def describe(spec: JobSpec) -> str:
     if spec.compression.codec == "auto":
         codec += f" (int8 below {spec.compression.slow_link_mbit:g} Mbit/s uplink)"
     parts.append(f"updates {codec}")
+    if spec.compression.downlink != "none":
+        parts.append(f"model down as {spec.compression.downlink} steps")
     if spec.prox_mu:
         parts.append(f"FedProx mu {spec.prox_mu}")
     if spec.byzantine:

@@ -2,7 +2,7 @@
 
 from fedq.blobs.base import BlobRef, BlobStore, sha256_hex
 from fedq.blobs.factory import open_store
-from fedq.blobs.keys import global_key, state_key, update_key
+from fedq.blobs.keys import global_key, state_key, step_key, update_key
 
 __all__ = ["BlobRef", "BlobStore", "global_key", "open_store", "sha256_hex", "state_key",
-           "update_key"]
+           "step_key", "update_key"]

@@ -14,6 +14,11 @@ def global_key(job: str, round_number: int, tag: str = "") -> str:
     return f"jobs/{job}/r{round_number:05d}/global{'-' + tag if tag else ''}.safetensors"
 
 
+def step_key(job: str, round_number: int, tag: str = "") -> str:
+    """The global model after ``round_number`` as an int8 step from the one before."""
+    return f"jobs/{job}/r{round_number:05d}/step{'-' + tag if tag else ''}.safetensors"
+
+
 def state_key(job: str, round_number: int, tag: str = "") -> str:
     """The server optimizer's state after ``round_number``."""
     return f"jobs/{job}/r{round_number:05d}/server-state{'-' + tag if tag else ''}.safetensors"

@@ -50,19 +50,20 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from fedq.aggregate.staleness import staleness_factor
-from fedq.blobs import BlobRef, global_key, state_key
+from fedq.blobs import BlobRef
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, apply_server, reduce, update_weight
+from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, update_weight
 from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
+from fedq.coordinator.rounds import set_step, step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
 from fedq.process import PROCESS
-from fedq.refs import TrainRef, TrainStats, UpdateRef
+from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.weights import dump_parts, dumps, loads
+from fedq.weights import loads
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Dispatch:
     client: int
     queue: str
     model: BlobRef
+    step: StepRef | None = None  # the model as a step from the previous version
 
 
 def _lock(s: Session, job_id: str) -> Job | None:
@@ -112,7 +114,7 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
         s.add(ClientUpdate(job_id=job.id, round_number=0, client=client, status="training",
                            queue=queue, task_index=i, attempt=1,
                            base_version=job.committed_round, created_at=utcnow()))
-        out.append(Dispatch(i, 1, client, queue, _model(job)))
+        out.append(Dispatch(i, 1, client, queue, _model(job), step_of(job)))
     return out
 
 
@@ -120,7 +122,7 @@ def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
     spec_json = spec.to_json()
     for t in tasks:
         ref = TrainRef(job_id, t.index, t.client, t.queue, spec_json, t.model,
-                       attempt=t.attempt, gen=0)
+                       attempt=t.attempt, gen=0, step=t.step)
         app.send_task(TRAIN_TASK, args=(ref.to_json(),), queue=t.queue,
                       task_id=task_id(job_id, t.index, t.attempt),
                       link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index),
@@ -331,15 +333,13 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     if settings.finalize_delay:  # fault injection: widen the window for crash tests
         time.sleep(settings.finalize_delay)
     server_state = loads(store.get(state), what=f"blob {state.key}") if state else {}
-    new, new_state = apply_server(spec, current, delta, server_state)
+    nxt = server_update(spec, current, delta, server_state)
+    new = nxt.weights
     every = spec.eval_every
     accuracy, eval_loss = evaluate_weights(spec, new) \
         if every and (version % every == 0 or version >= spec.rounds) else (None, None)
-    tag = secrets.token_hex(4)
-    meta = {"job": job_id, "round": str(version)}
-    blob = store.put_parts(global_key(job_id, version, tag), dump_parts(new, meta))
-    state_blob = store.put(state_key(job_id, version, tag), dumps(new_state, meta)) \
-        if new_state else None
+    blob, state_blob, step = put_model(store, job_id, version, nxt, model.sha256,
+                                       tag=secrets.token_hex(4))
     records = {r.ref.round: r for r in outcome.records}
     weights = {r.task_index: update_weight(spec, _row_ref(r)) * factors[r.task_index]
                for r in rows}
@@ -375,6 +375,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
         record_throughput(s, outcome.throughput)
         job.committed_round = version
         job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+        set_step(job, step)
         if state_blob is not None:
             job.state_key, job.state_sha256, job.state_size = (state_blob.key, state_blob.sha256,
                                                                state_blob.size)
@@ -479,7 +480,8 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         if attempt <= spec.max_redispatch:
             row.attempt, row.created_at = attempt + 1, utcnow()
             row.base_version = job.committed_round
-            tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu", _model(job))]
+            tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu", _model(job),
+                              step_of(job))]
             action = f"resend (attempt {attempt + 1})"
         else:
             row.status, row.round_number = "missing", job.committed_round + 1

@@ -33,10 +33,10 @@ from sqlalchemy import select, update
 
 from fedq.aggregate.dp import epsilon
 from fedq.aggregate.types import Weights
-from fedq.blobs import BlobRef, BlobStore, global_key, state_key
+from fedq.blobs import BlobRef, BlobStore
 from fedq.blobs.keys import updates_prefix
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, UpdateRecord, apply_server, reduce
+from fedq.coordinator.pipeline import Outcome, UpdateRecord, put_model, reduce, server_update
 from fedq.coordinator.policy import (
     Commit,
     Fail,
@@ -47,16 +47,16 @@ from fedq.coordinator.policy import (
     pick_results,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
-from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
+from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, set_step, start_round
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.process import PROCESS
-from fedq.refs import UpdateRef
+from fedq.refs import StepRef, UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.weights import dump_parts, dumps, loads
+from fedq.weights import loads
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +167,12 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
              for c in decision.missing]
     server_state = loads(store.get(rnd.server_state), what=f"blob {rnd.server_state.key}") \
         if rnd.server_state else {}
-    new, new_state = apply_server(spec, current, delta, server_state)
+    nxt = server_update(spec, current, delta, server_state)
+    new = nxt.weights
     every = spec.eval_every
     accuracy, eval_loss = evaluate_weights(spec, new) \
         if every and (number % every == 0 or number >= spec.rounds) else (None, None)
-    meta = {"job": job_id, "round": str(number)}
-    blob = store.put_parts(global_key(job_id, number), dump_parts(new, meta))
-    state_blob = store.put(state_key(job_id, number), dumps(new_state, meta)) \
-        if new_state else None
+    blob, state_blob, step = put_model(store, job_id, number, nxt, rnd.model.sha256)
     seconds = (utcnow() - rnd.started_at).total_seconds()
     dp = spec.dp
     metrics = {
@@ -192,7 +190,8 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     }
     committed, done = _commit(settings, job_id, rnd.state.gen, rows,
                               throughput=outcome.throughput, metrics=metrics, blob=blob,
-                              state=state_blob, round_number=number, total=spec.rounds)
+                              state=state_blob, step=step, round_number=number,
+                              total=spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
     PROCESS.keep_model(blob.sha256, new, only=True)  # the next round's finalize starts here
@@ -318,7 +317,8 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             throughput: Sequence[tuple[str, int, float]] = (),
             failed: str | None = None, metrics: dict[str, Any] | None = None,
             blob: BlobRef | None = None, state: BlobRef | None = None,
-            round_number: int = 0, total: int = 0) -> tuple[bool, bool]:
+            step: StepRef | None = None, round_number: int = 0,
+            total: int = 0) -> tuple[bool, bool]:
     """One transaction: claim the round, write client rows, move the job. Returns
     (committed, job_done); (False, _) when another delivery got there first."""
     now = utcnow()
@@ -346,6 +346,7 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             assert blob is not None
             job.committed_round = round_number
             job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
+            set_step(job, step)
             if state is not None:
                 job.state_key, job.state_sha256, job.state_size = (state.key, state.sha256,
                                                                    state.size)

@@ -14,6 +14,8 @@ read -> verify -> clip -> reduce -> (DP noise) -> server optimizer:
    clients_per_round and gets Gaussian noise (fedq/aggregate/dp.py).
 5. The server optimizer (fedq/aggregate/server/) turns the delta into the new model
    and optimizer state.
+6. With ``compression: {downlink: int8}`` the new model is published as the previous
+   one plus an int8 step (fedq/aggregate/downlink.py), stored beside the full model.
 
 The math lives in fedq/aggregate/ (pure functions); this module feeds it from the
 blob store and records what happened to each update as an :class:`UpdateRecord`
@@ -32,16 +34,17 @@ import torch
 from fedq.aggregate import Accumulator, check_update
 from fedq.aggregate.clip import clip_update
 from fedq.aggregate.compression import decode, maybe_decompress
+from fedq.aggregate.downlink import RESIDUAL, compress_step, split_state
 from fedq.aggregate.dp import add_gaussian_noise
 from fedq.aggregate.reducers import Contribution, SourceReducer, StreamReducer, make_reducer
 from fedq.aggregate.server import make_server
 from fedq.aggregate.types import Weights
-from fedq.blobs import BlobStore
+from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
-from fedq.refs import UpdateRef
+from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
-from fedq.weights import loads_with_meta, raw_size
+from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
 
 
 @dataclass(frozen=True)
@@ -214,3 +217,42 @@ def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
     lr = spec.aggregation.server_lr(s, spec.clients_per_round) if spec.buffered else s.lr
     server = make_server(s.name, lr=lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
     return server.step(weights, delta, state)
+
+
+@dataclass(frozen=True)
+class NextModel:
+    """The server's result for one round or version, before it is stored."""
+
+    weights: Weights  # the new global model as workers will see it
+    state: Weights  # the server optimizer's state, with the downlink residual
+    step: tuple[Weights, dict[str, str]] | None  # the int8 step's tensors and metadata
+
+
+def server_update(spec: JobSpec, current: Weights, delta: Weights,
+                  stored_state: Weights) -> NextModel:
+    """The server optimizer's step and, with a compressed downlink, the model as the
+    int8 step from ``current`` defines it (the residual carried in the state)."""
+    own, residual = split_state(stored_state)
+    new, new_state = apply_server(spec, current, delta, own)
+    if spec.compression.downlink == "none":
+        return NextModel(new, new_state, None)
+    published, left, stored, meta = compress_step(current, new, residual,
+                                                  spec.compression.chunk)
+    state = {**new_state, **{RESIDUAL + k: v for k, v in left.items()}}
+    return NextModel(published, state, (stored, meta))
+
+
+def put_model(store: BlobStore, job_id: str, number: int, model: NextModel, base: str,
+              tag: str = "") -> tuple[BlobRef, BlobRef | None, StepRef | None]:
+    """Store the new global model, the server state and the step (if any): their refs;
+    the step's ref names ``base``, the sha256 of the global blob it steps from."""
+    meta = {"job": job_id, "round": str(number)}
+    blob = store.put_parts(global_key(job_id, number, tag), dump_parts(model.weights, meta))
+    state = store.put(state_key(job_id, number, tag), dumps(model.state, meta)) \
+        if model.state else None
+    step = None
+    if model.step is not None:
+        tensors, step_meta = model.step
+        step = StepRef(store.put_parts(step_key(job_id, number, tag),
+                                       dump_parts(tensors, {**step_meta, **meta})), base)
+    return blob, state, step

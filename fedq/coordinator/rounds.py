@@ -25,7 +25,7 @@ from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
-from fedq.refs import TrainRef
+from fedq.refs import StepRef, TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 
@@ -47,6 +47,21 @@ def plan_round(spec: JobSpec, round_number: int,
                                                 replace=False))
     queues = [q for q, n in spec.queue_counts(live_throughput).items() for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
+
+
+def step_of(job: Job) -> StepRef | None:
+    """The job's global model as an int8 step from the previous one, if it has one."""
+    if not (job.step_key and job.step_sha256 and job.step_base):
+        return None
+    return StepRef(BlobRef(job.step_key, job.step_sha256, job.step_size or 0), job.step_base)
+
+
+def set_step(job: Job, step: StepRef | None) -> None:
+    """Record (or clear) the step that goes with the job's new global model."""
+    job.step_key = step.blob.key if step else None
+    job.step_sha256 = step.blob.sha256 if step else None
+    job.step_size = step.blob.size if step else None
+    job.step_base = step.base if step else None
 
 
 def task_id(job_id: str, round_number: int, client: int, attempt: int, gen: int) -> str:
@@ -75,7 +90,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
         if job.committed_round != round_number - 1:
             return {"status": "skipped", "reason": f"job is at round {job.committed_round}"}
         spec = JobSpec.stored(job.spec)
-        model = BlobRef(job.global_key, job.global_sha256, job.global_size)
+        model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
         plan = plan_round(spec, round_number,
                           live_throughput(settings) if spec.queues == "auto" else None)
         rnd = Round(job_id=job_id, number=round_number, status="training", attempt=1,
@@ -89,7 +104,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             s.rollback()
             return {"status": "skipped", "reason": "round already started"}
         gen = rnd.id
-    dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen)
+    dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
     return {"status": "started", "round": round_number, "clients": len(plan)}
 
 
@@ -113,23 +128,25 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
             return False
         rnd = s.query(Round).filter_by(job_id=job_id, number=round_number).one()
         queue_of = dict(zip(rnd.planned["clients"], rnd.planned["queues"], strict=True))
-        model = BlobRef(job.global_key, job.global_sha256, job.global_size)
+        model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
         gen = rnd.id
     plan = [Assignment(c, queue_of[c]) for c in clients]
-    dispatch(job_id, round_number, spec, model, plan, attempt=from_attempt + 1, gen=gen)
+    dispatch(job_id, round_number, spec, model, plan, attempt=from_attempt + 1, gen=gen,
+             step=step)
     log.warning("job %s round %d: re-dispatched clients %s (attempt %d)", job_id,
                 round_number, list(clients), from_attempt + 1)
     return True
 
 
 def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
-             plan: Sequence[Assignment], *, attempt: int, gen: int) -> None:
+             plan: Sequence[Assignment], *, attempt: int, gen: int,
+             step: StepRef | None = None) -> None:
     """Send the chord: one ``train`` per assignment on its queue, ``finalize_round`` after."""
     spec_json = spec.to_json()
     header = [
         app.signature(TRAIN_TASK,
                       args=(TrainRef(job_id, round_number, a.client, a.queue, spec_json, model,
-                                     attempt=attempt, gen=gen).to_json(),),
+                                     attempt=attempt, gen=gen, step=step).to_json(),),
                       queue=a.queue, task_id=task_id(job_id, round_number, a.client,
                                                      attempt, gen))
         for a in plan

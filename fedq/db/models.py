@@ -56,6 +56,12 @@ class Job(Base):
     state_key: Mapped[str | None] = mapped_column(String(300), default=None)
     state_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     state_size: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # Migration 0009: the global model as an int8 step from the previous one
+    # (compression: {downlink: int8}); step_base is the previous global blob's sha256
+    step_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    step_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    step_size: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    step_base: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,

@@ -15,30 +15,49 @@ import time
 import torch
 
 from fedq.aggregate.compression import encode, zstd_compress
+from fedq.aggregate.downlink import apply_step
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.blobs.cache import HostCache
 from fedq.data import client_indices, load_dataset
+from fedq.errors import BlobError, UpdateRejected
 from fedq.models import build_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
-from fedq.refs import MEASURE_UPLINK_BYTES, TrainRef, TrainStats, UpdateRef
+from fedq.refs import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
-from fedq.weights import dump_parts, dumps, loads, raw_size
+from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size
 from fedq.worker import inner
 from fedq.worker.loop import local_train
 
 log = logging.getLogger(__name__)
 
 
-def fetch_global(store: BlobStore, ref: BlobRef) -> tuple[Weights, int]:
+def fetch_global(store: BlobStore, ref: BlobRef,
+                 step: StepRef | None = None) -> tuple[Weights, int]:
     """The global model for ``ref`` and the bytes downloaded (0 when this process kept
-    it, or another worker of this machine had put it in the FEDQ_BLOB_CACHE folder)."""
+    it, or another worker of this machine had put it in the FEDQ_BLOB_CACHE folder).
+    With a ``step`` from a model this process holds, only the step is downloaded and
+    the model rebuilt from it (checked against its content hash; on any mismatch the
+    full model is downloaded instead)."""
     kept = PROCESS.model(ref.sha256)
     if kept is not None:
         return kept, 0
     folder = get_settings().blob_cache
+    base = PROCESS.model(step.base) if step is not None else None
+    if step is not None and base is not None:
+        try:
+            data, downloaded = HostCache(folder).get(store, step.blob) if folder is not None \
+                else (store.get(step.blob), True)
+            stored, meta = loads_with_meta(data, what=f"blob {step.blob.key}")
+            weights = apply_step(base, stored, meta)
+        except (BlobError, UpdateRejected) as exc:
+            log.warning("model step %s not usable (%s): downloading the full model",
+                        step.blob.key, exc)
+        else:
+            PROCESS.keep_model(ref.sha256, weights)
+            return weights, step.blob.size if downloaded else 0
     if folder is not None:
         data, downloaded = HostCache(folder).get(store, ref)
     else:
@@ -95,7 +114,7 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
     spec = JobSpec.stored(ref.spec)
     fetched = time.perf_counter()
-    global_weights, bytes_down = fetch_global(store, ref.model)
+    global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
     download = time.perf_counter() - fetched
     if spec.zero_compute:
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down,
