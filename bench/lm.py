@@ -3,6 +3,7 @@ worker; writes the tables of docs/lm.md.
 
     .venv/bin/python -m bench.lm                 # about 20 minutes on 2 cores
     .venv/bin/python -m bench.lm --smoke --out /tmp/lm.md   # seconds (the test suite)
+    .venv/bin/python -m bench.lm --only downlink --jobs 2     # the downlink table alone
 
 The runs compare algorithms, so they run in this process with fedq's own pieces (the
 local training loop with its inner AdamW, warm-up/cosine schedule and kept state, the
@@ -41,6 +42,7 @@ import torch
 
 from fedq.aggregate import Accumulator
 from fedq.aggregate.compression import decode, encode
+from fedq.aggregate.downlink import compress_step
 from fedq.aggregate.reducers import Contribution, StreamReducer, make_reducer
 from fedq.aggregate.server import make_server
 from fedq.coordinator.evaluation import evaluate
@@ -55,6 +57,7 @@ from fedq.worker.loop import local_train, lr_at, task_loss
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lm.md"
 BEGIN, END = "<!-- begin generated tables -->", "<!-- end generated tables -->"
+DOWN_BEGIN, DOWN_END = "<!-- begin downlink table -->", "<!-- end downlink table -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
@@ -128,13 +131,17 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
 def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: str,
            scratch: Path, name: str, *, slow: int | None = None, budget: bool = False,
            step_time: float = 1.0, target: float | None = None,
-           max_time: float | None = None) -> Run:
+           max_time: float | None = None, downlink: str = "none") -> Run:
     """DiLoCo: H inner AdamW steps per worker from the global model, the deltas averaged
     (FedNova-normalised when their step counts differ), the outer Nesterov step (lr 0.7,
     momentum 0.9). ``slow``: that worker's steps take 4x as long (simulated time); with
     ``budget`` a round lasts H fast steps and each worker takes the steps that fit, until
-    ``target`` is reached or ``max_time`` passes; without it, steps / H rounds."""
+    ``target`` is reached or ``max_time`` passes; without it, steps / H rounds.
+    ``downlink: int8``: after round 1 each worker downloads the new model as an int8
+    step (fedq/aggregate/downlink.py: the published model is the previous one plus the
+    dequantized step, the residual carried), not the fp32 model."""
     weights = state_of(fresh_model(ds))
+    down_bytes, residual = raw_size(weights), dict[str, torch.Tensor]()
     model = fresh_model(ds)
     server, server_state = make_server("diloco"), dict[str, torch.Tensor]()
     reducer = make_reducer("fednova" if budget else "mean")
@@ -160,12 +167,16 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
             done[c] = stats.inner_step
             delta = {k: v.detach().cpu() - weights[k] for k, v in local.state_dict().items()}
             stored, meta = encode(delta, codec, 256)
-            run.bytes_moved += raw_size(stored) + raw_size(weights)
+            run.bytes_moved += raw_size(stored) + down_bytes
             contributions.append(Contribution(1.0, stats.steps, decode(stored, meta, shapes)))
         assert isinstance(reducer, StreamReducer)
+        previous = weights
         weights, server_state = server.step(weights, reducer.reduce(contributions, acc),
                                             server_state)
         weights = {k: v.clone() for k, v in weights.items()}  # acc is reused next round
+        if downlink == "int8":
+            weights, residual, step, _ = compress_step(previous, weights, residual, 256)
+            down_bytes = raw_size(step)
         clock += round_time
         if slow is not None or not (budget or rnd < steps // h):
             model.load_state_dict(weights)
@@ -226,7 +237,7 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
             run = diloco(ds, parts, steps, h, job.get("codec", "none"), Path(tmp), job["name"],
                          slow=job.get("slow"), budget=job.get("budget", False),
                          step_time=job.get("step_time", 1.0), target=job.get("target"),
-                         max_time=job.get("max_time"))
+                         max_time=job.get("max_time"), downlink=job.get("downlink", "none"))
     return {"name": run.name, "val_loss": run.val_loss, "bytes_moved": run.bytes_moved,
             "curve": run.curve}
 
@@ -270,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
+    parser.add_argument("--only", choices=["downlink"],
+                        help="downlink: only the compressed-downlink table (its own section)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global DEVICE
@@ -282,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     hs = [5, 10] if args.smoke else [50, 100, 500]
     h_mid = hs[len(hs) // 2]
     started = time.perf_counter()
+    down = downlink_runs(steps, hs, args)
+    if args.only == "downlink":
+        write_downlink(args.out, steps, down, time.perf_counter() - started, args.smoke)
+        print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+        return 0
     [t] = [r["seconds"] for r in run_all([{"kind": "step_time", "steps": steps}], args)]
     grid = [{"kind": "diloco", "steps": steps, "h": h, "codec": codec,
              "name": f"3. DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}"}
@@ -304,8 +322,55 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     write(args.out, steps, hs, base1, base2, runs, iid_mid, non_iid, fixed, timed, t, elapsed,
           args.smoke, big)
+    write_downlink(args.out, steps, down, elapsed, args.smoke)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
     return 0
+
+
+def downlink_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
+    """DiLoCo with int8 updates, the model sent down as fp32 and as int8 steps."""
+    grid = [{"kind": "diloco", "steps": steps, "h": h, "codec": "int8", "downlink": down,
+             "name": f"DiLoCo H = {h}, int8 up, {'int8 steps' if down == 'int8' else 'fp32'}"
+                     " down"}
+            for h in hs[1:] for down in ("none", "int8")]
+    return [_run(r) for r in run_all(grid, args)]
+
+
+def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
+                   smoke: bool) -> None:
+    """The compressed-downlink table, between its own markers in ``out``."""
+    size = raw_size(state_of(fresh_model_shapes()))
+    dp_bytes = 2 * WORKERS * size * steps  # baseline 2, as data_parallel counts it
+    command = "python -m bench.lm --only downlink" + (" --smoke" if smoke else "") + \
+        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}")
+    lines = [DOWN_BEGIN, "",
+             f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
+             f"(or the full run) on {platform.machine()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min; the same "
+             f"{WORKERS} workers x {steps} inner steps as above. Baseline 2's bytes are "
+             f"counted as above: {dp_bytes / 1e6:,.1f} MB.", "",
+             "| run | validation loss | vs fp32 down | MB moved | fewer bytes than "
+             "baseline 2 |", "|---|---|---|---|---|"]
+    by_name = {r.name: r for r in runs}
+    for r in runs:
+        plain = by_name.get(r.name.replace("int8 steps down", "fp32 down"), r)
+        lines.append(f"| {r.name} | {r.val_loss:.4f} | "
+                     f"{(r.val_loss / plain.val_loss - 1) * 100:+.2f}% | "
+                     f"{r.bytes_moved / 1e6:,.1f} | {dp_bytes / r.bytes_moved:,.0f}x |")
+    lines += ["", DOWN_END]
+    text = out.read_text() if out.exists() else "# Language models\n"
+    if DOWN_BEGIN not in text:
+        text = text.rstrip("\n") + f"\n\n{DOWN_BEGIN}\n{DOWN_END}\n"
+    start, stop = text.index(DOWN_BEGIN), text.index(DOWN_END) + len(DOWN_END)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(text[:start] + "\n".join(lines) + text[stop:])
+    os.replace(tmp, out)
+
+
+def fresh_model_shapes() -> torch.nn.Module:
+    """The bench's GPT, for its size (the data set's shapes, without loading it)."""
+    return build_model("gpt", (BLOCK,), 256)
 
 
 def _reach(run: Run, target: float) -> float | None:

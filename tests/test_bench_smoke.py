@@ -80,12 +80,36 @@ def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| lan |")]
-    assert len(rows) == 1 + 3  # the emulator's row and three jobs
+    assert len(rows) == 1 + 4  # the emulator's row and four jobs
+    down = {r.split("|")[2].strip(): float(r.split("|")[3].split("/")[0]) for r in rows[1:]}
+    # the model sent down as int8 steps: about a quarter of the fp32 model's bytes
+    assert down["ResNet-18 zero-compute, int8 up and down"] < \
+        0.3 * down["ResNet-18 zero-compute, int8"]
     cache = {line.split("|")[1].strip(): float(line.split("|")[2])
              for line in text.splitlines() if line.startswith(("| on |", "| off |"))}
     assert cache["off"] > 3.5 and cache["on"] < 1.5  # four workers, one download
     assert "## Buffered asynchronous vs synchronous over a WAN" in text
     assert "| buffered K=1 |" in text
+
+
+@pytest.mark.slow
+def test_lm_downlink_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    """bench/lm.py's downlink table at smoke size, into its own section of a document."""
+    out = tmp_path / "lm.md"
+    out.write_text("# LM\n\n<!-- begin generated tables -->\nkept\n"
+                   "<!-- end generated tables -->\n")
+    proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "downlink",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "kept" in text and "<!-- end downlink table -->" in text
+    rows = {line.split("|")[1].strip(): line.split("|")
+            for line in text.splitlines() if line.startswith("| DiLoCo")}
+    fp32, steps = rows["DiLoCo H = 10, int8 up, fp32 down"], \
+        rows["DiLoCo H = 10, int8 up, int8 steps down"]
+    assert float(steps[4].replace(",", "")) < float(fp32[4].replace(",", ""))  # MB moved
+    assert abs(float(steps[2]) - float(fp32[2])) < 0.1  # a validation loss, close
 
 
 def test_only_updates_its_sections_in_place() -> None:

@@ -75,8 +75,9 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...
     n = q.numel()
     if scales.numel() != math.ceil(n / chunk):
         raise ValueError(f"{scales.numel()} scales for {n} values in chunks of {chunk}")
-    per = torch.repeat_interleave(scales.to(torch.float32), chunk)[:n]
-    return (q.to(torch.float32) * per).reshape(shape)
+    blocks = torch.nn.functional.pad(q.reshape(-1).to(torch.float32), (0, (-n) % chunk))
+    out = blocks.reshape(-1, chunk) * scales.to(torch.float32)[:, None]  # (B, chunk)
+    return out.reshape(-1)[:n].reshape(shape)
 
 
 def zstd_compress(data: bytes, level: int = 3) -> bytes:
