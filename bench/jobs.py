@@ -229,8 +229,9 @@ def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
         f"{workers} tasks in flight, a version every K = "
         f"{' or '.join(map(str, sizes))} updates, weight "
         f"(1+staleness)^-0.5, {rounds * workers} / K versions (the same "
-        f"{rounds * workers} updates as the synchronous runs), 2 local epochs per task, "
-        "server step K/C (fedq's default for buffered FedAvg). "
+        f"{rounds * workers} updates as the synchronous runs), 2 local epochs per task "
+        "or, in the rows that say so, the synchronous run's time budget per task "
+        "(`weight_by: processed`), server step K/C (fedq's default for buffered FedAvg). "
         "The global model is evaluated after every round or version. Time: from the "
         "first round's (version's) start to the first commit whose global model reaches "
         f"{target:.0%} test accuracy.",
@@ -258,6 +259,14 @@ def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
         runs.append((f"buffered K={size}", run_job(cluster, {
             **common, "name": f"bench-buffered-{size}", "rounds": rounds * workers // size,
             "clients_per_round": workers,
+            "aggregation": {"mode": "buffered", "buffer": size}})))
+        # the time budget and the buffer together: every task lasts the budget, so no
+        # update is made from a model much older than the others
+        ctx.say(f"buffered: FedBuff K={size}, time budget {budget} s")
+        runs.append((f"buffered K={size}, time budget {budget} s", run_job(cluster, {
+            **common, "name": f"bench-buffered-budget-{size}",
+            "rounds": rounds * workers // size, "clients_per_round": workers,
+            "local_epochs": 50, "time_budget_s": budget, "weight_by": "processed",
             "aggregation": {"mode": "buffered", "buffer": size}})))
     for mode, run in runs:
         hit_t, hit_n, _, final = _time_to(run, target)

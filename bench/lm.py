@@ -1,7 +1,7 @@
 """Language-model baselines against DiLoCo, and time-budgeted inner steps with a slow
 worker; writes the tables of docs/lm.md.
 
-    .venv/bin/python -m bench.lm                 # about 20 minutes on 2 cores
+    .venv/bin/python -m bench.lm                 # hours on 2 CPU cores; minutes on a GPU
     .venv/bin/python -m bench.lm --smoke --out /tmp/lm.md   # seconds (the test suite)
     .venv/bin/python -m bench.lm --only downlink --jobs 2     # the downlink table alone
 
