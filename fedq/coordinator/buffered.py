@@ -52,16 +52,9 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import (
-    Outcome,
-    put_model,
-    reduce,
-    server_update,
-    set_step,
-    step_of,
-    update_weight,
-)
+from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, update_weight
 from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
+from fedq.coordinator.rounds import set_step, step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app

@@ -36,14 +36,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore
 from fedq.blobs.keys import updates_prefix
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import (
-    Outcome,
-    UpdateRecord,
-    put_model,
-    reduce,
-    server_update,
-    set_step,
-)
+from fedq.coordinator.pipeline import Outcome, UpdateRecord, put_model, reduce, server_update
 from fedq.coordinator.policy import (
     Commit,
     Fail,
@@ -54,7 +47,7 @@ from fedq.coordinator.policy import (
     pick_results,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
-from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
+from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, set_step, start_round
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
