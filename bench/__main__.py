@@ -1,6 +1,6 @@
 """Run the benchmark suite and write docs/benchmarks.md.
 
-    bash scripts/bench.sh              # everything, 7-12 minutes on 2 cores
+    bash scripts/bench.sh              # everything, 10-15 minutes on 2 cores
     bash scripts/bench.sh --smoke      # tiny sizes, a few minutes: CI runs this
     bash scripts/bench.sh --only aggregation,scale --out /tmp/b.md
     bash scripts/bench.sh --only overhead     # update that section of docs/benchmarks.md
@@ -37,6 +37,7 @@ BENCHMARKS = {
     "hetero": jobs.heterogeneous,
     "scale": jobs.scale,
     "buffered": jobs.buffered,
+    "buffered_lm": jobs.buffered_lm,
 }
 
 

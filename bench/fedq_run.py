@@ -113,6 +113,7 @@ def run_jobs(cluster: Cluster, specs: list[dict[str, Any]], timeout: float = 600
         if view.status != "completed":
             raise BenchError(f"fedq job {job} ended {view.status}: {view.error}")
         rows = [{"round": r.number, "status": r.status, "accuracy": r.accuracy,
+                 "eval_loss": r.eval_loss,
                  "seconds": r.seconds, "bytes_up": r.bytes_up,
                  "raw_bytes_up": r.raw_bytes_up, "participants": r.participants,
                  "started_at": _epoch(r.started_at), "finished_at": _epoch(r.finished_at)}

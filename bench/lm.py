@@ -4,15 +4,17 @@ worker; writes the tables of docs/lm.md.
     .venv/bin/python -m bench.lm                 # hours on 2 CPU cores; minutes on a GPU
     .venv/bin/python -m bench.lm --smoke --out /tmp/lm.md   # seconds (the test suite)
     .venv/bin/python -m bench.lm --only downlink --jobs 2     # the downlink table alone
+    .venv/bin/python -m bench.lm --only streaming --jobs 2    # the Streaming DiLoCo table
 
 The runs compare algorithms, so they run in this process with fedq's own pieces (the
 local training loop with its inner AdamW, warm-up/cosine schedule and kept state, the
 int8 codec, the mean and FedNova reducers, the DiLoCo outer step) and no Celery: the
 same model (GPT, ~0.83M parameters, byte-level, context 64), the same tokens processed
 (4 workers x STEPS inner steps x batch 16 x 64 bytes), the same seed. Bytes are counted
-as fedq moves them: per outer step each worker downloads the global model (fp32) and
-uploads its encoded update; synchronous data parallel moves a gradient up and the
-averaged one down per worker per step. Validation loss is nats per byte on held-out
+as fedq moves them: per outer step each worker downloads the global model (fp32; the
+first, round 0's, it rebuilds from the seed instead) and uploads its encoded update;
+synchronous data parallel moves a gradient up and the averaged one down per worker per
+step. Validation loss is nats per byte on held-out
 text (the last 10% of every work), 2,048 windows.
 
 The slow-worker table uses simulated time: one step takes the median step time measured
@@ -45,12 +47,14 @@ from fedq.aggregate.compression import decode, encode
 from fedq.aggregate.downlink import compress_step
 from fedq.aggregate.reducers import Contribution, StreamReducer, make_reducer
 from fedq.aggregate.server import make_server
+from fedq.aggregate.streaming import fragment_names
 from fedq.coordinator.evaluation import evaluate
 from fedq.data import client_indices, load_dataset
 from fedq.data.datasets import Dataset
 from fedq.models import build_model
 from fedq.spec import OptimizerSpec, parse_spec
 from fedq.weights import raw_size, state_of
+from fedq.worker import replica
 from fedq.worker.inner import state_path
 from fedq.worker.loop import local_train, lr_at, task_loss
 
@@ -58,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lm.md"
 BEGIN, END = "<!-- begin generated tables -->", "<!-- end generated tables -->"
 DOWN_BEGIN, DOWN_END = "<!-- begin downlink table -->", "<!-- end downlink table -->"
+STREAM_BEGIN, STREAM_END = "<!-- begin streaming table -->", "<!-- end streaming table -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
@@ -69,6 +74,9 @@ class Run:
     val_loss: float = math.nan
     bytes_moved: int = 0
     curve: list[tuple[float, float]] = field(default_factory=list)  # (time or step, loss)
+    bytes_up: int = 0
+    peak_up: int = 0  # the largest update blob one worker sent
+    rounds: int = 0
 
 
 def optimizer(steps: int, cosine: bool = True) -> OptimizerSpec:
@@ -131,7 +139,7 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
 def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: str,
            scratch: Path, name: str, *, slow: int | None = None, budget: bool = False,
            step_time: float = 1.0, target: float | None = None,
-           max_time: float | None = None, downlink: str = "none") -> Run:
+           max_time: float | None = None, downlink: str = "none", fragments: int = 1) -> Run:
     """DiLoCo: H inner AdamW steps per worker from the global model, the deltas averaged
     (FedNova-normalised when their step counts differ), the outer Nesterov step (lr 0.7,
     momentum 0.9). ``slow``: that worker's steps take 4x as long (simulated time); with
@@ -139,9 +147,14 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     ``target`` is reached or ``max_time`` passes; without it, steps / H rounds.
     ``downlink: int8``: after round 1 each worker downloads the new model as an int8
     step (fedq/aggregate/downlink.py: the published model is the previous one plus the
-    dequantized step, the residual carried), not the fp32 model."""
+    dequantized step, the residual carried), not the fp32 model. ``fragments`` F > 1:
+    Streaming DiLoCo as fedq runs it (fedq/aggregate/streaming.py): H / F inner steps per
+    round, round r synchronises fragment (r - 1) % F, each worker trains on from its kept
+    replica (fedq/worker/replica.py) and uploads that fragment's outer gradient alone."""
     weights = state_of(fresh_model(ds))
-    down_bytes, residual = raw_size(weights), dict[str, torch.Tensor]()
+    # round 0's model is fresh_model's, which every worker rebuilds from the seed instead
+    # of downloading it (fedq/worker/update.py, rebuild_initial)
+    down_bytes, residual = 0, dict[str, torch.Tensor]()
     model = fresh_model(ds)
     server, server_state = make_server("diloco"), dict[str, torch.Tensor]()
     reducer = make_reducer("fednova" if budget else "mean")
@@ -151,40 +164,56 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     folder = scratch / name.replace(" ", "_").replace(",", "")
     round_time = h * step_time * (4 if slow is not None and not budget else 1)
     shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    per_round = h // fragments
+    total_rounds = (steps // h) * fragments  # the same inner steps as DiLoCo at this H
     rnd = 0
-    while budget or rnd < steps // h:
+    while budget or rnd < total_rounds:
         rnd += 1
         contributions = []
+        part = fragment_names(weights, rnd, fragments) if fragments > 1 else tuple(weights)
         for c, idx in enumerate(parts):
-            take = max(1, h // 4) if budget and c == slow else h
+            take = max(1, h // 4) if budget and c == slow else per_round
             local = build_model("gpt", ds.input_shape, ds.num_classes)
-            local.load_state_dict(weights)
+            kept = folder / f"replica{c}.safetensors"
+            local.load_state_dict(weights if fragments == 1 else
+                                  replica.start_from(weights, kept, rnd, fragments)[0])
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
                                 batch_size=BATCH, epochs=None, steps=take,
                                 seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
                                 schedule_steps=steps, first_step=done[c],
                                 state_path=state_path(folder, "bench", c))
             done[c] = stats.inner_step
-            delta = {k: v.detach().cpu() - weights[k] for k, v in local.state_dict().items()}
+            trained = local.state_dict()
+            if fragments > 1:
+                replica.save(trained, kept, rnd)
+            delta = {k: trained[k].detach().cpu() - weights[k] for k in part}
             stored, meta = encode(delta, codec, 256)
-            run.bytes_moved += raw_size(stored) + down_bytes
-            contributions.append(Contribution(1.0, stats.steps, decode(stored, meta, shapes)))
+            up = raw_size(stored)
+            run.bytes_moved += up + down_bytes
+            run.bytes_up += up
+            run.peak_up = max(run.peak_up, up)
+            contributions.append(Contribution(
+                1.0, stats.steps, decode(stored, meta, {k: shapes[k] for k in part})))
         assert isinstance(reducer, StreamReducer)
         previous = weights
         weights, server_state = server.step(weights, reducer.reduce(contributions, acc),
                                             server_state)
         weights = {k: v.clone() for k, v in weights.items()}  # acc is reused next round
-        if downlink == "int8":
-            weights, residual, step, _ = compress_step(previous, weights, residual, 256)
+        if downlink == "int8" or fragments > 1:  # as fedq publishes it (see put_model)
+            weights, residual, step, _ = compress_step(previous, weights, residual, 256,
+                                                       quantize=downlink == "int8")
             down_bytes = raw_size(step)
+        else:  # the whole fp32 model, every round after the first
+            down_bytes = raw_size(weights)
         clock += round_time
-        if slow is not None or not (budget or rnd < steps // h):
+        if slow is not None or not (budget or rnd < total_rounds):
             model.load_state_dict(weights)
             run.curve.append((clock, val_loss(model, ds)))
         if budget and ((target is not None and run.curve[-1][1] <= target)
                        or (max_time is not None and clock >= max_time)):
             break
     run.val_loss = run.curve[-1][1]
+    run.rounds = rnd
     return run
 
 
@@ -237,9 +266,11 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
             run = diloco(ds, parts, steps, h, job.get("codec", "none"), Path(tmp), job["name"],
                          slow=job.get("slow"), budget=job.get("budget", False),
                          step_time=job.get("step_time", 1.0), target=job.get("target"),
-                         max_time=job.get("max_time"), downlink=job.get("downlink", "none"))
+                         max_time=job.get("max_time"), downlink=job.get("downlink", "none"),
+                         fragments=job.get("fragments", 1))
     return {"name": run.name, "val_loss": run.val_loss, "bytes_moved": run.bytes_moved,
-            "curve": run.curve}
+            "curve": run.curve, "bytes_up": run.bytes_up, "peak_up": run.peak_up,
+            "rounds": run.rounds}
 
 
 def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -271,7 +302,8 @@ def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
 
 
 def _run(r: dict[str, Any]) -> Run:
-    return Run(r["name"], r["val_loss"], r["bytes_moved"], [tuple(c) for c in r["curve"]])
+    return Run(r["name"], r["val_loss"], r["bytes_moved"], [tuple(c) for c in r["curve"]],
+               r.get("bytes_up", 0), r.get("peak_up", 0), r.get("rounds", 0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
-    parser.add_argument("--only", choices=["downlink"],
-                        help="downlink: only the compressed-downlink table (its own section)")
+    parser.add_argument("--only", choices=["downlink", "streaming"],
+                        help="downlink / streaming: only that table (its own section)")
+    parser.add_argument("--hs", help="with --only downlink: the H values, e.g. 100 "
+                                     "(default 100,500)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global DEVICE
@@ -295,9 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     hs = [5, 10] if args.smoke else [50, 100, 500]
     h_mid = hs[len(hs) // 2]
     started = time.perf_counter()
-    down = downlink_runs(steps, hs, args)
+    if args.only == "streaming":
+        h = 8 if args.smoke else h_mid  # divisible by 2 and 4 fragments
+        streams = streaming_runs(steps, h, args)
+        write_streaming(args.out, steps, h, streams, time.perf_counter() - started,
+                        args.smoke)
+        print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+        return 0
+    down = downlink_runs(steps, [0, *map(int, args.hs.split(","))] if args.hs else hs, args)
     if args.only == "downlink":
-        write_downlink(args.out, steps, down, time.perf_counter() - started, args.smoke)
+        write_downlink(args.out, steps, down, time.perf_counter() - started, args.smoke,
+                       args.hs)
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
         return 0
     [t] = [r["seconds"] for r in run_all([{"kind": "step_time", "steps": steps}], args)]
@@ -337,12 +379,13 @@ def downlink_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[R
 
 
 def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
-                   smoke: bool) -> None:
+                   smoke: bool, hs: str | None = None) -> None:
     """The compressed-downlink table, between its own markers in ``out``."""
     size = raw_size(state_of(fresh_model_shapes()))
     dp_bytes = 2 * WORKERS * size * steps  # baseline 2, as data_parallel counts it
     command = "python -m bench.lm --only downlink" + (" --smoke" if smoke else "") + \
         ("" if smoke or steps == 1000 else f" --steps {steps}") + \
+        (f" --hs {hs}" if hs else "") + \
         ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}")
     lines = [DOWN_BEGIN, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
@@ -359,10 +402,55 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
                      f"{(r.val_loss / plain.val_loss - 1) * 100:+.2f}% | "
                      f"{r.bytes_moved / 1e6:,.1f} | {dp_bytes / r.bytes_moved:,.0f}x |")
     lines += ["", DOWN_END]
+    _write_section(out, DOWN_BEGIN, DOWN_END, lines)
+
+
+def streaming_runs(steps: int, h: int, args: argparse.Namespace) -> list[Run]:
+    """DiLoCo at one H against Streaming DiLoCo with F = 2 and 4 fragments (each fragment
+    synchronised every H steps), fp32; and F = 4 with int8 up and int8 steps down."""
+    grid = [{"kind": "diloco", "steps": steps, "h": h, "fragments": f, "codec": codec,
+             "downlink": down, "name": (f"Streaming DiLoCo F = {f}" if f > 1 else "DiLoCo")
+             + f", H = {h}, " + ("fp32" if codec == "none" else "int8 up, int8 steps down")}
+            for f, codec, down in [(1, "none", "none"), (2, "none", "none"),
+                                   (4, "none", "none"), (4, "int8", "int8")]]
+    return [_run(r) for r in run_all(grid, args)]
+
+
+def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: float,
+                    smoke: bool) -> None:
+    """The Streaming DiLoCo table, between its own markers in ``out``."""
+    command = "python -m bench.lm --only streaming" + (" --smoke" if smoke else "") + \
+        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}")
+    base = runs[0]
+    lines = [STREAM_BEGIN, "",
+             f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
+             f"on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"on {DEVICE.type}, in {elapsed / 60:.1f} min; {WORKERS} workers x {steps} "
+             f"inner steps, every fragment synchronised every H = {h} inner steps. MB up: "
+             "all update blobs; peak: the largest one worker sent in one round (what the "
+             "uplink must carry at once). MB moved adds each worker's downloads: none in "
+             "round 1 (round 0's model is rebuilt from the seed), then each round's new "
+             "model (DiLoCo: the whole model in fp32; streaming: the synchronised fragment, "
+             "in fp32 or as an int8 step).", "",
+             "| run | rounds | validation loss | vs DiLoCo | MB up | peak update (MB) | "
+             "MB moved |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r.name} | {r.rounds} | {r.val_loss:.4f} | "
+                     f"{(r.val_loss / base.val_loss - 1) * 100:+.2f}% | "
+                     f"{r.bytes_up / 1e6:,.1f} | {r.peak_up / 1e6:,.3f} | "
+                     f"{r.bytes_moved / 1e6:,.1f} |")
+    lines += ["", STREAM_END]
+    _write_section(out, STREAM_BEGIN, STREAM_END, lines)
+
+
+def _write_section(out: Path, begin: str, end: str, lines: list[str]) -> None:
+    """Replace what lies between the ``begin`` and ``end`` markers of ``out`` (appended
+    when absent) with ``lines``, which carry the markers; written atomically."""
     text = out.read_text() if out.exists() else "# Language models\n"
-    if DOWN_BEGIN not in text:
-        text = text.rstrip("\n") + f"\n\n{DOWN_BEGIN}\n{DOWN_END}\n"
-    start, stop = text.index(DOWN_BEGIN), text.index(DOWN_END) + len(DOWN_END)
+    if begin not in text:
+        text = text.rstrip("\n") + f"\n\n{begin}\n{end}\n"
+    start, stop = text.index(begin), text.index(end) + len(end)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(text[:start] + "\n".join(lines) + text[stop:])
     os.replace(tmp, out)

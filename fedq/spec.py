@@ -139,6 +139,16 @@ class DPSpec(_Strict):
     delta: float = Field(default=1e-5, gt=0, lt=1)
 
 
+class StreamingSpec(_Strict):
+    """Streaming DiLoCo (arXiv:2501.18512; fedq/aggregate/streaming.py): the model is
+    synchronised in ``fragments`` parts, one per round in turn; each worker keeps its
+    clients' own copies of the model between rounds, and each update carries one
+    fragment (1/F of the bytes up)."""
+
+    fragments: int = Field(ge=2, le=64, description="F: parts of the model, one synchronised "
+                                                    "per round")
+
+
 class CompressionSpec(_Strict):
     """How updates travel up (fedq/aggregate/compression.py) and, with ``downlink``,
     the new global model down (fedq/aggregate/downlink.py)."""
@@ -226,6 +236,8 @@ class JobSpec(_Strict):
     clip_norm: float | None = Field(default=None, gt=0, description="clip each update's L2 norm")
     dp: DPSpec | None = None
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    streaming: StreamingSpec | None = Field(
+        default=None, description="Streaming DiLoCo: synchronise one of F fragments per round")
     byzantine: ByzantineSpec | None = None
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term (0: off)")
     min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
@@ -292,6 +304,9 @@ class JobSpec(_Strict):
         elif self.quorum > self.clients_per_round:
             yield ("min_clients", f"{self.quorum} exceeds clients_per_round "
                                   f"({self.clients_per_round})")
+        if self.streaming is not None and self.buffered:
+            yield ("streaming", "needs synchronous rounds (aggregation.mode: sync): each "
+                                "round synchronises the next fragment")
         if self.dp is not None and self.reducer.name != "mean":
             yield ("dp", "central DP needs reducer mean")
         why = make_reducer(self.reducer.name, self.reducer.params()).problem(self.quorum)
@@ -404,6 +419,8 @@ def describe(spec: JobSpec) -> str:
     parts.append(f"updates {codec}")
     if spec.compression.downlink != "none":
         parts.append(f"model down as {spec.compression.downlink} steps")
+    if spec.streaming:
+        parts.append(f"streaming: 1 of {spec.streaming.fragments} fragments per round")
     if spec.prox_mu:
         parts.append(f"FedProx mu {spec.prox_mu}")
     if spec.byzantine:

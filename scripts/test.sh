@@ -21,12 +21,12 @@ fi
 side=(tests/test_faults.py tests/test_buffered.py tests/test_finalize.py tests/test_strategy_jobs.py)
 tmp="${TMPDIR:-/tmp}/fedq-tests-$$"
 mkdir -p "$tmp"
-FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider \
+FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider --durations=15 \
     --basetemp="$tmp/side" "${side[@]}" >"$tmp/side.log" 2>&1 &
 side_pid=$!
 trap 'kill "$side_pid" 2>/dev/null || true' EXIT
 main_rc=0
-FEDQ_TEST_REDIS_DBS=1-9 .venv/bin/python -m pytest --basetemp="$tmp/main" \
+FEDQ_TEST_REDIS_DBS=1-9 .venv/bin/python -m pytest --durations=25 --basetemp="$tmp/main" \
     $(printf -- '--ignore=%s ' "${side[@]}") --ignore=tests/test_bench_smoke.py || main_rc=$?
 side_rc=0
 wait "$side_pid" || side_rc=$?

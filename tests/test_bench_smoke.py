@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = ["1. Round overhead", "2. Aggregation", "3. Bytes per round",
           "4. Heterogeneous time-to-accuracy", "5. Scale",
-          "6. Buffered asynchronous vs synchronous"]
+          "6. Buffered asynchronous vs synchronous",
+          "7. Buffered asynchronous vs synchronous: the language model"]
 
 
 def test_bad_arguments_get_one_line_and_no_file(tmp_path: Path) -> None:
@@ -52,8 +53,14 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
     assert re.search(r"versions: .*flwr 1\.42\.0", text)
     for title in TITLES:
         assert f"## {title}" in text, title
+    lm_part = text.split("## 7. ", 1)[1]
+    lm = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+          for line in lm_part.splitlines() if line.startswith("| ") and "---" not in line}
+    text = text.split("## 7. ", 1)[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    # the language model's buffered job ran to the end: a validation loss in nats/byte
+    assert 0.5 < float(lm["buffered K=1"][3]) < 6.0 and "synchronous, wait for all" in lm
     tiny = rows["tiny (mlp, digits)"]
     fedq, floor = float(tiny[1].split()[0]), float(tiny[2].split()[0])
     assert 0 < fedq < 5 and 0 < floor < 5  # seconds per round, measured
@@ -126,3 +133,28 @@ def test_only_updates_its_sections_in_place() -> None:
     assert "- updated: “1. A” by `bash scripts/bench.sh --only a`" in text
     assert _ONE_RUN not in text
     assert text.index("## 1. A") < text.index("## 2. B")
+
+
+@pytest.mark.slow
+def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    """bench/lm.py's Streaming DiLoCo table at smoke size, into its own section."""
+    out = tmp_path / "lm.md"
+    out.write_text("# LM\n\nkept\n")
+    proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "streaming",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "kept" in text and "<!-- end streaming table -->" in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith(("| DiLoCo", "| Streaming"))}
+    plain, two, four = (rows[f"{n}, H = 8, fp32"] for n in
+                        ("DiLoCo", "Streaming DiLoCo F = 2", "Streaming DiLoCo F = 4"))
+    assert [plain[0], two[0], four[0]] == ["2", "4", "8"]  # rounds: F per H steps
+    peak = {name: float(r[4]) for name, r in rows.items()}
+    # each round moves one fragment: the peak update falls with F, the bytes up do not grow
+    assert peak["Streaming DiLoCo F = 2, H = 8, fp32"] < 0.7 * peak["DiLoCo, H = 8, fp32"]
+    assert peak["Streaming DiLoCo F = 4, H = 8, fp32"] < 0.45 * peak["DiLoCo, H = 8, fp32"]
+    assert float(two[3]) <= 1.01 * float(plain[3])
+    # MB moved counts the downloads: DiLoCo's whole model in every round after the first
+    assert float(plain[5]) > 1.4 * float(plain[3]), plain

@@ -286,21 +286,28 @@ def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where,status", [("a-file/store", "error"), ("elsewhere", "rejected")])
 def test_buffered_job_whose_tasks_all_fail_stops_with_a_reason(redis_cluster: Cluster,
-                                                              tmp_path: Path) -> None:
-    """A worker that cannot read the model (its blob store is elsewhere) fails every
-    task: after clients_per_round x (max_redispatch + 1) failures in a row the job
-    fails with the error and the queue, instead of sending tasks forever."""
+                                                              tmp_path: Path, where: str,
+                                                              status: str) -> None:
+    """A worker that can neither read nor write its blob store (a folder under a file)
+    fails every task; one that uploads to another store (it still trains: round 0 is
+    rebuilt from the seed) has every update rejected. After clients_per_round x
+    (max_redispatch + 1) such tasks in a row the job fails with the error and the
+    queue, instead of sending tasks forever."""
     cluster = redis_cluster
     cluster.start(control=["control"])
-    cluster.add("w1", ["cpu"], FEDQ_BLOB_URL=str(tmp_path / "elsewhere"))
+    (tmp_path / "a-file").write_text("not a folder")
+    cluster.add("w1", ["cpu"], FEDQ_BLOB_URL=str(tmp_path / where))
     job = cluster.submit({**BUFFERED, "clients_per_round": 2, "max_redispatch": 1})
     view = cluster.wait(job, timeout=120)
     assert view.status == "failed"
     assert view.error is not None and "the last 4 training tasks all failed" in view.error
     assert "on queue(s) cpu" in view.error and f"fedq resume {job}" in view.error
     rows = cluster.updates(job)
-    assert [u.status for u in rows].count("error") >= 4
+    assert [u.status for u in rows].count(status) >= 4
     assert not [u for u in rows if u.status == "training"]
-    workers = {w["hostname"]: w for w in list_workers(cluster.settings.database_url)}
-    assert workers["w1@test"]["tasks_failed"] == [u.status for u in rows].count("error")
+    assert not [r for r in cluster.rounds(job) if r.status == "committed" and r.number > 0]
+    if status == "error":
+        workers = {w["hostname"]: w for w in list_workers(cluster.settings.database_url)}
+        assert workers["w1@test"]["tasks_failed"] == [u.status for u in rows].count("error")

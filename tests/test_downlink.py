@@ -134,9 +134,44 @@ def test_workers_download_steps_and_train_on_the_stored_model(tmp_path: Path) ->
         assert steps[n] < 0.3 * size[n]
     # round n trains on model n - 1: a worker that held model n - 2 downloads step n - 1
     by_round = {n: [r for r in rows if r.round_number == n] for n in range(1, 5)}
-    assert all(r.bytes_down in (0, size[0]) for r in by_round[1])
+    assert all(r.bytes_down == 0 for r in by_round[1])  # round 0 rebuilt from the seed
     downs = [(n, r.bytes_down) for n in range(2, 5) for r in by_round[n]]
     assert all(b in (0, steps[n - 1], size[n - 1]) for n, b in downs), (downs, steps, size)
     assert sum(1 for n, b in downs if b == steps[n - 1]) >= 2, (downs, steps)
     assert rounds[4].bytes_down == sum(r.bytes_down for r in by_round[4])
     assert rounds[4].accuracy is not None and rounds[4].accuracy > 0.5
+
+
+def test_round_zero_is_rebuilt_from_the_seed_not_downloaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedq.coordinator.evaluation import initial_weights
+    from fedq.refs import TrainRef, UpdateRef
+    from fedq.settings import get_settings
+    from fedq.spec import parse_spec
+    from fedq.worker.update import run_training
+
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path / "home"))
+    get_settings.cache_clear()
+    PROCESS.clear()
+    try:
+        store = open_store(str(tmp_path / "blobs"))
+        spec = parse_spec({**DIGITS, "num_clients": 2, "clients_per_round": 2, "rounds": 2,
+                           "local_steps": 2})
+
+        def first_round(job: str, seed: int) -> UpdateRef:
+            PROCESS.clear()
+            weights = initial_weights(spec.model_copy(update={"seed": seed}))
+            blob = store.put(global_key(job, 0), dumps(weights, {"job": job}))
+            out = UpdateRef.from_json(run_training(
+                TrainRef(job, 1, 0, "cpu", spec.to_json(), blob).to_json(), store, "w"))
+            assert out.status == "ok", out.error
+            return out
+
+        # the stored round-0 model is the one the spec's seed builds: nothing downloaded
+        assert first_round("j1", spec.seed).bytes_down == 0
+        # a round-0 model the seed does not build (here: another seed's) is downloaded
+        other = first_round("j2", spec.seed + 1)
+        assert other.bytes_down == len(store._read(global_key("j2", 0)))
+    finally:
+        get_settings.cache_clear()
+        PROCESS.clear()

@@ -27,8 +27,10 @@ from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, base_env
 from tests.conftest import free_port
 
-# Three clients train on cpu; the fourth lands on a worker whose blob store is
-# elsewhere, so its task fails every round (an error row, a failed task per round).
+# Three clients train on cpu; the fourth lands on a worker whose blob store can be
+# neither read nor written (a folder under a file), so its task fails every round (an
+# error row, a failed task per round; in round 1 at the upload, as the worker rebuilds
+# round 0's model from the seed).
 SPEC = {**DIGITS, "name": "observed", "queues": {"cpu": 3, "gpu_sm61": 1},
         "max_redispatch": 0, "eval_every": 1}
 ROUNDS = DIGITS["rounds"]
@@ -48,7 +50,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory, module_redis_db: str,
     cluster = Cluster(tmp_path, env)
     cluster.fedq("db", "upgrade")
     cluster.start(cpu=["cpu"], control=["control"])
-    cluster.add("bad", ["gpu_sm61"], FEDQ_BLOB_URL=str(tmp_path / "elsewhere"))
+    (tmp_path / "a-file").write_text("not a folder")
+    cluster.add("bad", ["gpu_sm61"], FEDQ_BLOB_URL=str(tmp_path / "a-file" / "store"))
     job = cluster.submit(SPEC)
     view = cluster.wait(job, timeout=240)
     assert view.status == "completed", view.error

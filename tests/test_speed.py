@@ -67,7 +67,7 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
 def test_auto_queue_mix_follows_measured_throughput(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(gpu=["gpu_new"], control=["control"])
-    cluster.add("cpu", ["cpu"], FEDQ_SLOWDOWN="4")
+    cluster.add("cpu", ["cpu"], FEDQ_SLOWDOWN="6")
     spec = {**DIGITS, "num_clients": 10, "clients_per_round": 5, "rounds": 2,
             "local_epochs": None, "local_steps": 10, "queues": "auto"}
     job, view = cluster.run(spec)
@@ -77,5 +77,7 @@ def test_auto_queue_mix_follows_measured_throughput(tmp_path: Path) -> None:
                    for r in s.scalars(select(Round).where(Round.job_id == job))}
     # round 1: nothing measured, both live queues count alike (ties go to gpu_new first)
     assert sorted(planned[1]) == ["cpu", "cpu", "gpu_new", "gpu_new", "gpu_new"]
-    # round 2: the cpu worker measured ~4x slower, so the gpu_new queue gets 4 of 5
-    assert planned[2].count("gpu_new") == 4 and planned[2].count("cpu") == 1
+    # round 2: the cpu worker measured slower, so the gpu_new queue gets most of the 5
+    # (ignoring the measurement would give 3). The measured ratio of 10-step tasks is
+    # noisy (seen from 2.3x to over 9x here with a 4x or 8x slowdown), so 4 and 5 both pass.
+    assert planned[2].count("gpu_new") >= 4, planned[2]

@@ -55,7 +55,10 @@ def test_emulated_link_matches_its_profile(relays: Relays, host: Host) -> None:
         got = probe(host, relay.port, nbytes_up=4_000_000, nbytes_down=8_000_000)
     finally:
         server.close()
-    assert got["rtt_ms"] == pytest.approx(LINK.rtt_ms, rel=0.10), got
+    # The relay delays every chunk by rtt/2 each way, so the round trip is never
+    # shorter than the profile's; scheduling on a loaded 2-core machine can add a few
+    # ms on top (24 ms was seen in CI beside the other test process).
+    assert LINK.rtt_ms * 0.95 <= got["rtt_ms"] <= LINK.rtt_ms + 10, got
     assert got["up_mbit"] == pytest.approx(LINK.up_mbit, rel=0.10), got
     assert got["down_mbit"] == pytest.approx(LINK.down_mbit, rel=0.10), got
     assert relay.stats.up >= 4_000_000 and relay.stats.down >= 8_000_000

@@ -20,7 +20,9 @@ A worker rebuilds ``published`` from the previous model with the same two float3
 operations (an IEEE multiply and add, bit-exact on every machine) and checks the result
 against :func:`content_sha256` written into the step's metadata; the step blob itself
 is checked against the sha256 its ref carries, like every blob. Any mismatch: the
-worker downloads the full model instead.
+worker downloads the full model instead. A tensor the round did not change is not in
+the step at all (with Streaming DiLoCo a step carries one fragment); the content hash
+covers the whole rebuilt model, so a tensor wrongly left out fails it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from fedq.aggregate.types import Weights
 from fedq.errors import UpdateRejected
 
 RESIDUAL = "downlink.residual/"
-CODEC = "int8-step"
+CODEC = "int8-step"  # float32 tensors as int8 steps
+PART = "part"  # the changed tensors whole (Streaming DiLoCo without a compressed downlink)
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[Weights, Weights]:
@@ -52,19 +55,29 @@ def _stepped(value: torch.Tensor) -> bool:
 
 
 def compress_step(previous: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
-                  residual: Mapping[str, torch.Tensor],
-                  chunk: int) -> tuple[Weights, Weights, Weights, dict[str, str]]:
+                  residual: Mapping[str, torch.Tensor], chunk: int, *,
+                  quantize: bool = True) -> tuple[Weights, Weights, Weights, dict[str, str]]:
     """(published model, new residual, step tensors to store, their metadata).
 
     float32 tensors travel as int8 steps; any other tensor (integer counters, half
-    precision) travels whole and is published as ``new`` has it."""
+    precision) travels whole and is published as ``new`` has it. A tensor the server did
+    not change (Streaming DiLoCo's other fragments) is left out of the step and keeps
+    its residual for the round that changes it. ``quantize=False``: every changed
+    tensor travels whole, so the step is exact (Streaming DiLoCo's fragment, fp32)."""
     published: Weights = {}
     left: Weights = {}
     stored: Weights = {}
     for name, value in new.items():
         base = previous.get(name)
-        if not _stepped(value) or base is None or base.dtype != value.dtype \
-                or base.shape != value.shape:
+        if base is not None and (value is base or (base.dtype == value.dtype and
+                                                   base.shape == value.shape and
+                                                   torch.equal(value, base))):
+            published[name] = base
+            if name in residual:
+                left[name] = residual[name]
+            continue
+        if not quantize or not _stepped(value) or base is None or \
+                base.dtype != value.dtype or base.shape != value.shape:
             published[name] = stored[name] = value
             continue
         step = value - base
@@ -75,7 +88,7 @@ def compress_step(previous: Mapping[str, torch.Tensor], new: Mapping[str, torch.
         published[name] = base + applied
         left[name] = step - applied
         stored[name + Q_SUFFIX], stored[name + S_SUFFIX] = q, scales
-    meta = {"fedq.codec": CODEC, "fedq.chunk": str(chunk),
+    meta = {"fedq.codec": CODEC if quantize else PART, "fedq.chunk": str(chunk),
             "fedq.content": content_sha256(published)}
     return published, left, stored, meta
 
@@ -84,7 +97,7 @@ def apply_step(previous: Mapping[str, torch.Tensor], stored: Mapping[str, torch.
                meta: Mapping[str, str]) -> Weights:
     """The published model from the previous one and a step blob's tensors, checked
     against the content hash the coordinator wrote. Raises UpdateRejected otherwise."""
-    if meta.get("fedq.codec") != CODEC or "fedq.content" not in meta:
+    if meta.get("fedq.codec") not in (CODEC, PART) or "fedq.content" not in meta:
         raise UpdateRejected(f"not a model step (codec {meta.get('fedq.codec')!r})")
     chunk = int(meta.get("fedq.chunk", "256"))
     out: Weights = {}
@@ -100,6 +113,8 @@ def apply_step(previous: Mapping[str, torch.Tensor], stored: Mapping[str, torch.
                                                 tuple(base.shape), chunk)
         else:
             out[name] = stored[name]
+    for name, base in previous.items():  # not in the step: unchanged (the hash checks it)
+        out.setdefault(name, base)
     digest = content_sha256(out)
     if digest != meta["fedq.content"]:
         raise UpdateRejected(f"rebuilt model's content hash {digest[:12]}... is not "

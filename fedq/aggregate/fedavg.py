@@ -73,10 +73,15 @@ class Accumulator(threading.local):
 
 
 def apply_delta(weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> Weights:
-    """weights + delta, each result in the dtype of ``weights`` (integers rounded)."""
+    """weights + delta, each result in the dtype of ``weights`` (integers rounded).
+    A tensor ``delta`` does not name is kept as it is (a Streaming DiLoCo fragment's
+    step names only the fragment's tensors)."""
     out: Weights = {}
     for name, value in weights.items():
-        step = delta[name]
+        step = delta.get(name)
+        if step is None:
+            out[name] = value
+            continue
         if value.dtype.is_floating_point:
             out[name] = (value.to(step.dtype) + step).to(value.dtype)
         else:  # integer buffers, e.g. BatchNorm's num_batches_tracked

@@ -52,9 +52,16 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, update_weight
+from fedq.coordinator.pipeline import (
+    Outcome,
+    put_model,
+    reduce,
+    server_update,
+    set_step,
+    step_of,
+    update_weight,
+)
 from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
-from fedq.coordinator.rounds import set_step, step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
@@ -192,19 +199,23 @@ def _filling(s: Session, job: Job, spec: JobSpec) -> int:
 
 def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
     """A reason to fail the job when its last C x (max_redispatch + 1) settled tasks
-    all failed (a worker that cannot run it, say), else None."""
+    all failed or had their update rejected (a worker that cannot run it, one that
+    uploads to another blob store, an update-norm bound below every update), else
+    None."""
     window = spec.clients_per_round * (spec.max_redispatch + 1)
     last = s.execute(select(ClientUpdate.status, ClientUpdate.error, ClientUpdate.queue)
                      .where(ClientUpdate.job_id == job.id,
                             ClientUpdate.status.in_(("ok", "buffered", "error", "stale",
                                                      "rejected")))
                      .order_by(ClientUpdate.task_index.desc()).limit(window)).all()
-    if len(last) < window or any(status != "error" for status, _, _ in last):
+    if len(last) < window or any(status not in ("error", "rejected")
+                                 for status, _, _ in last):
         return None
     errors = sorted({error or "task failed" for _, error, _ in last})
     queues = sorted({queue or "?" for _, _, queue in last})
     return (f"the last {window} training tasks all failed (clients_per_round x "
-            f"(max_redispatch + 1)) on queue(s) {', '.join(queues)}: "
+            f"(max_redispatch + 1); a rejected update counts as failed) on queue(s) "
+            f"{', '.join(queues)}: "
             f"{'; '.join(errors)[:1000]}. Fix that, then `fedq resume {job.id}`.")
 
 
@@ -398,12 +409,21 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
 def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> None:
     """Mark the updates that failed verification; the version fills up again."""
     bad = {r.ref.round: r for r in outcome.records if r.status != "ok"}
+    revoke: list[str] = []
     with session_scope(settings.database_url) as s:
-        _lock(s, job_id)
+        job = _lock(s, job_id)
         for row in s.scalars(select(ClientUpdate).where(
                 ClientUpdate.job_id == job_id, ClientUpdate.task_index.in_(list(bad)),
                 ClientUpdate.status == "buffered")):
             row.status, row.error = "rejected", bad[row.task_index].error
+        s.flush()
+        failing = _failing(s, job, JobSpec.stored(job.spec)) \
+            if job is not None and job.status == "running" else None
+        if job is not None and failing:  # every recent update rejected: stop, not spin
+            job.status, job.error, job.finished_at = "failed", failing, utcnow()
+            revoke = _close_training(s, job_id, "the job failed")
+    if revoke:
+        _revoke(revoke)
 
 
 def _close_training(s: Session, job_id: str, why: str) -> list[str]:

@@ -7,7 +7,7 @@ from torch import nn
 
 from fedq.aggregate.types import Weights
 from fedq.data import load_dataset
-from fedq.models import build_model
+from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.spec import JobSpec
 from fedq.weights import state_of
@@ -40,5 +40,5 @@ def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:
 def initial_weights(spec: JobSpec) -> Weights:
     """The round-0 global model, a function of (model, dataset shape, seed)."""
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
-    torch.manual_seed(spec.seed)
-    return state_of(build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args))
+    return state_of(seeded_model(spec.model, ds.input_shape, ds.num_classes, spec.seed,
+                                 **spec.model_args))

@@ -32,11 +32,19 @@ from typing import Any
 from sqlalchemy import select, update
 
 from fedq.aggregate.dp import epsilon
+from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore
 from fedq.blobs.keys import updates_prefix
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, UpdateRecord, put_model, reduce, server_update
+from fedq.coordinator.pipeline import (
+    Outcome,
+    UpdateRecord,
+    put_model,
+    reduce,
+    server_update,
+    set_step,
+)
 from fedq.coordinator.policy import (
     Commit,
     Fail,
@@ -47,7 +55,7 @@ from fedq.coordinator.policy import (
     pick_results,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
-from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, set_step, start_round
+from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow, worker_time
 from fedq.engine.app import app
@@ -156,7 +164,9 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     current = _current_model(store, rnd.model)
-    delta = reduce(spec, store, list(chosen.values()), current, outcome,
+    reference = current if spec.streaming is None else \
+        {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
+    delta = reduce(spec, store, list(chosen.values()), reference, outcome,
                    settings.home / "scratch", PROCESS.accumulator)
     if delta is None:
         return None

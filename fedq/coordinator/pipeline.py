@@ -15,7 +15,9 @@ read -> verify -> clip -> reduce -> (DP noise) -> server optimizer:
 5. The server optimizer (fedq/aggregate/server/) turns the delta into the new model
    and optimizer state.
 6. With ``compression: {downlink: int8}`` the new model is published as the previous
-   one plus an int8 step (fedq/aggregate/downlink.py), stored beside the full model.
+   one plus an int8 step (fedq/aggregate/downlink.py), stored beside the full model;
+   with Streaming DiLoCo the step carries the round's fragment alone (whole, in fp32,
+   without the int8 downlink).
 
 The math lives in fedq/aggregate/ (pure functions); this module feeds it from the
 blob store and records what happened to each update as an :class:`UpdateRecord`
@@ -28,6 +30,7 @@ import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +48,9 @@ from fedq.errors import BlobError, UpdateRejected
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
+
+if TYPE_CHECKING:
+    from fedq.db import Job
 
 
 @dataclass(frozen=True)
@@ -234,10 +240,12 @@ def server_update(spec: JobSpec, current: Weights, delta: Weights,
     int8 step from ``current`` defines it (the residual carried in the state)."""
     own, residual = split_state(stored_state)
     new, new_state = apply_server(spec, current, delta, own)
-    if spec.compression.downlink == "none":
+    quantize = spec.compression.downlink == "int8"
+    if not quantize and spec.streaming is None:
         return NextModel(new, new_state, None)
+    # with Streaming DiLoCo the step carries the round's fragment alone (exact in fp32)
     published, left, stored, meta = compress_step(current, new, residual,
-                                                  spec.compression.chunk)
+                                                  spec.compression.chunk, quantize=quantize)
     state = {**new_state, **{RESIDUAL + k: v for k, v in left.items()}}
     return NextModel(published, state, (stored, meta))
 
@@ -256,3 +264,18 @@ def put_model(store: BlobStore, job_id: str, number: int, model: NextModel, base
         step = StepRef(store.put_parts(step_key(job_id, number, tag),
                                        dump_parts(tensors, {**step_meta, **meta})), base)
     return blob, state, step
+
+
+def step_of(job: Job) -> StepRef | None:
+    """The job's global model as an int8 step from the previous one, if it has one."""
+    if not (job.step_key and job.step_sha256 and job.step_base):
+        return None
+    return StepRef(BlobRef(job.step_key, job.step_sha256, job.step_size or 0), job.step_base)
+
+
+def set_step(job: Job, step: StepRef | None) -> None:
+    """Record (or clear) the step that goes with the job's new global model."""
+    job.step_key = step.blob.key if step else None
+    job.step_sha256 = step.blob.sha256 if step else None
+    job.step_size = step.blob.size if step else None
+    job.step_base = step.base if step else None

@@ -20,6 +20,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
+from fedq.coordinator.pipeline import step_of
 from fedq.coordinator.roster import live_throughput
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
@@ -47,21 +48,6 @@ def plan_round(spec: JobSpec, round_number: int,
                                                 replace=False))
     queues = [q for q, n in spec.queue_counts(live_throughput).items() for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
-
-
-def step_of(job: Job) -> StepRef | None:
-    """The job's global model as an int8 step from the previous one, if it has one."""
-    if not (job.step_key and job.step_sha256 and job.step_base):
-        return None
-    return StepRef(BlobRef(job.step_key, job.step_sha256, job.step_size or 0), job.step_base)
-
-
-def set_step(job: Job, step: StepRef | None) -> None:
-    """Record (or clear) the step that goes with the job's new global model."""
-    job.step_key = step.blob.key if step else None
-    job.step_sha256 = step.blob.sha256 if step else None
-    job.step_size = step.blob.size if step else None
-    job.step_base = step.base if step else None
 
 
 def task_id(job_id: str, round_number: int, client: int, attempt: int, gen: int) -> str:

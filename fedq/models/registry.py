@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from fedq.errors import UnknownModel
@@ -35,3 +36,12 @@ def build_model(
     """A freshly initialised model; seed torch before calling for reproducible weights."""
     check_model(name)
     return MODELS[name](input_shape, num_classes, **kwargs)
+
+
+def seeded_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int,
+                 **kwargs: Any) -> nn.Module:
+    """The model as a job's round 0 has it: built right after ``torch.manual_seed(seed)``.
+    The coordinator makes round 0's global model with it, and a worker rebuilds the
+    same bytes instead of downloading them (fedq/worker/update.py)."""
+    torch.manual_seed(seed)
+    return build_model(name, input_shape, num_classes, **kwargs)

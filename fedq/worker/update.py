@@ -9,6 +9,7 @@ fails never runs its body, so failure is reported as an error ref.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 
@@ -16,19 +17,20 @@ import torch
 
 from fedq.aggregate.compression import encode, zstd_compress
 from fedq.aggregate.downlink import apply_step
+from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
-from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.blobs import BlobRef, BlobStore, global_key, update_key
 from fedq.blobs.cache import HostCache
 from fedq.data import client_indices, load_dataset
 from fedq.errors import BlobError, UpdateRejected
-from fedq.models import build_model
+from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
 from fedq.refs import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
-from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size
-from fedq.worker import inner
+from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
+from fedq.worker import inner, replica
 from fedq.worker.loop import local_train
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,31 @@ def fetch_global(store: BlobStore, ref: BlobRef,
     weights = loads(data, what=f"blob {ref.key}")
     PROCESS.keep_model(ref.sha256, weights)
     return weights, ref.size if downloaded else 0
+
+
+def rebuild_initial(ref: TrainRef, spec: JobSpec, input_shape: tuple[int, ...],
+                    num_classes: int) -> Weights | None:
+    """Round 0's global model rebuilt here from the spec's seed, if it is the stored blob
+    byte for byte (its sha256 is the ref's); None otherwise, and the model is downloaded.
+
+    The coordinator made that blob with the same call (``seeded_model``) and wrote it
+    with the job id as its only metadata, so a worker with the same torch build gets
+    the same bytes without moving them: on a slow link, a whole model's download saved
+    per worker and job. Another torch build (other initialisers or RNG) gives other
+    bytes, which the hash catches."""
+    if ref.model.key != global_key(ref.job, 0) or PROCESS.model(ref.model.sha256) is not None:
+        return None
+    weights = state_of(seeded_model(spec.model, input_shape, num_classes, spec.seed,
+                                    **spec.model_args))
+    digest = hashlib.sha256()
+    for part in dump_parts(weights, {"job": ref.job}):
+        digest.update(part)
+    if digest.hexdigest() != ref.model.sha256:
+        log.info("round 0's model rebuilt from the seed differs from the stored one: "
+                 "downloading it")
+        return None
+    PROCESS.keep_model(ref.model.sha256, weights)
+    return weights
 
 
 def pick_codec(spec: JobSpec) -> tuple[str, float | None]:
@@ -113,19 +140,32 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
 
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
     spec = JobSpec.stored(ref.spec)
-    fetched = time.perf_counter()
-    global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
-    download = time.perf_counter() - fetched
     if spec.zero_compute:
+        fetched = time.perf_counter()
+        global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down,
-                             download)
+                             time.perf_counter() - fetched)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
+    fetched = time.perf_counter()
+    rebuilt = rebuild_initial(ref, spec, ds.input_shape, ds.num_classes)
+    global_weights, bytes_down = (rebuilt, 0) if rebuilt is not None else \
+        fetch_global(store, ref.model, ref.step)
+    download = time.perf_counter() - fetched
     idx = torch.from_numpy(client_indices(ds.partition_labels(), spec.partition,
                                           spec.num_clients, ref.client, spec.seed))
     seed = client_seed(spec.seed, ref.round, ref.client)
     torch.manual_seed(seed)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
-    model.load_state_dict(global_weights)
+    streaming = spec.streaming.fragments if spec.streaming else 0
+    home = get_settings().home
+    kept_at = replica.replica_path(home, ref.job, ref.client)
+    if streaming:  # Streaming DiLoCo: train on from this client's own replica
+        start_weights, kept = replica.start_from(global_weights, kept_at, ref.round,
+                                                 streaming)
+        log.info("streaming: %d of %d fragments from the kept replica", kept, streaming)
+        model.load_state_dict(start_weights)
+    else:
+        model.load_state_dict(global_weights)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
@@ -133,13 +173,18 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         slowdown=get_settings().slowdown,
                         first_step=(ref.round - 1) * (spec.local_steps or 0),
                         schedule_steps=spec.schedule_steps,
-                        state_path=inner.state_path(get_settings().home, ref.job, ref.client)
+                        state_path=inner.state_path(home, ref.job, ref.client)
                         if spec.optimizer.keep_state else None)
     local = model.state_dict()
+    base = global_weights
+    if streaming:  # the outer gradient of this round's fragment alone
+        replica.save(local, kept_at, ref.round)
+        base = {k: global_weights[k] for k in fragment_names(global_weights, ref.round,
+                                                             streaming)}
     delta = {name: local[name].detach().cpu().float() - value.float()
              if not value.dtype.is_floating_point
              else local[name].detach().cpu() - value
-             for name, value in global_weights.items()}
+             for name, value in base.items()}
     if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
         delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
                  for k, v in delta.items()}

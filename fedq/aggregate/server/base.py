@@ -49,9 +49,11 @@ class ServerOptimizer(ABC):
     def step(self, weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
              state: Mapping[str, torch.Tensor]) -> tuple[Weights, Weights]:
         """The new weights and state. ``state`` maps ``m.<tensor>`` / ``v.<tensor>``.
-        Pure: the inputs are not modified."""
+        ``delta`` may name only some tensors (Streaming DiLoCo's fragment): the others,
+        and their state, stay as they are. Pure: the inputs are not modified."""
         steps: Weights = {}
-        new_state: Weights = {}
+        new_state: Weights = {k: v for k, v in state.items()
+                              if k.partition(".")[2] not in delta}
         for name, d in delta.items():
             if not weights[name].dtype.is_floating_point:
                 steps[name] = d  # integer buffers: the plain averaged delta
