@@ -147,6 +147,11 @@ class StreamingSpec(_Strict):
 
     fragments: int = Field(ge=2, le=64, description="F: parts of the model, one synchronised "
                                                     "per round")
+    mixing: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="alpha: a fragment synchronised since a client's last round becomes "
+                    "alpha x its local value + (1 - alpha) x the global one (0: the global "
+                    "value alone)")
 
 
 class CompressionSpec(_Strict):
@@ -420,7 +425,8 @@ def describe(spec: JobSpec) -> str:
     if spec.compression.downlink != "none":
         parts.append(f"model down as {spec.compression.downlink} steps")
     if spec.streaming:
-        parts.append(f"streaming: 1 of {spec.streaming.fragments} fragments per round")
+        parts.append(f"streaming: 1 of {spec.streaming.fragments} fragments per round"
+                     + (f", mixing {spec.streaming.mixing:g}" if spec.streaming.mixing else ""))
     if spec.prox_mu:
         parts.append(f"FedProx mu {spec.prox_mu}")
     if spec.byzantine:

@@ -170,3 +170,22 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
+
+
+@pytest.fixture
+def worker_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An in-process worker with a home of its own (FEDQ_HOME) and an empty process
+    cache, both restored afterwards."""
+    from fedq.process import PROCESS
+    from fedq.settings import get_settings
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("FEDQ_HOME", str(home))
+    get_settings.cache_clear()
+    PROCESS.clear()
+    try:
+        yield home
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+        PROCESS.clear()

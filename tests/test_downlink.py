@@ -143,35 +143,27 @@ def test_workers_download_steps_and_train_on_the_stored_model(tmp_path: Path) ->
 
 
 def test_round_zero_is_rebuilt_from_the_seed_not_downloaded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, worker_home: Path) -> None:
     from fedq.coordinator.evaluation import initial_weights
     from fedq.refs import TrainRef, UpdateRef
-    from fedq.settings import get_settings
     from fedq.spec import parse_spec
     from fedq.worker.update import run_training
 
-    monkeypatch.setenv("FEDQ_HOME", str(tmp_path / "home"))
-    get_settings.cache_clear()
-    PROCESS.clear()
-    try:
-        store = open_store(str(tmp_path / "blobs"))
-        spec = parse_spec({**DIGITS, "num_clients": 2, "clients_per_round": 2, "rounds": 2,
-                           "local_steps": 2})
+    store = open_store(str(tmp_path / "blobs"))
+    spec = parse_spec({**DIGITS, "num_clients": 2, "clients_per_round": 2, "rounds": 2,
+                       "local_steps": 2})
 
-        def first_round(job: str, seed: int) -> UpdateRef:
-            PROCESS.clear()
-            weights = initial_weights(spec.model_copy(update={"seed": seed}))
-            blob = store.put(global_key(job, 0), dumps(weights, {"job": job}))
-            out = UpdateRef.from_json(run_training(
-                TrainRef(job, 1, 0, "cpu", spec.to_json(), blob).to_json(), store, "w"))
-            assert out.status == "ok", out.error
-            return out
-
-        # the stored round-0 model is the one the spec's seed builds: nothing downloaded
-        assert first_round("j1", spec.seed).bytes_down == 0
-        # a round-0 model the seed does not build (here: another seed's) is downloaded
-        other = first_round("j2", spec.seed + 1)
-        assert other.bytes_down == len(store._read(global_key("j2", 0)))
-    finally:
-        get_settings.cache_clear()
+    def first_round(job: str, seed: int) -> UpdateRef:
         PROCESS.clear()
+        weights = initial_weights(spec.model_copy(update={"seed": seed}))
+        blob = store.put(global_key(job, 0), dumps(weights, {"job": job}))
+        out = UpdateRef.from_json(run_training(
+            TrainRef(job, 1, 0, "cpu", spec.to_json(), blob).to_json(), store, "w"))
+        assert out.status == "ok", out.error
+        return out
+
+    # the stored round-0 model is the one the spec's seed builds: nothing downloaded
+    assert first_round("j1", spec.seed).bytes_down == 0
+    # a round-0 model the seed does not build (here: another seed's) is downloaded
+    other = first_round("j2", spec.seed + 1)
+    assert other.bytes_down == len(store._read(global_key("j2", 0)))

@@ -52,17 +52,26 @@ def _task_in_hand(worker: WorkerProcess, job: str, number: int) -> int | None:
 
 
 def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str) -> int:
-    """SIGKILL ``victim`` while it trains a client of round ``number``; returns the client."""
+    """SIGKILL a training worker while it trains a client of round ``number`` (``victim``
+    if it holds one, else whichever does: the broker's prefetch may hand a round's
+    tasks to the other workers); returns the client."""
     cluster.wait_for_round(job, number)
-    worker = cluster.by_name(victim)
+    names = [victim] + sorted({w.name.split("@")[0] for w in cluster.workers
+                               if w.name.startswith("w")} - {victim})
     deadline = time.monotonic() + 30
-    while (client := _task_in_hand(worker, job, number)) is None:
-        assert time.monotonic() < deadline, worker.tail()
+    while True:
+        held = [(name, client) for name in names
+                if (client := _task_in_hand(cluster.by_name(name), job, number)) is not None]
+        if held:
+            break
+        assert time.monotonic() < deadline, "\n".join(cluster.by_name(n).tail() for n in names)
         time.sleep(0.05)
+    name, client = held[0]
+    worker = cluster.by_name(name)
     time.sleep(0.5)  # well inside its 1.5 s of training
     assert _task_in_hand(worker, job, number) == client  # still mid-task
     worker.kill()
-    cluster.replace(victim)
+    cluster.replace(name)
     return client
 
 

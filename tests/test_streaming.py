@@ -19,7 +19,6 @@ from fedq.blobs import global_key, open_store
 from fedq.db import ClientUpdate, Round, session_scope
 from fedq.errors import UpdateRejected
 from fedq.models import build_model
-from fedq.process import PROCESS
 from fedq.refs import TrainRef, UpdateRef
 from fedq.spec import SpecError, describe, parse_spec
 from fedq.testing.cluster import Cluster, base_env
@@ -131,6 +130,25 @@ def test_a_replica_takes_only_the_fragments_synchronised_since_it_was_saved(
     assert replica.start_from(weights, path, 5, 3)[1] == 0
 
 
+def test_mixing_merges_a_synchronised_fragment_with_the_local_one(tmp_path: Path) -> None:
+    weights = _gpt_weights()
+    path = tmp_path / "r.safetensors"
+    parts = fragments(weights, 3)
+    local = {k: v + 1.0 if v.dtype.is_floating_point else v for k, v in weights.items()}
+    replica.save(local, path, 4)
+    start, kept = replica.start_from(weights, path, 5, 3, mixing=0.25)
+    assert kept == 2
+    for n in parts[0]:  # synchronised in round 4: 0.25 x local + 0.75 x global
+        torch.testing.assert_close(start[n], weights[n] + 0.25, atol=1e-6, rtol=0)
+    for n in parts[1] + parts[2]:  # not synchronised: the replica's own values
+        assert torch.equal(start[n], local[n])
+    # a fresh replica (no file, or F rounds old) is the global model, unmixed
+    for number in (2, 7):
+        start, kept = replica.start_from(weights, path if number == 7 else tmp_path / "x",
+                                         number, 3, mixing=0.25)
+        assert kept == 0 and all(torch.equal(start[k], weights[k]) for k in weights)
+
+
 def _spec(**fields: Any) -> dict[str, Any]:
     return {"model": "gpt", "model_args": GPT, "dataset": "shakespeare",
             "dataset_args": {"block_size": 16, "max_works": 3, "eval_windows": 64},
@@ -147,53 +165,59 @@ def test_streaming_spec_rules_and_description() -> None:
         parse_spec(_spec(aggregation={"mode": "buffered", "buffer": 1}))
     with pytest.raises(SpecError, match="fragments"):
         parse_spec(_spec(streaming={"fragments": 1}))
+    with pytest.raises(SpecError, match="mixing"):
+        parse_spec(_spec(streaming={"fragments": 2, "mixing": 1.0}))
+    assert "mixing 0.5" in describe(parse_spec(_spec(streaming={"fragments": 2,
+                                                                "mixing": 0.5})))
 
 
 def test_a_worker_trains_on_from_its_replica_and_sends_one_fragment(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FEDQ_HOME", str(tmp_path / "home"))
-    from fedq.settings import get_settings
+        tmp_path: Path, worker_home: Path) -> None:
+    store = open_store(str(tmp_path / "blobs"))
+    spec = parse_spec(_spec())
+    model0 = _gpt_weights()
+    path = replica.replica_path(worker_home, "j", 1)
 
-    get_settings.cache_clear()
-    PROCESS.clear()
-    try:
-        store = open_store(str(tmp_path / "blobs"))
-        spec = parse_spec(_spec())
-        model0 = _gpt_weights()
-        path = replica.replica_path(tmp_path / "home", "j", 1)
+    def train(number: int, weights: dict[str, torch.Tensor], spec_json: dict[str, Any]
+              ) -> dict[str, torch.Tensor]:
+        blob = store.put(global_key("j", number - 1), dumps(weights))
+        out = UpdateRef.from_json(run_training(
+            TrainRef("j", number, 1, "cpu", spec_json, blob).to_json(), store, "w"))
+        assert out.status == "ok", out.error
+        assert out.key is not None
+        return loads(store._read(out.key))
 
-        def train(number: int, weights: dict[str, torch.Tensor], spec_json: dict[str, Any]
-                  ) -> dict[str, torch.Tensor]:
-            blob = store.put(global_key("j", number - 1), dumps(weights))
-            out = UpdateRef.from_json(run_training(
-                TrainRef("j", number, 1, "cpu", spec_json, blob).to_json(), store, "w"))
-            assert out.status == "ok", out.error
-            assert out.key is not None
-            return loads(store._read(out.key))
-
-        # round 1 synchronises fragment 0: the update names it alone, at its size
-        first = train(1, model0, spec.to_json())
-        part0, part1 = fragment_names(model0, 1, 2), fragment_names(model0, 2, 2)
-        assert set(first) == set(part0)
-        kept1, meta = loads_with_meta(path.read_bytes())
-        assert meta["round"] == "1" and set(kept1) == set(model0)
-        assert not torch.equal(kept1[part1[0]], model0[part1[0]])  # trained, kept
-        # the server moved fragment 0; round 2 (fragment 1) with a step size so small
-        # that training changes nothing: its update is what round 1 trained fragment 1 by
-        model1 = {k: v + 0.01 if k in part0 else v for k, v in model0.items()}
-        still = {**spec.to_json(), "optimizer": {"name": "sgd", "lr": 1e-12}}
-        second = train(2, model1, still)
-        assert set(second) == set(part1)
-        for n in part1:
-            torch.testing.assert_close(second[n], kept1[n] - model0[n], atol=1e-6, rtol=0)
-        # and its replica took fragment 0 from the new global model
-        kept2, meta = loads_with_meta(path.read_bytes())
-        assert meta["round"] == "2"
-        for n in part0:
-            torch.testing.assert_close(kept2[n], model1[n], atol=1e-6, rtol=0)
-    finally:
-        get_settings.cache_clear()
-        PROCESS.clear()
+    # round 1 synchronises fragment 0: the update names it alone, at its size
+    first = train(1, model0, spec.to_json())
+    part0, part1 = fragment_names(model0, 1, 2), fragment_names(model0, 2, 2)
+    assert set(first) == set(part0)
+    kept1, meta = loads_with_meta(path.read_bytes())
+    assert meta["round"] == "1" and set(kept1) == set(model0)
+    assert not torch.equal(kept1[part1[0]], model0[part1[0]])  # trained, kept
+    # the server moved fragment 0; round 2 (fragment 1) with a step size so small
+    # that training changes nothing: its update is what round 1 trained fragment 1 by
+    model1 = {k: v + 0.01 if k in part0 else v for k, v in model0.items()}
+    still = {**spec.to_json(), "optimizer": {"name": "sgd", "lr": 1e-12}}
+    second = train(2, model1, still)
+    assert set(second) == set(part1)
+    for n in part1:
+        torch.testing.assert_close(second[n], kept1[n] - model0[n], atol=1e-6, rtol=0)
+    # and its replica took fragment 0 from the new global model
+    kept2, meta = loads_with_meta(path.read_bytes())
+    assert meta["round"] == "2"
+    for n in part0:
+        torch.testing.assert_close(kept2[n], model1[n], atol=1e-6, rtol=0)
+    # with mixing 0.5, round 3 starts fragment 1 (synchronised in round 2) halfway
+    # between the replica's value and the global one
+    mixed = {**spec.to_json(), "optimizer": {"name": "sgd", "lr": 1e-12},
+             "streaming": {"fragments": 2, "mixing": 0.5}}
+    model2 = {k: v + 0.02 if k in part1 else v for k, v in model1.items()}
+    train(3, model2, mixed)
+    kept3, meta = loads_with_meta(path.read_bytes())
+    assert meta["round"] == "3"
+    for n in part1:
+        torch.testing.assert_close(kept3[n], 0.5 * kept2[n] + 0.5 * model2[n], atol=1e-6,
+                                   rtol=0)
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ whole local model to ``FEDQ_HOME/inner/JOB/cCLIENT.model.safetensors`` with the 
 was trained in (safetensors, written to a temporary name and renamed: a crash leaves the
 old file or the new one, never half of one). The next round that trains the client on
 this machine starts from that file, with every fragment synchronised since then taken
-from the global model. The replica starts again from the global model (as a new
+from the global model (with ``mixing: alpha``, a synchronised fragment becomes
+alpha x the replica's value + (1 - alpha) x the global one, the paper's merge; torchft
+rejects alpha != 0). The replica starts again from the global model (as a new
 replica would) when there is no file, when it is F or more rounds old (every fragment
 has been synchronised since), or when it is from this round or a later one (a retried
 or resumed round: training on from it would count those steps twice). The coordinator
@@ -34,9 +36,10 @@ def replica_path(home: Path, job: str, client: int) -> Path:
 
 
 def start_from(global_weights: Mapping[str, torch.Tensor], path: Path, number: int,
-               count: int) -> tuple[Weights, int]:
+               count: int, mixing: float = 0.0) -> tuple[Weights, int]:
     """The weights round ``number`` trains from, and how many fragments came from the
-    kept replica (0: all from the global model)."""
+    kept replica (0: all from the global model); fragments synchronised since the
+    replica was saved are ``mixing`` x its value + (1 - mixing) x the global one."""
     fresh = dict(global_weights)
     if not path.exists():
         return fresh, 0
@@ -52,7 +55,14 @@ def start_from(global_weights: Mapping[str, torch.Tensor], path: Path, number: i
     parts = fragments(global_weights, count)
     synced = synced_between(saved, number - 1, count)
     local = {name for i, part in enumerate(parts) if i not in synced for name in part}
-    return {k: kept[k] if k in local else v for k, v in fresh.items()}, count - len(synced)
+    return {k: kept[k] if k in local else _mix(kept[k], v, mixing)
+            for k, v in fresh.items()}, count - len(synced)
+
+
+def _mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> torch.Tensor:
+    if alpha == 0 or not global_.dtype.is_floating_point:
+        return global_
+    return torch.lerp(global_, local, alpha)  # alpha x local + (1 - alpha) x global
 
 
 def save(weights: Mapping[str, torch.Tensor], path: Path, number: int) -> None:

@@ -156,12 +156,13 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     seed = client_seed(spec.seed, ref.round, ref.client)
     torch.manual_seed(seed)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
-    streaming = spec.streaming.fragments if spec.streaming else 0
+    streaming, mixing = (spec.streaming.fragments, spec.streaming.mixing) if spec.streaming \
+        else (0, 0.0)
     home = get_settings().home
     kept_at = replica.replica_path(home, ref.job, ref.client)
     if streaming:  # Streaming DiLoCo: train on from this client's own replica
         start_weights, kept = replica.start_from(global_weights, kept_at, ref.round,
-                                                 streaming)
+                                                 streaming, mixing)
         log.info("streaming: %d of %d fragments from the kept replica", kept, streaming)
         model.load_state_dict(start_weights)
     else:
