@@ -10,6 +10,7 @@ normalised samples x s(staleness)."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from fedq.errors import SpecError
 from fedq.observe.plots import close, figures
 from fedq.spec import describe, parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.testing.procs import WorkerProcess
 from tests.test_faults import _migrated_cluster, private_redis
 
 K, C = 2, 4
@@ -185,13 +187,21 @@ def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: C
     are recorded as stale; a cancelled buffered job resumes and completes."""
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
-    # 10 versions of ~1 s: `fedq cancel` (a new process: seconds under load) lands
-    # before the job completes
     spec = {**SLOW, "time_budget_s": 1.0, "rounds": 10,
             "aggregation": {"mode": "buffered", "buffer": K, "max_staleness": 0}}
     job = cluster.submit(spec)
     cluster.wait_for_round(job, 2)
-    cluster.fedq("cancel", job)
+    # the training workers frozen mid-job, so `fedq cancel` (a new process: seconds
+    # under load) lands while tasks are in flight, never after the job has completed
+    trainers = [cluster.by_name("w1"), cluster.by_name("w2")]
+    for worker in trainers:
+        worker.kill(signal.SIGSTOP)
+    try:
+        assert [u for u in cluster.updates(job) if u.status == "training"]
+        cluster.fedq("cancel", job)
+    finally:
+        for worker in trainers:
+            worker.kill(signal.SIGCONT)
     rows = cluster.updates(job)
     assert not [u for u in rows if u.status == "training"], "cancel left tasks open"
     assert "resumed at round" in cluster.fedq("resume", job).stdout
@@ -199,6 +209,16 @@ def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: C
     assert view.status == "completed", view.error
     rows = _assert_versions(cluster, job, versions=10, max_staleness=0)
     assert [u for u in rows if u.status == "stale"], "with C > K some update must go stale"
+
+
+def _task_in_hand(worker: WorkerProcess, job: str) -> int | None:
+    """The task index of a first-attempt training task of ``job`` the worker's log shows
+    received and not finished, or None."""
+    log = worker.log_path.read_text(errors="replace")
+    received = re.findall(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] received", log)
+    finished = set(re.findall(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] succeeded", log))
+    open_ = [int(i) for i in received if i not in finished]
+    return open_[-1] if open_ else None
 
 
 @pytest.mark.slow
@@ -211,12 +231,14 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     job = cluster.submit({**SLOW, "rounds": 10})
     victim = cluster.by_name("w1")
     deadline = time.monotonic() + 60
-    pattern = re.compile(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] received")
-    while not (found := pattern.search(victim.log_path.read_text(errors="replace"))):
+    while True:  # a task w1 holds (received, not finished) and still holds 0.5 s later
         assert time.monotonic() < deadline, victim.tail()
+        killed = _task_in_hand(victim, job)
+        if killed is not None:
+            time.sleep(0.5)  # inside its 1.5 s of training
+            if _task_in_hand(victim, job) == killed:
+                break
         time.sleep(0.05)
-    killed = int(found.group(1))
-    time.sleep(0.5)  # inside its 1.5 s of training
     victim.kill()
     cluster.replace("w1")
     view = cluster.wait(job, timeout=240)
