@@ -1,6 +1,6 @@
 """Run the fault-injection tests and write their outcomes to docs/reliability.md.
 
-    .venv/bin/python -m bench.reliability            # about 5 minutes on 2 cores
+    .venv/bin/python -m bench.reliability            # about 9 minutes on 2 cores
 
 Each test in tests/test_faults.py, test_finalize.py, test_buffered.py and
 test_wan.py kills, cuts or corrupts something real (a worker's process group, the
