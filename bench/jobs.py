@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -239,7 +240,6 @@ def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
         f"{target:.0%} test accuracy.",
         ["mode", f"time to {target:.0%} (s)", "round / version reaching it",
          "total time (s)", "final accuracy", "speed-up"])
-    results: dict[str, tuple[float | None, int | None, float, float]] = {}
     if not ctx.smoke:
         ctx.say("buffered: warm-up (each worker loads the data set once)")
         run_job(cluster, {**common, "name": "bench-warm-up", "rounds": 1,
@@ -270,20 +270,14 @@ def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
             "rounds": rounds * workers // size, "clients_per_round": workers,
             "local_epochs": 50, "time_budget_s": budget, "weight_by": "processed",
             "aggregation": {"mode": "buffered", "buffer": size}})))
-    for mode, run in runs:
-        hit_t, hit_n, _, final = _time_to(run, target)
-        done = [r for r in run.rounds if r["status"] == "committed"]
-        results[mode] = (hit_t, hit_n, done[-1]["finished_at"] - run.started_at, final)
-    sync_times = [t for m, (t, *_) in results.items() if m.startswith("sync") and t]
-    best_sync = min(sync_times) if sync_times else None
-    for mode, (t, n, total, final) in results.items():
-        speed = f"{best_sync / t:.2f}×" if best_sync and t else "—"
-        sec.rows.append([mode, f"{t:.1f}" if t else "not reached", str(n) if n else "—",
-                         f"{total:.1f}", f"{final:.4f}", speed])
-    best = min((m for m in results if m.startswith("buffered")),
-               key=lambda m: results[m][0] or math.inf)
-    t_buf, _, _, acc_buf = results[best]
-    acc_sync = max(r[3] for m, r in results.items() if m.startswith("sync"))
+    curves = {mode: _curve(run, "accuracy") for mode, run in runs}
+    hits, best_sync = _speed_rows(sec, curves, lambda accuracy: accuracy >= target)
+    when = {m: hit[0] for m, hit in hits.items() if hit}
+    best = min((m for m in curves if m.startswith("buffered")),
+               key=lambda m: when.get(m, math.inf))
+    t_buf = when.get(best)
+    acc_buf = curves[best][-1][2]
+    acc_sync = max(c[-1][2] for m, c in curves.items() if m.startswith("sync"))
     sec.target(f"buffered (best: {best}) ≥ 1.5× faster to the target than the best "
                "synchronous mode",
                bool(best_sync and t_buf and best_sync / t_buf >= 1.5),
@@ -304,10 +298,34 @@ LM: dict[str, Any] = {"model": "gpt", "model_args": {"n_layer": 2, "n_head": 2, 
                                     "grad_clip": 1.0}}
 
 
-def _loss_curve(run: JobRun) -> list[tuple[float, int, float]]:
-    """(seconds since the start, round or version, validation loss) of each commit."""
-    return [(r["finished_at"] - run.started_at, r["round"], r["eval_loss"])
-            for r in run.rounds if r["status"] == "committed" and r["eval_loss"] is not None]
+def _curve(run: JobRun, metric: str) -> list[tuple[float, int, float]]:
+    """(seconds since the start, round or version, ``metric``) of each committed round or
+    version that was evaluated; a run with none is a failed benchmark."""
+    curve = [(r["finished_at"] - run.started_at, r["round"], r[metric])
+             for r in run.rounds if r["status"] == "committed" and r[metric] is not None]
+    if not curve:
+        raise BenchError(f"job {run.job}: no committed round with a {metric}")
+    return curve
+
+
+def _speed_rows(sec: Section, curves: dict[str, list[tuple[float, int, float]]],
+                reached: Callable[[float], bool]
+                ) -> tuple[dict[str, tuple[float, int] | None], float | None]:
+    """One row of ``sec`` per mode: the time to its first commit whose metric ``reached``
+    the target, that round or version, the total time, the final metric and the speed-up
+    over the best synchronous mode (modes named ``synchronous...``). Returns each mode's
+    (time, round) at the target, None where not reached, and the best synchronous time."""
+    hits = {m: next(((t, n) for t, n, value in c if reached(value)), None)
+            for m, c in curves.items()}
+    best_sync = min((h[0] for m, h in hits.items() if m.startswith("sync") and h),
+                    default=None)
+    for mode, curve in curves.items():
+        hit = hits[mode]
+        speed = f"{best_sync / hit[0]:.2f}×" if best_sync and hit else "—"
+        sec.rows.append([mode, f"{hit[0]:.1f}" if hit else "not reached",
+                         str(hit[1]) if hit else "—", f"{curve[-1][0]:.1f}",
+                         f"{curve[-1][2]:.4f}", speed])
+    return hits, best_sync
 
 
 def buffered_lm(ctx: Context) -> Section:
@@ -359,23 +377,12 @@ def buffered_lm(ctx: Context) -> Section:
                                      "clients_per_round": workers,
                                      "aggregation": {"mode": "buffered", "buffer": k}},
                            timeout=1800)
-    curves = {"synchronous, wait for all": _loss_curve(wait_all),
-              f"synchronous, time budget {budget} s": _loss_curve(budgeted),
-              f"buffered K={k}": _loss_curve(buffered)}
-    if any(not c for c in curves.values()):
-        raise BenchError("buffered-lm: a run committed no evaluated round")
+    curves = {"synchronous, wait for all": _curve(wait_all, "eval_loss"),
+              f"synchronous, time budget {budget} s": _curve(budgeted, "eval_loss"),
+              f"buffered K={k}": _curve(buffered, "eval_loss")}
     base = curves["synchronous, wait for all"]
     target = base[min(len(base), 2 * rounds // 3) - 1][2]
-    hits = {m: next(((t, n) for t, n, loss in c if loss <= target), None)
-            for m, c in curves.items()}
-    best_sync = min((h[0] for m, h in hits.items() if m.startswith("sync") and h),
-                    default=None)
-    for mode, curve in curves.items():
-        hit = hits[mode]
-        speed = f"{best_sync / hit[0]:.2f}×" if best_sync and hit else "—"
-        sec.rows.append([mode, f"{hit[0]:.1f}" if hit else "not reached",
-                         str(hit[1]) if hit else "—", f"{curve[-1][0]:.1f}",
-                         f"{curve[-1][2]:.4f}", speed])
+    hits, best_sync = _speed_rows(sec, curves, lambda loss: loss <= target)
     mine = hits[f"buffered K={k}"]
     sec.target("buffered ≥ 1.5× faster to the target than the best synchronous mode",
                bool(best_sync and mine and best_sync / mine[0] >= 1.5),
