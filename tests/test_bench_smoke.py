@@ -121,6 +121,7 @@ def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(620)  # its subprocess has 600 s; a loaded machine needs more than 300
 def test_lm_downlink_smoke_run_writes_its_table(tmp_path: Path) -> None:
     """bench/lm.py's downlink table at smoke size, into its own section of a document."""
     out = tmp_path / "lm.md"
@@ -156,6 +157,7 @@ def test_only_updates_its_sections_in_place() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(620)  # its subprocess has 600 s; a loaded machine needs more than 300
 def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
     """bench/lm.py's Streaming DiLoCo table at smoke size, into its own section."""
     out = tmp_path / "lm.md"
