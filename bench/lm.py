@@ -66,6 +66,14 @@ STREAM_BEGIN, STREAM_END = "<!-- begin streaming table -->", "<!-- end streaming
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
+STARTED = time.perf_counter()
+
+
+def progress(name: str, done: int, total: int | None, what: str) -> None:
+    """One line on stderr per round (a full CPU run takes tens of minutes each)."""
+    of = f"/{total}" if total else ""
+    print(f"  {name}: {what} {done}{of} ({time.perf_counter() - STARTED:.0f} s)",
+          file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -132,6 +140,8 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
             (task_loss(model(xb), yb) / WORKERS).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if (step + 1) % 100 == 0:
+            progress("data parallel", step + 1, steps, "step")
     return Run("2. synchronous data parallel (H = 1)", val_loss(model, ds),
                2 * WORKERS * size * steps)
 
@@ -206,6 +216,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
         else:  # the whole fp32 model, every round after the first
             down_bytes = raw_size(weights)
         clock += round_time
+        progress(name, rnd, None if budget else total_rounds, "round")
         if slow is not None or not (budget or rnd < total_rounds):
             model.load_state_dict(weights)
             run.curve.append((clock, val_loss(model, ds)))
