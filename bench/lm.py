@@ -5,6 +5,7 @@ worker; writes the tables of docs/lm.md.
     .venv/bin/python -m bench.lm --smoke --out /tmp/lm.md   # seconds (the test suite)
     .venv/bin/python -m bench.lm --only downlink --jobs 2     # the downlink table alone
     .venv/bin/python -m bench.lm --only streaming --jobs 2    # the Streaming DiLoCo table
+    .venv/bin/python -m bench.lm --device cuda --jobs 8 --warm 1000  # from a warm start
 
 The runs compare algorithms, so they run in this process with fedq's own pieces (the
 local training loop with its inner AdamW, warm-up/cosine schedule and kept state, the
@@ -53,7 +54,7 @@ from fedq.data import client_indices, load_dataset
 from fedq.data.datasets import Dataset
 from fedq.models import build_model
 from fedq.spec import OptimizerSpec, parse_spec
-from fedq.weights import raw_size, state_of
+from fedq.weights import dumps, loads, raw_size, state_of
 from fedq.worker import replica
 from fedq.worker.inner import state_path
 from fedq.worker.loop import local_train, lr_at, task_loss
@@ -66,6 +67,8 @@ STREAM_BEGIN, STREAM_END = "<!-- begin streaming table -->", "<!-- end streaming
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
+WARM, WARM_LOSS = 0, math.nan  # --warm: steps of data parallel every run starts from
+INIT: Path | None = None  # the warm start's model, in a --one process
 STARTED = time.perf_counter()
 
 
@@ -95,8 +98,12 @@ def optimizer(steps: int, cosine: bool = True) -> OptimizerSpec:
 
 
 def fresh_model(ds: Dataset) -> torch.nn.Module:
+    """The seed's model or, with --warm, the shared warm start's."""
     torch.manual_seed(SEED)
-    return build_model("gpt", ds.input_shape, ds.num_classes)
+    model = build_model("gpt", ds.input_shape, ds.num_classes)
+    if INIT is not None:
+        model.load_state_dict(loads(INIT.read_bytes(), "the warm start"))
+    return model
 
 
 def val_loss(model: torch.nn.Module, ds: Dataset) -> float:
@@ -122,9 +129,11 @@ def single(ds: Dataset, steps: int, scratch: Path) -> Run:
     return Run("1. one worker alone, all data", val_loss(model, ds), 0)
 
 
-def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
+def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int,
+                  save: Path | None = None) -> Run:
     """Baseline 2: synchronous data parallel: every step the 4 workers' gradients are
-    averaged and one AdamW step is taken."""
+    averaged and one AdamW step is taken. ``save``: write the trained model there (the
+    --warm start)."""
     model = fresh_model(ds).to(DEVICE)
     spec = optimizer(steps)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
@@ -141,7 +150,10 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int) -> Run:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 100 == 0:
-            progress("data parallel", step + 1, steps, "step")
+            progress("data parallel" if save is None else "warm start", step + 1, steps,
+                     "step")
+    if save is not None:
+        save.write_bytes(dumps(state_of(model)))
     return Run("2. synchronous data parallel (H = 1)", val_loss(model, ds),
                2 * WORKERS * size * steps)
 
@@ -163,8 +175,8 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     replica (fedq/worker/replica.py) and uploads that fragment's outer gradient alone."""
     weights = state_of(fresh_model(ds))
     # round 0's model is fresh_model's, which every worker rebuilds from the seed instead
-    # of downloading it (fedq/worker/update.py, rebuild_initial)
-    down_bytes, residual = 0, dict[str, torch.Tensor]()
+    # of downloading it (fedq/worker/update.py, rebuild_initial); a warm start it downloads
+    down_bytes, residual = (0 if INIT is None else raw_size(weights)), dict[str, torch.Tensor]()
     model = fresh_model(ds)
     server, server_state = make_server("diloco"), dict[str, torch.Tensor]()
     reducer = make_reducer("fednova" if budget else "mean")
@@ -259,6 +271,8 @@ def step_seconds(ds: Dataset) -> float:
 
 def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
     """One run of the table, by name (in a process of its own: see main)."""
+    global INIT
+    INIT = Path(job["init"]) if job.get("init") else None
     steps, h = job["steps"], job.get("h", 0)
     if job["kind"] == "gpu":
         return gpu_row()
@@ -273,6 +287,8 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
             run = single(ds, steps, Path(tmp))
         elif job["kind"] == "dp":
             run = data_parallel(ds, parts, steps)
+        elif job["kind"] == "warm":
+            run = data_parallel(ds, parts, steps, save=Path(job["out"]))
         else:
             run = diloco(ds, parts, steps, h, job.get("codec", "none"), Path(tmp), job["name"],
                          slow=job.get("slow"), budget=job.get("budget", False),
@@ -293,6 +309,8 @@ def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
     while pending or running:
         while pending and len(running) < args.jobs:
             i, job = pending.pop(0)
+            if args.init:
+                job = {**job, "init": args.init}
             cmd = [sys.executable, "-m", "bench.lm", "--one", json.dumps(job),
                    "--device", args.device, *(["--smoke"] if args.smoke else [])]
             running.append((i, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -328,10 +346,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="downlink / streaming: only that table (its own section)")
     parser.add_argument("--hs", help="with --only downlink: the H values, e.g. 100 "
                                      "(default 100,500)")
+    parser.add_argument("--warm", type=int, default=0, metavar="N",
+                        help="every run starts from a model trained N steps by synchronous "
+                             "data parallel (shared; its steps and bytes not counted)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    global DEVICE
-    DEVICE = torch.device(args.device)
+    if args.warm < 0:
+        parser.error(f"--warm must be 0 or more steps, not {args.warm}")
+    global DEVICE, WARM
+    DEVICE, WARM, args.init = torch.device(args.device), args.warm, None
     torch.set_num_threads(1 if args.jobs > 1 else min(2, os.cpu_count() or 1))
     if args.one:
         print(json.dumps(run_one(json.loads(args.one), args.smoke)))
@@ -340,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     hs = [5, 10] if args.smoke else [50, 100, 500]
     h_mid = hs[len(hs) // 2]
     started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.warm:
+            start = Path(tmp) / "warm.safetensors"
+            [warm] = run_all([{"kind": "warm", "steps": args.warm, "out": str(start)}], args)
+            global WARM_LOSS
+            WARM_LOSS, args.init = warm["val_loss"], str(start)
+        return _tables(args, steps, hs, h_mid, started)
+
+
+def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
+            started: float) -> int:
     if args.only == "streaming":
         h = 8 if args.smoke else h_mid  # divisible by 2 and 4 fragments
         streams = streaming_runs(steps, h, args)
@@ -397,13 +431,13 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
     command = "python -m bench.lm --only downlink" + (" --smoke" if smoke else "") + \
         ("" if smoke or steps == 1000 else f" --steps {steps}") + \
         (f" --hs {hs}" if hs else "") + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}")
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
     lines = [DOWN_BEGIN, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
              f"(or the full run) on {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min; the same "
              f"{WORKERS} workers x {steps} inner steps as above. Baseline 2's bytes are "
-             f"counted as above: {dp_bytes / 1e6:,.1f} MB.", "",
+             f"counted as above: {dp_bytes / 1e6:,.1f} MB." + _warm_note(), "",
              "| run | validation loss | vs fp32 down | MB moved | fewer bytes than "
              "baseline 2 |", "|---|---|---|---|---|"]
     by_name = {r.name: r for r in runs}
@@ -432,7 +466,7 @@ def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: flo
     """The Streaming DiLoCo table, between its own markers in ``out``."""
     command = "python -m bench.lm --only streaming" + (" --smoke" if smoke else "") + \
         ("" if smoke or steps == 1000 else f" --steps {steps}") + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}")
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
     base = runs[0]
     lines = [STREAM_BEGIN, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
@@ -440,10 +474,11 @@ def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: flo
              f"on {DEVICE.type}, in {elapsed / 60:.1f} min; {WORKERS} workers x {steps} "
              f"inner steps, every fragment synchronised every H = {h} inner steps. MB up: "
              "all update blobs; peak: the largest one worker sent in one round (what the "
-             "uplink must carry at once). MB moved adds each worker's downloads: none in "
-             "round 1 (round 0's model is rebuilt from the seed), then each round's new "
-             "model (DiLoCo: the whole model in fp32; streaming: the synchronised fragment, "
-             "in fp32 or as an int8 step).", "",
+             "uplink must carry at once). MB moved adds each worker's downloads: "
+             + ("none in round 1 (round 0's model is rebuilt from the seed)" if not WARM
+                else "the warm start's model in round 1") +
+             ", then each round's new model (DiLoCo: the whole model in fp32; streaming: "
+             "the synchronised fragment, in fp32 or as an int8 step)." + _warm_note(), "",
              "| run | rounds | validation loss | vs DiLoCo | MB up | peak update (MB) | "
              "MB moved |", "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -467,6 +502,20 @@ def _write_section(out: Path, begin: str, end: str, lines: list[str]) -> None:
     os.replace(tmp, out)
 
 
+def _warm_flag() -> str:
+    return f" --warm {WARM}" if WARM else ""
+
+
+def _warm_note() -> str:
+    """How the runs start, for the tables' headers."""
+    if not WARM:
+        return ""
+    return (f" Every run starts from one model trained {WARM} steps by synchronous data "
+            f"parallel from the seed (validation loss {WARM_LOSS:.4f}; those steps and "
+            "their bytes are not counted, but each DiLoCo worker's download of that model "
+            "is).")
+
+
 def fresh_model_shapes() -> torch.nn.Module:
     """The bench's GPT, for its size (the data set's shapes, without loading it)."""
     return build_model("gpt", (BLOCK,), 256)
@@ -482,14 +531,15 @@ def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: li
     tokens = WORKERS * steps * BATCH * BLOCK
     command = "python -m bench.lm" + (" --smoke" if smoke else
                                       ("" if steps == 1000 else f" --steps {steps}")) + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8")
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8") + _warm_flag()
     lines = [BEGIN, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores"
              + (f", {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else "")
              + f", torch {torch.__version__}, on {DEVICE.type}, in "
              f"{elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner steps x batch "
-             f"{BATCH} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}.", "",
+             f"{BATCH} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}."
+             + _warm_note(), "",
              "| run | validation loss (nats/byte) | perplexity | vs baseline 2 | MB moved "
              "| fewer bytes than baseline 2 |", "|---|---|---|---|---|---|"]
     for r in [base1, base2, *runs]:
