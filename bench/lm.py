@@ -312,7 +312,8 @@ def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
             if args.init:
                 job = {**job, "init": args.init}
             cmd = [sys.executable, "-m", "bench.lm", "--one", json.dumps(job),
-                   "--device", args.device, *(["--smoke"] if args.smoke else [])]
+                   "--device", args.device, "--jobs", str(args.jobs),
+                   *(["--smoke"] if args.smoke else [])]
             running.append((i, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                                 text=True)))
         for i, proc in list(running):
@@ -355,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warm must be 0 or more steps, not {args.warm}")
     global DEVICE, WARM
     DEVICE, WARM, args.init = torch.device(args.device), args.warm, None
-    torch.set_num_threads(1 if args.jobs > 1 else min(2, os.cpu_count() or 1))
+    # the cores shared among the runs at a time (a --one process is told --jobs too;
+    # before it was, each run took two threads: four busy threads on a 2-core machine)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
     if args.one:
         print(json.dumps(run_one(json.loads(args.one), args.smoke)))
         return 0
