@@ -61,15 +61,20 @@ from fedq.worker.loop import local_train, lr_at, task_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lm.md"
-BEGIN, END = "<!-- begin generated tables -->", "<!-- end generated tables -->"
-DOWN_BEGIN, DOWN_END = "<!-- begin downlink table -->", "<!-- end downlink table -->"
-STREAM_BEGIN, STREAM_END = "<!-- begin streaming table -->", "<!-- end streaming table -->"
+GPU_BEGIN, GPU_END = "<!-- begin gpu table -->", "<!-- end gpu table -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
 WARM, WARM_LOSS = 0, math.nan  # --warm: steps of data parallel every run starts from
 INIT: Path | None = None  # the warm start's model, in a --one process
 STARTED = time.perf_counter()
+
+
+def markers(table: str) -> tuple[str, str]:
+    """The begin and end markers of one generated table of docs/lm.md ("generated
+    tables", "downlink table", "streaming table"); a --warm run writes its own."""
+    name = ("warm-start " if WARM else "") + table
+    return f"<!-- begin {name} -->", f"<!-- end {name} -->"
 
 
 def progress(name: str, done: int, total: int | None, what: str) -> None:
@@ -161,7 +166,8 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int,
 def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: str,
            scratch: Path, name: str, *, slow: int | None = None, budget: bool = False,
            step_time: float = 1.0, target: float | None = None,
-           max_time: float | None = None, downlink: str = "none", fragments: int = 1) -> Run:
+           max_time: float | None = None, downlink: str = "none", fragments: int = 1,
+           mixing: float = 0.0) -> Run:
     """DiLoCo: H inner AdamW steps per worker from the global model, the deltas averaged
     (FedNova-normalised when their step counts differ), the outer Nesterov step (lr 0.7,
     momentum 0.9). ``slow``: that worker's steps take 4x as long (simulated time); with
@@ -172,7 +178,9 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     dequantized step, the residual carried), not the fp32 model. ``fragments`` F > 1:
     Streaming DiLoCo as fedq runs it (fedq/aggregate/streaming.py): H / F inner steps per
     round, round r synchronises fragment (r - 1) % F, each worker trains on from its kept
-    replica (fedq/worker/replica.py) and uploads that fragment's outer gradient alone."""
+    replica (fedq/worker/replica.py) and uploads that fragment's outer gradient alone;
+    ``mixing``: a fragment synchronised since starts at mixing x the replica's value +
+    (1 - mixing) x the global one."""
     weights = state_of(fresh_model(ds))
     # round 0's model is fresh_model's, which every worker rebuilds from the seed instead
     # of downloading it (fedq/worker/update.py, rebuild_initial); a warm start it downloads
@@ -198,7 +206,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
             local = build_model("gpt", ds.input_shape, ds.num_classes)
             kept = folder / f"replica{c}.safetensors"
             local.load_state_dict(weights if fragments == 1 else
-                                  replica.start_from(weights, kept, rnd, fragments)[0])
+                                  replica.start_from(weights, kept, rnd, fragments, mixing)[0])
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
                                 batch_size=BATCH, epochs=None, steps=take,
                                 seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
@@ -294,7 +302,7 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
                          slow=job.get("slow"), budget=job.get("budget", False),
                          step_time=job.get("step_time", 1.0), target=job.get("target"),
                          max_time=job.get("max_time"), downlink=job.get("downlink", "none"),
-                         fragments=job.get("fragments", 1))
+                         fragments=job.get("fragments", 1), mixing=job.get("mixing", 0.0))
     return {"name": run.name, "val_loss": run.val_loss, "bytes_moved": run.bytes_moved,
             "curve": run.curve, "bytes_up": run.bytes_up, "peak_up": run.peak_up,
             "rounds": run.rounds}
@@ -343,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
-    parser.add_argument("--only", choices=["downlink", "streaming"],
-                        help="downlink / streaming: only that table (its own section)")
-    parser.add_argument("--hs", help="with --only downlink: the H values, e.g. 100 "
+    parser.add_argument("--only", choices=["downlink", "streaming", "parity"],
+                        help="downlink / streaming / parity (baseline 2 against DiLoCo): "
+                             "only that table (its own section)")
+    parser.add_argument("--hs", help="with --only downlink or parity: the H values, e.g. 100 "
                                      "(default 100,500)")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
                         help="every run starts from a model trained N steps by synchronous "
@@ -360,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     # before it was, each run took two threads: four busy threads on a 2-core machine)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
     if args.one:
-        print(json.dumps(run_one(json.loads(args.one), args.smoke)))
+        print(json.dumps({**run_one(json.loads(args.one), args.smoke),
+                          "threads": torch.get_num_threads()}))
         return 0
     steps = 20 if args.smoke else args.steps
     hs = [5, 10] if args.smoke else [50, 100, 500]
@@ -382,6 +392,13 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
         streams = streaming_runs(steps, h, args)
         write_streaming(args.out, steps, h, streams, time.perf_counter() - started,
                         args.smoke)
+        print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+        return 0
+    if args.only == "parity":
+        chosen = [int(h) for h in args.hs.split(",")] if args.hs else hs[1:]
+        runs = parity_runs(steps, chosen, args)
+        write_parity(args.out, steps, runs, time.perf_counter() - started, args.smoke,
+                     args.hs)
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
         return 0
     down = downlink_runs(steps, [0, *map(int, args.hs.split(","))] if args.hs else hs, args)
@@ -411,10 +428,50 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
     iid_mid = next(r for r in runs if r.name == f"3. DiLoCo H = {h_mid}, fp32")
     elapsed = time.perf_counter() - started
     write(args.out, steps, hs, base1, base2, runs, iid_mid, non_iid, fixed, timed, t, elapsed,
-          args.smoke, big)
+          args.smoke)
+    if big is not None:
+        write_gpu(args.out, big)
     write_downlink(args.out, steps, down, elapsed, args.smoke)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
     return 0
+
+
+def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
+    """Baseline 2 (synchronous data parallel) and DiLoCo at each H, fp32 and int8: the
+    main table's comparison alone, for longer runs (--steps) than the whole table affords."""
+    return [_run(r) for r in run_all([
+        {"kind": "dp", "steps": steps},
+        *({"kind": "diloco", "steps": steps, "h": h, "codec": codec,
+           "name": f"DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}"}
+          for h in hs for codec in ("none", "int8"))], args)]
+
+
+def write_parity(out: Path, steps: int, runs: list[Run], elapsed: float, smoke: bool,
+                 hs: str | None) -> None:
+    """Baseline 2 against DiLoCo, between its own markers in ``out``."""
+    base, *rest = runs
+    command = "python -m bench.lm --only parity" + (" --smoke" if smoke else "") + \
+        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
+        (f" --hs {hs}" if hs else "") + \
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
+    begin, end = markers("parity table")
+    lines = [begin, "",
+             f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min. {WORKERS} "
+             f"workers x {steps} inner steps x batch {BATCH} x {BLOCK} bytes = "
+             f"{WORKERS * steps * BATCH * BLOCK:,} tokens per run, seed {SEED}."
+             + _warm_note(), "",
+             "| run | outer steps | validation loss (nats/byte) | vs baseline 2 | MB moved "
+             "| fewer bytes than baseline 2 |", "|---|---|---|---|---|---|",
+             f"| {base.name} | - | {base.val_loss:.4f} | +0.00% | "
+             f"{base.bytes_moved / 1e6:,.1f} | - |"]
+    for r in rest:
+        lines.append(f"| {r.name} | {r.rounds} | {r.val_loss:.4f} | "
+                     f"{(r.val_loss / base.val_loss - 1) * 100:+.2f}% | "
+                     f"{r.bytes_moved / 1e6:,.1f} | {base.bytes_moved / r.bytes_moved:,.0f}x |")
+    lines += ["", end]
+    _write_section(out, begin, end, lines)
 
 
 def downlink_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
@@ -435,7 +492,8 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
         ("" if smoke or steps == 1000 else f" --steps {steps}") + \
         (f" --hs {hs}" if hs else "") + \
         ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
-    lines = [DOWN_BEGIN, "",
+    begin, end = markers("downlink table")
+    lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
              f"(or the full run) on {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min; the same "
@@ -449,18 +507,22 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
         lines.append(f"| {r.name} | {r.val_loss:.4f} | "
                      f"{(r.val_loss / plain.val_loss - 1) * 100:+.2f}% | "
                      f"{r.bytes_moved / 1e6:,.1f} | {dp_bytes / r.bytes_moved:,.0f}x |")
-    lines += ["", DOWN_END]
-    _write_section(out, DOWN_BEGIN, DOWN_END, lines)
+    lines += ["", end]
+    _write_section(out, begin, end, lines)
 
 
 def streaming_runs(steps: int, h: int, args: argparse.Namespace) -> list[Run]:
     """DiLoCo at one H against Streaming DiLoCo with F = 2 and 4 fragments (each fragment
-    synchronised every H steps), fp32; and F = 4 with int8 up and int8 steps down."""
+    synchronised every H steps), fp32; F = 4 with mixing alpha = 0.5 (the midpoint); and
+    F = 4 with int8 up and int8 steps down."""
     grid = [{"kind": "diloco", "steps": steps, "h": h, "fragments": f, "codec": codec,
-             "downlink": down, "name": (f"Streaming DiLoCo F = {f}" if f > 1 else "DiLoCo")
-             + f", H = {h}, " + ("fp32" if codec == "none" else "int8 up, int8 steps down")}
-            for f, codec, down in [(1, "none", "none"), (2, "none", "none"),
-                                   (4, "none", "none"), (4, "int8", "int8")]]
+             "downlink": down, "mixing": mixing,
+             "name": (f"Streaming DiLoCo F = {f}" if f > 1 else "DiLoCo") + f", H = {h}, "
+             + ("fp32" if codec == "none" else "int8 up, int8 steps down")
+             + (f", mixing {mixing}" if mixing else "")}
+            for f, codec, down, mixing in [(1, "none", "none", 0.0), (2, "none", "none", 0.0),
+                                           (4, "none", "none", 0.0), (4, "none", "none", 0.5),
+                                           (4, "int8", "int8", 0.0)]]
     return [_run(r) for r in run_all(grid, args)]
 
 
@@ -471,7 +533,8 @@ def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: flo
         ("" if smoke or steps == 1000 else f" --steps {steps}") + \
         ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
     base = runs[0]
-    lines = [STREAM_BEGIN, "",
+    begin, end = markers("streaming table")
+    lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
              f"on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"on {DEVICE.type}, in {elapsed / 60:.1f} min; {WORKERS} workers x {steps} "
@@ -489,8 +552,8 @@ def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: flo
                      f"{(r.val_loss / base.val_loss - 1) * 100:+.2f}% | "
                      f"{r.bytes_up / 1e6:,.1f} | {r.peak_up / 1e6:,.3f} | "
                      f"{r.bytes_moved / 1e6:,.1f} |")
-    lines += ["", STREAM_END]
-    _write_section(out, STREAM_BEGIN, STREAM_END, lines)
+    lines += ["", end]
+    _write_section(out, begin, end, lines)
 
 
 def _write_section(out: Path, begin: str, end: str, lines: list[str]) -> None:
@@ -530,12 +593,13 @@ def _reach(run: Run, target: float) -> float | None:
 
 def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: list[Run],
           iid_mid: Run, non_iid: Run, fixed: Run, timed: Run, step_time: float,
-          elapsed: float, smoke: bool, big: dict[str, Any] | None = None) -> None:
+          elapsed: float, smoke: bool) -> None:
     tokens = WORKERS * steps * BATCH * BLOCK
     command = "python -m bench.lm" + (" --smoke" if smoke else
                                       ("" if steps == 1000 else f" --steps {steps}")) + \
         ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8") + _warm_flag()
-    lines = [BEGIN, "",
+    begin, end = markers("generated tables")
+    lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores"
              + (f", {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else "")
@@ -565,21 +629,24 @@ def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: li
         when = _reach(r, base2.val_loss)
         lines.append(f"| {r.name} | {r.val_loss:.4f} | "
                      f"{'not reached' if when is None else f'{when:.1f}'} | {len(r.curve)} |")
-    if big is not None:
-        lines += ["", f"The ~10M-parameter config on {big['device']} (torch {big['torch']}, "
-                  f"AMP {big['amp']}): one worker, {big['steps']} steps of batch {big['batch']}"
-                  f" x {big['block']} bytes after 20 warm-up steps.", "",
-                  "| parameters | tokens/s | GPU peak memory (MB) | GPU utilisation (%) "
-                  "| validation loss after it |", "|---|---|---|---|---|",
-                  f"| {big['params'] / 1e6:.1f} M | {big['tokens_per_s']:,.0f} | "
-                  f"{big['gpu_peak_mb']:,.0f} | {big['gpu_util'] or 0:.0f} | "
-                  f"{big['val_loss']:.4f} |"]
-    lines += ["", END]
-    text = out.read_text() if out.exists() else f"# Language models\n\n{BEGIN}\n{END}\n"
-    start, stop = text.index(BEGIN), text.index(END) + len(END)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(text[:start] + "\n".join(lines) + text[stop:])
-    os.replace(tmp, out)
+    lines += ["", end]
+    _write_section(out, begin, end, lines)
+
+
+def write_gpu(out: Path, big: dict[str, Any]) -> None:
+    """The ~10M-parameter config's row, in its own section (a CPU run keeps it)."""
+    _write_section(out, GPU_BEGIN, GPU_END, [
+        GPU_BEGIN, "",
+        f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/python -m bench.lm "
+        f"--device cuda --jobs 8{_warm_flag()}`: the ~10M-parameter config on "
+        f"{big['device']} (torch {big['torch']}, AMP {big['amp']}): one worker, "
+        f"{big['steps']} steps of batch {big['batch']} x {big['block']} bytes after 20 "
+        "warm-up steps.", "",
+        "| parameters | tokens/s | GPU peak memory (MB) | GPU utilisation (%) "
+        "| validation loss after it |", "|---|---|---|---|---|",
+        f"| {big['params'] / 1e6:.1f} M | {big['tokens_per_s']:,.0f} | "
+        f"{big['gpu_peak_mb']:,.0f} | {big['gpu_util'] or 0:.0f} | {big['val_loss']:.4f} |",
+        "", GPU_END])
 
 
 if __name__ == "__main__":

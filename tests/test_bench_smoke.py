@@ -151,7 +151,9 @@ def test_lm_downlink_smoke_run_from_a_warm_start_writes_its_table(
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
-    assert "kept" in text and "<!-- end downlink table -->" in text
+    # a warm-start run writes its own section: the from-scratch tables stay beside it
+    assert "kept" in text and "<!-- end warm-start downlink table -->" in text
+    assert "<!-- end downlink table -->" not in text
     assert "--only downlink --smoke --warm 10`" in text, text
     rows = _rows(text)
     fp32, steps = rows["DiLoCo H = 10, int8 up, fp32 down"], \
@@ -170,6 +172,46 @@ def test_lm_downlink_smoke_run_from_a_warm_start_writes_its_table(
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "--warm must be 0 or more steps" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(620)  # its subprocess has 600 s; a loaded machine needs more than 300
+def test_lm_parity_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    """bench/lm.py's baseline 2 against DiLoCo alone (``--only parity``), into its own
+    section, with the bytes each side moves counted as the main table counts them."""
+    import bench.lm as lm
+    from fedq.weights import raw_size, state_of
+
+    out = tmp_path / "lm.md"
+    out.write_text("# LM\n\nkept\n")
+    proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "parity",
+                           "--hs", "5", "--jobs", "2", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "kept" in text and "<!-- end parity table -->" in text
+    assert "--only parity --smoke --hs 5`" in text, text
+    rows = _rows(text)
+    size = raw_size(state_of(lm.fresh_model_shapes()))
+    dp, fp32 = rows["2. synchronous data parallel (H = 1)"], rows["DiLoCo H = 5, fp32"]
+    assert float(dp[3].replace(",", "")) == round(2 * lm.WORKERS * size * 20 / 1e6, 1)
+    # 20 steps at H = 5: 4 outer steps, each worker uploads 4 times and downloads 3
+    assert fp32[0] == "4" and float(fp32[3]) == round(7 * lm.WORKERS * size / 1e6, 1), fp32
+    assert float(rows["DiLoCo H = 5, int8"][3]) < float(fp32[3])
+    assert float(fp32[2].rstrip("%")) == pytest.approx(
+        (float(fp32[1]) / float(dp[1]) - 1) * 100, abs=0.02)
+
+
+def test_lm_runs_at_a_time_share_the_cores() -> None:
+    """bench.lm runs ``--jobs`` runs at a time, one process each: each takes cores / jobs
+    torch threads (more oversubscribes them: docs/lm.md's H = 100 downlink pair took
+    57.7 min on 2 cores with two threads each, 3.4 min with one)."""
+    import bench.lm as lm
+
+    args = SimpleNamespace(jobs=2, init=None, device="cpu", smoke=True)
+    [result] = lm.run_all([{"kind": "step_time", "steps": 1}], args)  # type: ignore[arg-type]
+    assert result["seconds"] > 0
+    assert result["threads"] == max(1, (os.cpu_count() or 1) // 2)
 
 
 def test_only_updates_its_sections_in_place() -> None:
@@ -200,11 +242,15 @@ def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     assert "kept" in text and "<!-- end streaming table -->" in text
+    # a progress line per round on stderr (a CPU run takes minutes per row)
+    assert "Streaming DiLoCo F = 4, H = 8, fp32: round 8/8 (" in proc.stderr, proc.stderr
     rows = {name: row for name, row in _rows(text).items()
             if name.startswith(("DiLoCo", "Streaming"))}
     plain, two, four = (rows[f"{n}, H = 8, fp32"] for n in
                         ("DiLoCo", "Streaming DiLoCo F = 2", "Streaming DiLoCo F = 4"))
     assert [plain[0], two[0], four[0]] == ["2", "4", "8"]  # rounds: F per H steps
+    mixed = rows["Streaming DiLoCo F = 4, H = 8, fp32, mixing 0.5"]
+    assert mixed[0] == "8" and mixed[1] != four[1]  # another start each round, another loss
     peak = {name: float(r[4]) for name, r in rows.items()}
     # each round moves one fragment: the peak update falls with F, the bytes up do not grow
     assert peak["Streaming DiLoCo F = 2, H = 8, fp32"] < 0.7 * peak["DiLoCo, H = 8, fp32"]
