@@ -351,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOC)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
-    parser.add_argument("--only", choices=["downlink", "streaming", "parity"],
-                        help="downlink / streaming / parity (baseline 2 against DiLoCo): "
-                             "only that table (its own section)")
+    parser.add_argument("--only", choices=["downlink", "streaming", "parity", "slow"],
+                        help="downlink / streaming / parity (baseline 2 against DiLoCo) / "
+                             "slow (one worker 4x slower): only that table (its own "
+                             "section)")
     parser.add_argument("--hs", help="with --only downlink or parity: the H values, e.g. 100 "
                                      "(default 100,500)")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
@@ -401,6 +402,12 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
                      args.hs)
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
         return 0
+    if args.only == "slow":
+        t, base2, fixed, timed = slow_runs(steps, h_mid, args)
+        write_slow(args.out, steps, base2, fixed, timed, t, time.perf_counter() - started,
+                   "python -m bench.lm --only slow" + _flags(steps, args.smoke))
+        print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
+        return 0
     down = downlink_runs(steps, [0, *map(int, args.hs.split(","))] if args.hs else hs, args)
     if args.only == "downlink":
         write_downlink(args.out, steps, down, time.perf_counter() - started, args.smoke,
@@ -415,25 +422,51 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
         {"kind": "single", "steps": steps}, {"kind": "dp", "steps": steps}, *grid,
         {"kind": "diloco", "steps": steps, "h": h_mid, "non_iid": True,
          "name": f"DiLoCo H = {h_mid}, fp32, each client whole works (non-IID)"},
-        {"kind": "diloco", "steps": steps, "h": h_mid, "slow": 3, "step_time": t,
-         "name": f"fixed H = {h_mid} on every worker"}], args)
+        _fixed_job(steps, h_mid, t)], args)
     base1, base2, *runs = [_run(r) for r in first]
     runs, non_iid, fixed = runs[:-2], runs[-2], runs[-1]
-    second = run_all([
-        {"kind": "diloco", "steps": steps, "h": h_mid, "slow": 3, "budget": True,
-         "step_time": t, "target": base2.val_loss, "max_time": fixed.curve[-1][0],
-         "name": f"time budget of {h_mid} fast steps, FedNova-normalised"},
-        *([{"kind": "gpu", "steps": steps}] if DEVICE.type == "cuda" else [])], args)
+    second = run_all([_timed_job(steps, h_mid, t, base2, fixed),
+                      *([{"kind": "gpu", "steps": steps}] if DEVICE.type == "cuda" else [])],
+                     args)
     timed, big = _run(second[0]), (second[1] if len(second) > 1 else None)
     iid_mid = next(r for r in runs if r.name == f"3. DiLoCo H = {h_mid}, fp32")
     elapsed = time.perf_counter() - started
-    write(args.out, steps, hs, base1, base2, runs, iid_mid, non_iid, fixed, timed, t, elapsed,
-          args.smoke)
+    write(args.out, steps, base1, base2, runs, iid_mid, non_iid, elapsed, args.smoke)
+    write_slow(args.out, steps, base2, fixed, timed, t, elapsed,
+               "python -m bench.lm" + _flags(steps, args.smoke))
     if big is not None:
         write_gpu(args.out, big)
     write_downlink(args.out, steps, down, elapsed, args.smoke)
     print(f"wrote {args.out} ({elapsed:.0f} s)")
     return 0
+
+
+def _fixed_job(steps: int, h: int, step_time: float) -> dict[str, Any]:
+    return {"kind": "diloco", "steps": steps, "h": h, "slow": 3, "step_time": step_time,
+            "name": f"fixed H = {h} on every worker"}
+
+
+def _timed_job(steps: int, h: int, step_time: float, base2: Run, fixed: Run) -> dict[str, Any]:
+    """Rounds of a time budget of ``h`` fast steps, for as long as ``fixed`` ran (or until
+    baseline 2's loss)."""
+    return {"kind": "diloco", "steps": steps, "h": h, "slow": 3, "budget": True,
+            "step_time": step_time, "target": base2.val_loss, "max_time": fixed.curve[-1][0],
+            "name": f"time budget of {h} fast steps, FedNova-normalised"}
+
+
+def slow_runs(steps: int, h: int, args: argparse.Namespace) -> tuple[float, Run, Run, Run]:
+    """The slow-worker table alone: the step time, baseline 2 (the target), fixed H, and
+    the time budget (which needs both)."""
+    [t] = [r["seconds"] for r in run_all([{"kind": "step_time", "steps": steps}], args)]
+    base2, fixed = [_run(r) for r in run_all([{"kind": "dp", "steps": steps},
+                                              _fixed_job(steps, h, t)], args)]
+    [timed] = [_run(r) for r in run_all([_timed_job(steps, h, t, base2, fixed)], args)]
+    return t, base2, fixed, timed
+
+
+def _flags(steps: int, smoke: bool) -> str:
+    return (" --smoke" if smoke else ("" if steps == 1000 else f" --steps {steps}")) + \
+        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8") + _warm_flag()
 
 
 def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
@@ -591,13 +624,10 @@ def _reach(run: Run, target: float) -> float | None:
     return next((when for when, loss in run.curve if loss <= target), None)
 
 
-def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: list[Run],
-          iid_mid: Run, non_iid: Run, fixed: Run, timed: Run, step_time: float,
-          elapsed: float, smoke: bool) -> None:
+def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mid: Run,
+          non_iid: Run, elapsed: float, smoke: bool) -> None:
     tokens = WORKERS * steps * BATCH * BLOCK
-    command = "python -m bench.lm" + (" --smoke" if smoke else
-                                      ("" if steps == 1000 else f" --steps {steps}")) + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8") + _warm_flag()
+    command = "python -m bench.lm" + _flags(steps, smoke)
     begin, end = markers("generated tables")
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
@@ -619,16 +649,36 @@ def write(out: Path, steps: int, hs: list[int], base1: Run, base2: Run, runs: li
               "| run | validation loss | vs the same run on IID shards |", "|---|---|---|",
               f"| {iid_mid.name} (IID) | {iid_mid.val_loss:.4f} | - |",
               f"| {non_iid.name} | {non_iid.val_loss:.4f} | "
-              f"{(non_iid.val_loss / iid_mid.val_loss - 1) * 100:+.1f}% |", "",
-              f"One worker 4x slower (simulated time; one step measured at "
-              f"{step_time * 1000:.1f} ms here). Target: baseline 2's validation loss "
-              f"{base2.val_loss:.4f}.", "",
-              "| run | final validation loss | simulated seconds to the target | rounds |",
-              "|---|---|---|---|"]
+              f"{(non_iid.val_loss / iid_mid.val_loss - 1) * 100:+.1f}% |", "", end]
+    _write_section(out, begin, end, lines)
+
+
+def write_slow(out: Path, steps: int, base2: Run, fixed: Run, timed: Run, step_time: float,
+               elapsed: float, command: str) -> None:
+    """One worker 4x slower: fixed H against the time budget, in simulated time, to
+    baseline 2's loss and to the loss the fixed-H run ends at (a loss both can reach)."""
+    begin, end = markers("slow-worker table")
+    # when each first reaches the loss the fixed-H run ends at (the fixed run may reach it
+    # before its last round: the loss need not fall every round)
+    to_fixed, fixed_at = _reach(timed, fixed.val_loss), _reach(fixed, fixed.val_loss)
+    lines = [begin, "",
+             f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, on "
+             f"{DEVICE.type}, in {elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner "
+             f"steps, one of them 4x slower (simulated time; one step measured at "
+             f"{step_time * 1000:.1f} ms here); the time-budgeted run has as long as the "
+             f"fixed-H run took. Baseline 2's validation loss: {base2.val_loss:.4f}."
+             + _warm_note(), "",
+             "| run | final validation loss | rounds | simulated s to baseline 2's loss "
+             "| simulated s to the fixed-H run's final loss |", "|---|---|---|---|---|"]
     for r in (fixed, timed):
-        when = _reach(r, base2.val_loss)
-        lines.append(f"| {r.name} | {r.val_loss:.4f} | "
-                     f"{'not reached' if when is None else f'{when:.1f}'} | {len(r.curve)} |")
+        when, same = _reach(r, base2.val_loss), _reach(r, fixed.val_loss)
+        lines.append(f"| {r.name} | {r.val_loss:.4f} | {len(r.curve)} | "
+                     f"{'not reached' if when is None else f'{when:.1f}'} | "
+                     f"{'not reached' if same is None else f'{same:.1f}'} |")
+    if to_fixed and fixed_at:
+        lines += ["", f"To the fixed-H run's final loss, the time budget is "
+                      f"{fixed_at / to_fixed:.1f}x sooner."]
     lines += ["", end]
     _write_section(out, begin, end, lines)
 

@@ -202,6 +202,64 @@ def test_lm_parity_smoke_run_writes_its_table(tmp_path: Path) -> None:
         (float(fp32[1]) / float(dp[1]) - 1) * 100, abs=0.02)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(620)  # its subprocess has 600 s; a loaded machine needs more than 300
+def test_lm_smoke_run_writes_every_table(tmp_path: Path) -> None:
+    """The whole of bench/lm.py at smoke size: the main table, the slow-worker table and
+    the downlink table, each into its own section, the GPU section left as it was."""
+    out = tmp_path / "lm.md"
+    out.write_text("# LM\n\n<!-- begin gpu table -->\nkept\n<!-- end gpu table -->\n")
+    proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--jobs", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "<!-- begin gpu table -->\nkept\n" in text  # a CPU run keeps the GPU row
+    rows = _rows(text)
+    dp = float(rows["2. synchronous data parallel (H = 1)"][0])
+    for name in ("1. one worker alone, all data", "3. DiLoCo H = 5, fp32",
+                 "3. DiLoCo H = 10, int8", "DiLoCo H = 10, int8 up, int8 steps down"):
+        assert 0 < float(rows[name][0]) < 5.6, (name, rows[name])  # below ln 256
+    h5 = rows["3. DiLoCo H = 5, fp32"]
+    assert h5[2] == f"{(float(h5[0]) / dp - 1) * 100:+.1f}%", h5
+    _check_slow(text, 10, dp)
+
+
+def _check_slow(text: str, h: int, dp: float) -> None:
+    """The slow-worker table: the budget runs 4x the rounds of fixed H in the same
+    simulated time, and says how much sooner it reaches the fixed-H run's final loss."""
+    section = text[text.index("<!-- begin slow-worker table -->"):
+                   text.index("<!-- end slow-worker table -->")]
+    assert f"Baseline 2's validation loss: {dp:.4f}." in section
+    rows = _rows(section)
+    fixed = rows[f"fixed H = {h} on every worker"]
+    timed = rows[f"time budget of {h} fast steps, FedNova-normalised"]
+    assert (fixed[1], timed[1]) == ("2", "8"), (fixed, timed)
+    assert fixed[3] != "not reached" and float(fixed[3]) > 0
+    if timed[3] != "not reached":  # the budget reached the fixed run's loss: how soon
+        said = re.search(r"the time budget is ([0-9.]+)x sooner", section)
+        assert said and float(said[1]) == pytest.approx(float(fixed[3]) / float(timed[3]),
+                                                        rel=0.1), section
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(620)
+def test_lm_slow_worker_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    """``--only slow``: the slow-worker table alone (its own runs of baseline 2 and fixed
+    H), into its own section."""
+    out = tmp_path / "lm.md"
+    out.write_text("# LM\n\nkept\n")
+    proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "slow",
+                           "--jobs", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "kept" in text and "--only slow --smoke`" in text
+    assert "<!-- begin generated tables -->" not in text
+    dp = float(re.search(r"^dp: ([0-9.]+)$", proc.stdout, re.M)[1])  # type: ignore[index]
+    _check_slow(text, 10, dp)
+
+
 def test_lm_runs_at_a_time_share_the_cores() -> None:
     """bench.lm runs ``--jobs`` runs at a time, one process each: each takes cores / jobs
     torch threads (more oversubscribes them: docs/lm.md's H = 100 downlink pair took
