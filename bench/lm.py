@@ -20,8 +20,9 @@ text (the last 10% of every work), 2,048 windows.
 
 The slow-worker table uses simulated time: one step takes the median step time measured
 here, four times that on the slow worker; a fixed-H round lasts as long as the slow
-worker's H steps, a time-budgeted round as long as the budget (fast workers take more
-steps, the outer step is FedNova-normalised).
+worker's H steps (the run takes twice baseline 2's steps), a time-budgeted round as long
+as the budget (fast workers take more steps, their lr schedule spanning them, the outer
+step is FedNova-normalised) until it reaches baseline 2's loss or the fixed-H run's time.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ LR, WARMUP = 2e-3, 50
 DEVICE = torch.device("cpu")  # --device
 WARM, WARM_LOSS = 0, math.nan  # --warm: steps of data parallel every run starts from
 INIT: Path | None = None  # the warm start's model, in a --one process
+# the slow-worker table's fixed-H run takes SLOW_SPAN x the steps baseline 2 does (DiLoCo
+# needs more tokens than data parallel to reach its loss: at the same tokens it ends above)
+SLOW_SPAN = 2
 STARTED = time.perf_counter()
 
 
@@ -167,12 +171,14 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
            scratch: Path, name: str, *, slow: int | None = None, budget: bool = False,
            step_time: float = 1.0, target: float | None = None,
            max_time: float | None = None, downlink: str = "none", fragments: int = 1,
-           mixing: float = 0.0) -> Run:
+           mixing: float = 0.0, horizon: int | None = None) -> Run:
     """DiLoCo: H inner AdamW steps per worker from the global model, the deltas averaged
     (FedNova-normalised when their step counts differ), the outer Nesterov step (lr 0.7,
     momentum 0.9). ``slow``: that worker's steps take 4x as long (simulated time); with
     ``budget`` a round lasts H fast steps and each worker takes the steps that fit, until
     ``target`` is reached or ``max_time`` passes; without it, steps / H rounds.
+    ``horizon``: the inner steps the lr schedule spans (default ``steps``; a time-budgeted
+    run's fast workers take more steps than ``steps`` in the same time).
     ``downlink: int8``: after round 1 each worker downloads the new model as an int8
     step (fedq/aggregate/downlink.py: the published model is the previous one plus the
     dequantized step, the residual carried), not the fp32 model. ``fragments`` F > 1:
@@ -189,7 +195,8 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     server, server_state = make_server("diloco"), dict[str, torch.Tensor]()
     reducer = make_reducer("fednova" if budget else "mean")
     acc, run, clock = Accumulator(), Run(name), 0.0
-    spec = optimizer(steps)
+    horizon = horizon or steps
+    spec = optimizer(horizon)
     done = [0] * WORKERS
     folder = scratch / name.replace(" ", "_").replace(",", "")
     round_time = h * step_time * (4 if slow is not None and not budget else 1)
@@ -210,7 +217,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
                                 batch_size=BATCH, epochs=None, steps=take,
                                 seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
-                                schedule_steps=steps, first_step=done[c],
+                                schedule_steps=horizon, first_step=done[c],
                                 state_path=state_path(folder, "bench", c))
             done[c] = stats.inner_step
             trained = local.state_dict()
@@ -302,7 +309,8 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
                          slow=job.get("slow"), budget=job.get("budget", False),
                          step_time=job.get("step_time", 1.0), target=job.get("target"),
                          max_time=job.get("max_time"), downlink=job.get("downlink", "none"),
-                         fragments=job.get("fragments", 1), mixing=job.get("mixing", 0.0))
+                         fragments=job.get("fragments", 1), mixing=job.get("mixing", 0.0),
+                         horizon=job.get("horizon"))
     return {"name": run.name, "val_loss": run.val_loss, "bytes_moved": run.bytes_moved,
             "curve": run.curve, "bytes_up": run.bytes_up, "peak_up": run.peak_up,
             "rounds": run.rounds}
@@ -357,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                              "section)")
     parser.add_argument("--hs", help="with --only downlink or parity: the H values, e.g. 100 "
                                      "(default 100,500)")
+    parser.add_argument("--codecs", default="fp32,int8",
+                        help="with --only parity: the DiLoCo update codecs, fp32 and/or int8")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
                         help="every run starts from a model trained N steps by synchronous "
                              "data parallel (shared; its steps and bytes not counted)")
@@ -364,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warm < 0:
         parser.error(f"--warm must be 0 or more steps, not {args.warm}")
+    codecs = args.codecs.split(",")
+    if not codecs or not set(codecs) <= {"fp32", "int8"}:
+        parser.error(f"--codecs takes fp32 and/or int8, comma-separated, not {args.codecs!r}")
     global DEVICE, WARM
     DEVICE, WARM, args.init = torch.device(args.device), args.warm, None
     # the cores shared among the runs at a time (a --one process is told --jobs too;
@@ -399,13 +412,14 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
         chosen = [int(h) for h in args.hs.split(",")] if args.hs else hs[1:]
         runs = parity_runs(steps, chosen, args)
         write_parity(args.out, steps, runs, time.perf_counter() - started, args.smoke,
-                     args.hs)
+                     args.hs, args.codecs)
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
         return 0
     if args.only == "slow":
         t, base2, fixed, timed = slow_runs(steps, h_mid, args)
         write_slow(args.out, steps, base2, fixed, timed, t, time.perf_counter() - started,
-                   "python -m bench.lm --only slow" + _flags(steps, args.smoke))
+                   _command("slow", steps, args.smoke),
+                   _fast_steps(fixed, h_mid))
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s)")
         return 0
     down = downlink_runs(steps, [0, *map(int, args.hs.split(","))] if args.hs else hs, args)
@@ -433,7 +447,7 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
     elapsed = time.perf_counter() - started
     write(args.out, steps, base1, base2, runs, iid_mid, non_iid, elapsed, args.smoke)
     write_slow(args.out, steps, base2, fixed, timed, t, elapsed,
-               "python -m bench.lm" + _flags(steps, args.smoke))
+               _command(None, steps, args.smoke), _fast_steps(fixed, h_mid))
     if big is not None:
         write_gpu(args.out, big)
     write_downlink(args.out, steps, down, elapsed, args.smoke)
@@ -442,16 +456,25 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
 
 
 def _fixed_job(steps: int, h: int, step_time: float) -> dict[str, Any]:
-    return {"kind": "diloco", "steps": steps, "h": h, "slow": 3, "step_time": step_time,
-            "name": f"fixed H = {h} on every worker"}
+    return {"kind": "diloco", "steps": SLOW_SPAN * steps, "h": h, "slow": 3,
+            "step_time": step_time, "name": f"fixed H = {h} on every worker"}
 
 
 def _timed_job(steps: int, h: int, step_time: float, base2: Run, fixed: Run) -> dict[str, Any]:
     """Rounds of a time budget of ``h`` fast steps, for as long as ``fixed`` ran (or until
-    baseline 2's loss)."""
+    baseline 2's loss), the inner lr schedule spanning the steps a fast worker takes in
+    that time (as a user who sets a time budget sets ``optimizer.schedule_steps``; spanning
+    ``steps``, three quarters of the run trained at the schedule's floor)."""
     return {"kind": "diloco", "steps": steps, "h": h, "slow": 3, "budget": True,
             "step_time": step_time, "target": base2.val_loss, "max_time": fixed.curve[-1][0],
+            "horizon": _fast_steps(fixed, h),
             "name": f"time budget of {h} fast steps, FedNova-normalised"}
+
+
+def _fast_steps(fixed: Run, h: int) -> int:
+    """The steps a fast worker takes in the fixed-H run's time under a budget of ``h``
+    fast steps a round: h per fixed round's worth of budget rounds (4 each)."""
+    return 4 * h * len(fixed.curve)
 
 
 def slow_runs(steps: int, h: int, args: argparse.Namespace) -> tuple[float, Run, Run, Run]:
@@ -464,9 +487,13 @@ def slow_runs(steps: int, h: int, args: argparse.Namespace) -> tuple[float, Run,
     return t, base2, fixed, timed
 
 
-def _flags(steps: int, smoke: bool) -> str:
-    return (" --smoke" if smoke else ("" if steps == 1000 else f" --steps {steps}")) + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type} --jobs 8") + _warm_flag()
+def _command(only: str | None, steps: int, smoke: bool, *extra: str) -> str:
+    """The command line that makes a table (``extra``: its own flags, e.g. "--hs 100")."""
+    return " ".join(["python -m bench.lm", *([f"--only {only}"] if only else []),
+                     *(["--smoke"] if smoke else [] if steps == 1000 else [f"--steps {steps}"]),
+                     *(e for e in extra if e),
+                     *([] if DEVICE.type == "cpu" else [f"--device {DEVICE.type}"]),
+                     *([f"--warm {WARM}"] if WARM else [])])
 
 
 def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
@@ -476,17 +503,16 @@ def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run
         {"kind": "dp", "steps": steps},
         *({"kind": "diloco", "steps": steps, "h": h, "codec": codec,
            "name": f"DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}"}
-          for h in hs for codec in ("none", "int8"))], args)]
+          for h in hs for codec in ("none", "int8")
+          if (codec if codec == "int8" else "fp32") in args.codecs.split(","))], args)]
 
 
 def write_parity(out: Path, steps: int, runs: list[Run], elapsed: float, smoke: bool,
-                 hs: str | None) -> None:
+                 hs: str | None, codecs: str = "fp32,int8") -> None:
     """Baseline 2 against DiLoCo, between its own markers in ``out``."""
     base, *rest = runs
-    command = "python -m bench.lm --only parity" + (" --smoke" if smoke else "") + \
-        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
-        (f" --hs {hs}" if hs else "") + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
+    command = _command("parity", steps, smoke, f"--hs {hs}" if hs else "",
+                       "" if codecs == "fp32,int8" else f"--codecs {codecs}")
     begin, end = markers("parity table")
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
@@ -521,10 +547,7 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
     """The compressed-downlink table, between its own markers in ``out``."""
     size = raw_size(state_of(fresh_model_shapes()))
     dp_bytes = 2 * WORKERS * size * steps  # baseline 2, as data_parallel counts it
-    command = "python -m bench.lm --only downlink" + (" --smoke" if smoke else "") + \
-        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
-        (f" --hs {hs}" if hs else "") + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
+    command = _command("downlink", steps, smoke, f"--hs {hs}" if hs else "")
     begin, end = markers("downlink table")
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
@@ -562,9 +585,7 @@ def streaming_runs(steps: int, h: int, args: argparse.Namespace) -> list[Run]:
 def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: float,
                     smoke: bool) -> None:
     """The Streaming DiLoCo table, between its own markers in ``out``."""
-    command = "python -m bench.lm --only streaming" + (" --smoke" if smoke else "") + \
-        ("" if smoke or steps == 1000 else f" --steps {steps}") + \
-        ("" if DEVICE.type == "cpu" else f" --device {DEVICE.type}") + _warm_flag()
+    command = _command("streaming", steps, smoke)
     base = runs[0]
     begin, end = markers("streaming table")
     lines = [begin, "",
@@ -627,7 +648,7 @@ def _reach(run: Run, target: float) -> float | None:
 def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mid: Run,
           non_iid: Run, elapsed: float, smoke: bool) -> None:
     tokens = WORKERS * steps * BATCH * BLOCK
-    command = "python -m bench.lm" + _flags(steps, smoke)
+    command = _command(None, steps, smoke)
     begin, end = markers("generated tables")
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
@@ -654,31 +675,36 @@ def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mi
 
 
 def write_slow(out: Path, steps: int, base2: Run, fixed: Run, timed: Run, step_time: float,
-               elapsed: float, command: str) -> None:
-    """One worker 4x slower: fixed H against the time budget, in simulated time, to
-    baseline 2's loss and to the loss the fixed-H run ends at (a loss both can reach)."""
+               elapsed: float, command: str, horizon: int) -> None:
+    """One worker 4x slower: fixed H against the time budget, in simulated time to
+    baseline 2's loss (the time budget stops there)."""
     begin, end = markers("slow-worker table")
-    # when each first reaches the loss the fixed-H run ends at (the fixed run may reach it
-    # before its last round: the loss need not fall every round)
-    to_fixed, fixed_at = _reach(timed, fixed.val_loss), _reach(fixed, fixed.val_loss)
+    to_base, fixed_base = _reach(timed, base2.val_loss), _reach(fixed, base2.val_loss)
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, on "
-             f"{DEVICE.type}, in {elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner "
-             f"steps, one of them 4x slower (simulated time; one step measured at "
+             f"{DEVICE.type}, in {elapsed / 60:.1f} min. Baseline 2: {WORKERS} workers x "
+             f"{steps} steps; fixed H: {WORKERS} workers x {SLOW_SPAN * steps} inner steps "
+             f"(DiLoCo needs more tokens to reach data parallel's loss), one of them 4x "
+             f"slower (simulated time; one step measured at "
              f"{step_time * 1000:.1f} ms here); the time-budgeted run has as long as the "
-             f"fixed-H run took. Baseline 2's validation loss: {base2.val_loss:.4f}."
+             f"fixed-H run took (or until it reaches baseline 2's loss), its inner lr "
+             f"schedule spanning the {horizon:,} steps a fast worker takes in that time. "
+             f"Baseline 2's validation loss: {base2.val_loss:.4f}."
              + _warm_note(), "",
-             "| run | final validation loss | rounds | simulated s to baseline 2's loss "
-             "| simulated s to the fixed-H run's final loss |", "|---|---|---|---|---|"]
-    for r in (fixed, timed):
-        when, same = _reach(r, base2.val_loss), _reach(r, fixed.val_loss)
+             "| run | final validation loss | rounds | simulated s | simulated s to "
+             "baseline 2's loss |", "|---|---|---|---|---|"]
+    for r, when in ((fixed, fixed_base), (timed, to_base)):
         lines.append(f"| {r.name} | {r.val_loss:.4f} | {len(r.curve)} | "
-                     f"{'not reached' if when is None else f'{when:.1f}'} | "
-                     f"{'not reached' if same is None else f'{same:.1f}'} |")
-    if to_fixed and fixed_at:
-        lines += ["", f"To the fixed-H run's final loss, the time budget is "
-                      f"{fixed_at / to_fixed:.1f}x sooner."]
+                     f"{r.curve[-1][0]:.1f} | "
+                     f"{'not reached' if when is None else f'{when:.1f}'} |")
+    if to_base and fixed_base:
+        lines += ["", f"To baseline 2's loss, the time budget is "
+                      f"{fixed_base / to_base:.1f}x sooner."]
+    elif to_base:
+        lines += ["", f"Fixed H does not reach baseline 2's loss in its "
+                      f"{fixed.curve[-1][0]:.1f} s; the time budget reaches it in "
+                      f"{to_base:.1f} s: at least {fixed.curve[-1][0] / to_base:.1f}x sooner."]
     lines += ["", end]
     _write_section(out, begin, end, lines)
 
