@@ -71,6 +71,7 @@ INIT: Path | None = None  # the warm start's model, in a --one process
 # the slow-worker table's fixed-H run takes SLOW_SPAN x the steps baseline 2 does (DiLoCo
 # needs more tokens than data parallel to reach its loss: at the same tokens it ends above)
 SLOW_SPAN = 2
+CODECS = {"fp32": "none", "int8": "int8"}  # --codecs name: fedq's codec name
 STARTED = time.perf_counter()
 
 
@@ -374,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warm < 0:
         parser.error(f"--warm must be 0 or more steps, not {args.warm}")
-    codecs = args.codecs.split(",")
-    if not codecs or not set(codecs) <= {"fp32", "int8"}:
+    if not set(args.codecs.split(",")) <= set(CODECS):
         parser.error(f"--codecs takes fp32 and/or int8, comma-separated, not {args.codecs!r}")
     global DEVICE, WARM
     DEVICE, WARM, args.init = torch.device(args.device), args.warm, None
@@ -472,8 +472,8 @@ def _timed_job(steps: int, h: int, step_time: float, base2: Run, fixed: Run) -> 
 
 
 def _fast_steps(fixed: Run, h: int) -> int:
-    """The steps a fast worker takes in the fixed-H run's time under a budget of ``h``
-    fast steps a round: h per fixed round's worth of budget rounds (4 each)."""
+    """The steps a fast worker takes in the fixed-H run's time: each fixed-H round lasts
+    the slow worker's h steps, 4 x h fast steps."""
     return 4 * h * len(fixed.curve)
 
 
@@ -501,10 +501,9 @@ def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run
     main table's comparison alone, for longer runs (--steps) than the whole table affords."""
     return [_run(r) for r in run_all([
         {"kind": "dp", "steps": steps},
-        *({"kind": "diloco", "steps": steps, "h": h, "codec": codec,
-           "name": f"DiLoCo H = {h}, {'fp32' if codec == 'none' else 'int8'}"}
-          for h in hs for codec in ("none", "int8")
-          if (codec if codec == "int8" else "fp32") in args.codecs.split(","))], args)]
+        *({"kind": "diloco", "steps": steps, "h": h, "codec": CODECS[label],
+           "name": f"DiLoCo H = {h}, {label}"}
+          for h in hs for label in CODECS if label in args.codecs.split(","))], args)]
 
 
 def write_parity(out: Path, steps: int, runs: list[Run], elapsed: float, smoke: bool,
