@@ -233,7 +233,8 @@ class JobSpec(_Strict):
                     "splits each round by the live workers' measured throughput",
     )
     time_budget_s: float | None = Field(
-        default=None, gt=0, description="each task stops training after this many seconds")
+        default=None, gt=0, description="each task stops training after this many seconds; "
+                                        "a cosine lr schedule then follows the job's clock")
     weight_by: Literal["samples", "processed"] = Field(
         default="samples", description="FedAvg weight: shard size, or samples processed")
     server: ServerSpec = Field(default_factory=ServerSpec)
@@ -323,9 +324,9 @@ class JobSpec(_Strict):
         if self.local_steps is None and self.local_epochs is None:
             yield ("local_epochs", "set local_epochs or local_steps")
         if self.optimizer.schedule == "cosine" and self.optimizer.schedule_steps is None \
-                and self.local_steps is None:
+                and self.local_steps is None and self.time_budget_s is None:
             yield ("optimizer.schedule_steps", "a cosine schedule needs schedule_steps (or "
-                                               "local_steps, to derive it)")
+                                               "local_steps or time_budget_s, to derive it)")
         yield from _kwargs_problems("model_args", models[self.model], self.model_args,
                                     skip=2, owner=self.model)
         yield from _kwargs_problems("dataset_args", datasets[self.dataset], self.dataset_args,
@@ -393,6 +394,14 @@ class JobSpec(_Strict):
         """The inner lr schedule's horizon in steps per client."""
         o = self.optimizer
         return o.schedule_steps or (self.rounds * self.local_steps if self.local_steps else None)
+
+    def schedule_window(self, round_: int) -> tuple[float, float] | None:
+        """With a time budget, the part of the cosine that round ``round_`` covers: the
+        schedule follows the job's clock (rounds x time_budget_s), not each client's step
+        count, which a slow worker would leave at a high lr while the fast ones decay."""
+        if self.time_budget_s is None or self.optimizer.schedule != "cosine":
+            return None
+        return (round_ - 1) / self.rounds, min(round_, self.rounds) / self.rounds
 
 
 def describe(spec: JobSpec) -> str:

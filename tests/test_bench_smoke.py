@@ -250,7 +250,7 @@ def _check_slow(text: str, h: int, dp: float) -> None:
     assert timed[1] == "16" or timed[3] != "not reached", timed
     assert float(timed[2]) == pytest.approx(float(fixed[2]), rel=0.01) or \
         timed[3] != "not reached"  # the same simulated time: 16 rounds of 10 fast steps
-    assert "steps a fast worker takes in that time" in section
+    assert "its inner lr schedule following the clock (a cosine over those rounds" in section
 
 
 def test_slow_table_says_how_much_sooner(tmp_path: Path) -> None:
@@ -275,17 +275,17 @@ def test_slow_table_says_how_much_sooner(tmp_path: Path) -> None:
     assert "sooner" not in out.read_text()
 
 
-def test_time_budget_schedule_spans_its_steps() -> None:
-    """The time-budgeted run's inner lr schedule spans the steps a fast worker takes
-    (the job's horizon reaches the training loop: another horizon, another model)."""
+def test_time_budget_schedule_follows_the_clock() -> None:
+    """The time-budgeted run's inner lr schedule is a cosine over its planned rounds on
+    every worker (the rounds reach the training loop: other rounds, another model)."""
     import bench.lm as lm
 
     job = {"kind": "diloco", "steps": 20, "h": 10, "slow": 3, "budget": True,
            "step_time": 1.0, "max_time": 20.0, "name": "timed"}
     assert lm._timed_job(20, 10, 1.0, lm.Run("b", 1.0), lm.Run("f", 2.0, curve=[
-        (40.0, 2.5), (80.0, 2.0)]))["horizon"] == 80  # 8 budget rounds of 10 steps
-    short = lm.run_one({**job, "horizon": 20}, smoke=True)
-    long = lm.run_one({**job, "horizon": 80}, smoke=True)
+        (40.0, 2.5), (80.0, 2.0)]))["rounds"] == 8  # 2 fixed-H rounds: 8 budget rounds
+    short = lm.run_one({**job, "rounds": 2}, smoke=True)
+    long = lm.run_one({**job, "rounds": 8}, smoke=True)
     assert short["rounds"] == long["rounds"] == 2
     assert short["val_loss"] != long["val_loss"]
 
@@ -315,9 +315,12 @@ def test_lm_runs_at_a_time_share_the_cores() -> None:
     import bench.lm as lm
 
     args = SimpleNamespace(jobs=2, init=None, device="cpu", smoke=True)
-    [result] = lm.run_all([{"kind": "step_time", "steps": 1}], args)  # type: ignore[arg-type]
-    assert result["seconds"] > 0
-    assert result["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    pair = lm.run_all([{"kind": "step_time", "steps": 1}] * 2, args)  # type: ignore[arg-type]
+    assert all(r["seconds"] > 0 for r in pair)
+    assert [r["threads"] for r in pair] == [max(1, (os.cpu_count() or 1) // 2)] * 2
+    # a run with none beside it takes every core
+    [alone] = lm.run_all([{"kind": "step_time", "steps": 1}], args)  # type: ignore[arg-type]
+    assert alone["threads"] == (os.cpu_count() or 1)
 
 
 def test_only_updates_its_sections_in_place() -> None:

@@ -24,7 +24,7 @@ from fedq.process import PROCESS
 from fedq.refs import TrainRef, UpdateRef
 from fedq.spec import OptimizerSpec, parse_spec
 from fedq.testing.cluster import Cluster, base_env
-from fedq.weights import dumps, loads_with_meta
+from fedq.weights import dumps, loads, loads_with_meta
 from fedq.worker import inner
 from fedq.worker.loop import lr_at
 from fedq.worker.update import run_training
@@ -144,6 +144,40 @@ def test_diloco_inner_state_survives_rounds_and_a_worker_restart(
     # the moments went on from the kept ones (a fresh AdamW would restart them at 0)
     steps = [v for k, v in after.items() if k.endswith(".step")]
     assert steps and all(float(s) == 12 for s in steps)
+    get_settings.cache_clear()
+
+
+def test_time_budget_schedule_follows_the_job_clock(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``time_budget_s`` the cosine follows the job's rounds, not each client's step
+    count: the last round decays to the floor whatever steps the client took (a slow
+    worker is not left at a high lr while the fast ones decay)."""
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path / "home"))
+    from fedq.settings import get_settings
+
+    get_settings.cache_clear()
+    fields = {"rounds": 2, "compression": {"codec": "none"},
+              "optimizer": {"name": "adamw", "lr": 3e-3, "schedule": "cosine",
+                            "schedule_steps": 1000, "final_lr_fraction": 0.0}}
+    timed = parse_spec(_lm_spec(**fields, time_budget_s=600))  # the steps end each round
+    plain = parse_spec(_lm_spec(**fields))
+    assert timed.schedule_window(1) == (0.0, 0.5) and timed.schedule_window(2) == (0.5, 1.0)
+    assert plain.schedule_window(2) is None
+    # a cosine needs no step horizon when the clock gives it
+    assert parse_spec(_lm_spec(local_steps=None, local_epochs=1, time_budget_s=5))
+    store = open_store(str(tmp_path / "blobs"))
+    blob = store.put(global_key("j", 0), dumps(initial_weights(plain)))
+
+    def update(spec: Any) -> float:
+        ref = TrainRef("j", 2, 1, "cpu", spec.to_json(), blob)
+        out = UpdateRef.from_json(run_training(ref.to_json(), store, "w"))
+        assert out.status == "ok", out.error
+        return float(torch.cat([v.flatten() for v in loads(store.get(out.blob)).values()])
+                     .norm())
+
+    # round 2 of 2 by the clock: the lr falls from half to zero over its steps; by the
+    # step count (4 + 4 of 1000) it stays near the peak, and the update is larger
+    assert update(timed) < 0.8 * update(plain)
     get_settings.cache_clear()
 
 

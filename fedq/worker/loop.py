@@ -49,15 +49,23 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
     return torch.optim.AdamW(params, lr=spec.lr, betas=betas, weight_decay=spec.weight_decay)
 
 
-def lr_at(step: int, spec: OptimizerSpec, horizon: int | None) -> float:
+def lr_at(step: int, spec: OptimizerSpec, horizon: int | None,
+          fraction: float | None = None) -> float:
     """The learning rate of inner step ``step`` (0-based, counted over the whole job):
     linear warm-up, then constant or cosine decay to ``final_lr_fraction`` x lr at
-    ``horizon`` (as nanoGPT's and DiLoCo's inner schedules)."""
+    ``horizon`` (as nanoGPT's and DiLoCo's inner schedules). ``fraction``: the cosine's
+    position (0 to 1) given instead of derived from ``step`` (a time-budgeted job's
+    schedule follows its clock; the warm-up still counts this client's steps)."""
     if step < spec.warmup_steps:
         return spec.lr * (step + 1) / spec.warmup_steps
-    if spec.schedule == "constant" or not horizon:
+    if spec.schedule == "constant":
         return spec.lr
-    progress = min(1.0, (step - spec.warmup_steps) / max(1, horizon - spec.warmup_steps))
+    if fraction is not None:
+        progress = min(1.0, max(0.0, fraction))
+    elif horizon:
+        progress = min(1.0, (step - spec.warmup_steps) / max(1, horizon - spec.warmup_steps))
+    else:
+        return spec.lr
     floor = spec.final_lr_fraction
     return spec.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -80,6 +88,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 time_budget: float | None = None, prox_mu: float = 0.0,
                 slowdown: float = 1.0, first_step: int = 0,
                 schedule_steps: int | None = None,
+                schedule_window: tuple[float, float] | None = None,
                 state_path: Path | None = None) -> LocalStats:
     """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
     stopping early once ``time_budget`` seconds have passed (after at least one step).
@@ -88,7 +97,10 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     the CPU; batches move to ``device``. ``first_step``: the client's inner steps before
     this round (the lr schedule's position; over ``schedule_steps``). ``state_path``:
     where the optimizer state is kept between rounds (fedq/worker/inner.py); when that
-    file exists, its step count replaces ``first_step``.
+    file exists, its step count replaces ``first_step``. ``schedule_window`` (a, b): the
+    cosine runs from a to b (fractions of the whole schedule) over this round, as the
+    round's time passes (its time budget) or its steps do, whichever ends it first, so
+    a slow worker is at the same point of the schedule as a fast one at the same moment.
     ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
     (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
     Deterministic for a given seed, device and thread count (without a time budget).
@@ -126,8 +138,15 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             idx = order[start:start + batch_size]
             xb, yb = x[idx].to(device), y[idx].to(device)  # (B, C, H, W), (B,)
             opt.zero_grad(set_to_none=True)
+            fraction = None
+            if schedule_window is not None:
+                done = step / total_steps
+                if time_budget is not None:
+                    done = max(done, (step_start - started) / time_budget)
+                fraction = schedule_window[0] + (schedule_window[1] - schedule_window[0]) \
+                    * min(1.0, done)
             for group in opt.param_groups:
-                group["lr"] = lr_at(first_step + step, optimizer, schedule_steps)
+                group["lr"] = lr_at(first_step + step, optimizer, schedule_steps, fraction)
             with autocast:
                 loss = task_loss(model(xb), yb)
             if anchor:  # FedProx: (mu / 2) * ||w - w_global||^2

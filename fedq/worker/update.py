@@ -174,6 +174,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         slowdown=get_settings().slowdown,
                         first_step=(ref.round - 1) * (spec.local_steps or 0),
                         schedule_steps=spec.schedule_steps,
+                        schedule_window=spec.schedule_window(ref.round),
                         state_path=inner.state_path(home, ref.job, ref.client)
                         if spec.optimizer.keep_state else None)
     local = model.state_dict()
