@@ -55,7 +55,7 @@ from fedq.coordinator.evaluation import evaluate
 from fedq.data import client_indices, load_dataset
 from fedq.data.datasets import Dataset
 from fedq.models import build_model
-from fedq.spec import OptimizerSpec, parse_spec
+from fedq.spec import OptimizerSpec, parse_spec, round_window
 from fedq.weights import dumps, loads, raw_size, state_of
 from fedq.worker import replica
 from fedq.worker.inner import state_path
@@ -220,7 +220,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
                                 batch_size=BATCH, epochs=None, steps=take,
                                 seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
                                 schedule_steps=steps, first_step=done[c],
-                                schedule_window=((rnd - 1) / rounds, min(rnd, rounds) / rounds)
+                                schedule_window=round_window(rnd, rounds)
                                 if budget and rounds else None,
                                 state_path=state_path(folder, "bench", c))
             done[c] = stats.inner_step

@@ -401,7 +401,13 @@ class JobSpec(_Strict):
         count, which a slow worker would leave at a high lr while the fast ones decay."""
         if self.time_budget_s is None or self.optimizer.schedule != "cosine":
             return None
-        return (round_ - 1) / self.rounds, min(round_, self.rounds) / self.rounds
+        return round_window(round_, self.rounds)
+
+
+def round_window(round_: int, rounds: int) -> tuple[float, float]:
+    """The fractions of a schedule over ``rounds`` rounds that round ``round_`` (1-based)
+    runs from and to; a round past the last stays at the end (lr_at clamps to 1)."""
+    return (round_ - 1) / rounds, min(round_, rounds) / rounds
 
 
 def describe(spec: JobSpec) -> str:
