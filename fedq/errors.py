@@ -59,6 +59,11 @@ class BlobIntegrityError(BlobError):
     """A blob's bytes do not hash to the sha256 its reference carries."""
 
 
+class BlobTooLarge(BlobError):
+    """A blob is larger than what it stands for can be (an update bigger than its
+    model): refused before it is read."""
+
+
 class UpdateRejected(FedqError):
     """A client update failed verification (shape, dtype, finite, norm)."""
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fedq.blobs.base import BlobRef
+from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, check_task, parse_result
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,14 @@ class TrainRef:
         return {"job": self.job, "round": self.round, "client": self.client,
                 "queue": self.queue, "spec": self.spec, "model": self.model.to_json(),
                 "attempt": self.attempt, "gen": self.gen,
-                "step": self.step.to_json() if self.step else None}
+                "step": self.step.to_json() if self.step else None,
+                "format": MESSAGE_FORMAT}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainRef":
+        """Parse a task: :class:`fedq.wire.FormatError` unless it has the shape fedq
+        generates (checked before any field is used)."""
+        check_task(data)
         return cls(job=str(data["job"]), round=int(data["round"]), client=int(data["client"]),
                    queue=str(data["queue"]), spec=dict(data["spec"]),
                    model=BlobRef.from_json(data["model"]), attempt=int(data.get("attempt", 1)),
@@ -73,13 +78,6 @@ class TrainStats:
     upload_seconds: float = 0.0  # encoding and storing the update
     codec: str = ""  # the update's codec (``codec: auto`` picks it per worker)
     uplink_mbit: float | None = None  # the worker's uplink (Mbit/s): its last large upload
-
-    @classmethod
-    def from_json(cls, data: Any) -> "TrainStats":
-        if not isinstance(data, dict):
-            return cls()
-        known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 #: Uploads smaller than this say more about latency than about a link's rate: the
@@ -109,6 +107,8 @@ class UpdateRef:
     attempt: int = 1
     gen: int = 0
     stats: TrainStats = field(default_factory=TrainStats)
+    format: int = MESSAGE_FORMAT  # the message format of the worker that sent it
+    version: str = FEDQ_VERSION  # its fedq version
 
     @property
     def blob(self) -> BlobRef:
@@ -120,16 +120,10 @@ class UpdateRef:
 
     @classmethod
     def from_json(cls, data: Any) -> "UpdateRef":
-        """Parse a task result; anything malformed becomes an error ref, not an exception."""
-        if not isinstance(data, dict):
-            return cls(status="error", job="?", round=-1, client=-1, queue="?", worker="?",
-                       error=f"malformed result: {str(data)[:200]}")
-        known = {f for f in cls.__dataclass_fields__}
-        try:
-            fields = {k: v for k, v in data.items() if k in known}
-            fields["stats"] = TrainStats.from_json(data.get("stats"))
-            return cls(**fields)
-        except TypeError as exc:
-            return cls(status="error", job=str(data.get("job", "?")),
-                       round=int(data.get("round", -1)), client=int(data.get("client", -1)),
-                       queue="?", worker="?", error=f"malformed result: {exc}")
+        """A result as the worker wrote it, for code that trusts its source (a row this
+        coordinator stored). Results from the wire go through
+        :func:`fedq.coordinator.intake.admit`, which checks every field."""
+        model = parse_result(data)
+        fields = model.model_dump()
+        fields["stats"] = TrainStats(**fields["stats"])
+        return cls(**fields)

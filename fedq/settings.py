@@ -37,7 +37,6 @@ FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch 
 from __future__ import annotations
 
 import os
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedq.errors import ConfigError
+from fedq.redaction import remember
 
 ENV_PREFIX = "FEDQ_"
 DEFAULT_HOME = ".fedq"
@@ -138,19 +138,22 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "uplink_mbit": get("UPLINK_MBIT"),
     }
     try:
-        return Settings(**raw)
+        settings = Settings(**raw)
+        remember([settings.broker_url, settings.result_backend, settings.database_url,
+                  settings.blob_url, settings.s3_endpoint_url])
+        return settings
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]).upper()
         raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
 
 
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for messages and logs."""
-    return re.sub(r"//([^:/@]*):[^@/]+@", r"//\1:***@", url)
-
-
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings, read on first use."""
-    return load_settings()
+    """The process-wide settings, read on first use. Their secrets (passwords in URLs,
+    AWS_SECRET_ACCESS_KEY) are remembered for :func:`fedq.redaction.redact_text`."""
+    settings = load_settings()
+    remember([settings.broker_url, settings.result_backend, settings.database_url,
+              settings.blob_url, settings.s3_endpoint_url,
+              os.environ.get("AWS_SECRET_ACCESS_KEY")])
+    return settings

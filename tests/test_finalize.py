@@ -9,9 +9,10 @@ from sqlalchemy import select
 
 from fedq.blobs import global_key, open_store
 from fedq.coordinator.evaluation import initial_weights
-from fedq.coordinator.rounds import plan_round
+from fedq.coordinator.rounds import plan_round, task_id
 from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
 from fedq.engine.names import FINALIZE_ROUND_TASK
+from fedq.refs import TrainRef
 from fedq.spec import parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from fedq.weights import dumps
@@ -52,18 +53,27 @@ def _open_round_with_results(cluster: Cluster, job_id: str) -> tuple[list[dict],
         s.add(rnd)
         s.flush()
         gen = rnd.id
-    results = [run_training({"job": job_id, "round": 1, "client": a.client, "queue": a.queue,
-                             "spec": spec.to_json(), "model": blob.to_json(), "gen": gen},
-                            store, "inproc")
+    results = [run_training(TrainRef(job_id, 1, a.client, a.queue, spec.to_json(), blob,
+                                     gen=gen).to_json(), store, "inproc")
                for a in plan]
     assert all(r["status"] == "ok" for r in results), results
     return results, [a.client for a in plan]
+
+
+def _deliver(cluster: Cluster, results: list[dict]) -> None:
+    """Store results in the result backend under their tasks' ids, as the workers'
+    tasks would: finalize reads them from there (what the chord passes is a doorbell)."""
+    app = cluster.client_app()
+    for r in results:
+        app.backend.store_result(task_id(r["job"], r["round"], r["client"], r["attempt"],
+                                         r["gen"]), r, "SUCCESS")
 
 
 
 @pytest.mark.slow
 def test_finalize_delivered_twice_commits_once(control_pair: Cluster) -> None:
     results, clients = _open_round_with_results(control_pair, "dup1")
+    _deliver(control_pair, results)
     app = control_pair.client_app()
     sent = [app.send_task(FINALIZE_ROUND_TASK, args=(results, "dup1", 1), queue="control")
             for _ in range(3)]
@@ -84,6 +94,7 @@ def test_tampered_update_is_rejected_and_round_proceeds(control_pair: Cluster) -
     store = open_store(control_pair.settings.blob_url)
     bad = results[1]
     store._write(bad["key"], store._read(results[0]["key"]))  # another client's bytes
+    _deliver(control_pair, results)
     app = control_pair.client_app()
     outcome = app.send_task(FINALIZE_ROUND_TASK, args=(results, "tamp1", 1),
                             queue="control").get(timeout=120)
@@ -124,6 +135,7 @@ def test_nan_and_wrong_shape_updates_are_rejected_and_recorded(control_pair: Clu
     shape[first] = torch.zeros(3, 3)
     results[1] = _rewrite_update(store, results[1], nan)
     results[2] = _rewrite_update(store, results[2], shape)
+    _deliver(control_pair, results)
     app = control_pair.client_app()
     outcome = app.send_task(FINALIZE_ROUND_TASK, args=(results, "bad1", 1),
                             queue="control").get(timeout=120)
@@ -156,6 +168,7 @@ def test_late_and_duplicate_results_count_once_and_never_mix(control_pair: Clust
         rnd.deadline = utcnow() - timedelta(seconds=1)
     app = control_pair.client_app()
     on_time = [results[0], results[1], results[0]]  # client 0 twice: counts once
+    _deliver(control_pair, on_time)
     first = app.send_task(FINALIZE_ROUND_TASK, args=(on_time, "late1", 1),
                           queue="control").get(timeout=120)
     assert first["status"] == "committed"
@@ -165,6 +178,7 @@ def test_late_and_duplicate_results_count_once_and_never_mix(control_pair: Clust
     rows = {u.client: u.status for u in control_pair.updates("late1")}
     assert rows == {results[0]["client"]: "ok", results[1]["client"]: "ok",
                     results[2]["client"]: "missing"}
+    _deliver(control_pair, results)
     second = app.send_task(FINALIZE_ROUND_TASK, args=(results, "late1", 1),
                            queue="control").get(timeout=120)
     assert second["status"] == "skipped" and second["late"] == 1

@@ -18,6 +18,7 @@ from fedq.coordinator.policy import (
     pick_results,
     repair,
 )
+from fedq.refs import UpdateRef
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 DEADLINE = T0 + timedelta(seconds=60)
@@ -29,10 +30,13 @@ def state(attempt: int = 1, quorum: int = 2, max_redispatch: int = 1) -> RoundSt
                       deadline=DEADLINE, quorum=quorum, max_redispatch=max_redispatch)
 
 
-def ref(client: int, status: str = "ok", attempt: int = 1, **kw: Any) -> dict[str, Any]:
-    return {"status": status, "job": "j", "round": 3, "client": client, "queue": "cpu",
-            "worker": "w", "attempt": attempt, "gen": 7, "key": f"k{client}-{attempt}",
-            "sha256": "0" * 64, "samples": 10, **kw}
+def ref(client: int, status: str = "ok", attempt: int = 1, **kw: Any) -> UpdateRef:
+    """A result as intake admitted it (fedq/coordinator/intake.py)."""
+    fields: dict[str, Any] = {
+        "status": status, "job": "j", "round": 3, "client": client, "queue": "cpu",
+        "worker": "w", "attempt": attempt, "gen": 7, "key": f"k{client}-{attempt}",
+        "sha256": "0" * 64, "samples": 10, **kw}
+    return UpdateRef(**fields)
 
 
 @pytest.mark.parametrize(("results", "expected"), [
@@ -51,8 +55,9 @@ def ref(client: int, status: str = "ok", attempt: int = 1, **kw: Any) -> dict[st
     ([ref(0, "error", attempt=1), ref(0, "error", attempt=2)], {0: ("error", 2)}),
     # another round, another generation (a resumed round), another job, unplanned client
     ([ref(0, round=2), ref(1, gen=6), ref(2, job="x"), ref(9)], {}),
-    # malformed: ignored (it becomes an error ref of job '?')
-    (["garbage", {"status": "ok"}], {}),
+    # a rejected result (intake refused it) counts as a failure; an ok one beats it
+    ([ref(0, "rejected")], {0: ("rejected", 1)}),
+    ([ref(0, "rejected"), ref(0, attempt=2)], {0: ("ok", 2)}),
 ])
 def test_pick_results(results: list[Any], expected: dict[int, tuple[str, int]]) -> None:
     chosen = pick_results(results, state())

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from fedq.aggregate.types import Weights
-from fedq.errors import require_extra
+from fedq.errors import UpdateRejected, require_extra
 
 CODECS = ("none", "fp16", "int8")
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -42,11 +42,19 @@ def encode(update: Mapping[str, torch.Tensor], codec: str,
 
 
 def decode(stored: Mapping[str, torch.Tensor], meta: Mapping[str, str],
-           shapes: Mapping[str, tuple[int, ...]]) -> Weights:
-    """The float32 update from what :func:`encode` stored (``shapes``: of the model)."""
+           shapes: Mapping[str, tuple[int, ...]], chunk: int | None = None) -> Weights:
+    """The float32 update from what :func:`encode` stored (``shapes``: of the model).
+    ``chunk``: the int8 chunk the job's spec sets; a blob that says otherwise is
+    refused. Raises :class:`~fedq.errors.UpdateRejected` for anything not as
+    :func:`encode` writes it."""
     codec = meta.get("fedq.codec", "none")
+    if codec not in CODECS:
+        raise UpdateRejected(f"codec: unknown codec {codec[:20]!r} (known: {', '.join(CODECS)})")
     if codec == "none":
         return dict(stored)
+    said = meta.get("fedq.chunk", "256")
+    if not said.isdigit() or int(said) < 1 or (chunk is not None and int(said) != chunk):
+        raise UpdateRejected(f"codec: int8 chunk {said[:20]!r}, the job's is {chunk}")
     out: Weights = {}
     for name, shape in shapes.items():
         if name in stored:
@@ -54,7 +62,7 @@ def decode(stored: Mapping[str, torch.Tensor], meta: Mapping[str, str],
             out[name] = value.to(torch.float32) if value.dtype == torch.float16 else value
         elif name + Q_SUFFIX in stored and name + S_SUFFIX in stored:
             out[name] = dequantize_int8(stored[name + Q_SUFFIX], stored[name + S_SUFFIX],
-                                        shape, int(meta.get("fedq.chunk", "256")))
+                                        shape, int(said))
     return out
 
 
@@ -73,8 +81,15 @@ def quantize_int8(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tens
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...],
                     chunk: int) -> torch.Tensor:
     n = q.numel()
+    if chunk < 1:
+        raise UpdateRejected(f"codec: int8 chunk {chunk}")
+    if q.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise UpdateRejected(f"codec: int8 values of dtype {q.dtype}, scales {scales.dtype}")
+    if n != math.prod(shape):
+        raise UpdateRejected(f"codec: {n} int8 values for a tensor of shape {tuple(shape)}")
     if scales.numel() != math.ceil(n / chunk):
-        raise ValueError(f"{scales.numel()} scales for {n} values in chunks of {chunk}")
+        raise UpdateRejected(f"codec: {scales.numel()} scales for {n} values in chunks "
+                             f"of {chunk}")
     blocks = torch.nn.functional.pad(q.reshape(-1).to(torch.float32), (0, (-n) % chunk))
     out = blocks.reshape(-1, chunk) * scales.to(torch.float32)[:, None]  # (B, chunk)
     return out.reshape(-1)[:n].reshape(shape)
@@ -87,11 +102,24 @@ def zstd_compress(data: bytes, level: int = 3) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(data)
 
 
-def maybe_decompress(data: bytes) -> bytes:
-    """zstd frames are decompressed; anything else is returned as is."""
+def maybe_decompress(data: bytes, limit: int) -> bytes:
+    """zstd frames are decompressed (streaming: at most ``limit`` bytes are ever
+    produced, whatever the frame's header claims); anything else is returned as is.
+    Raises :class:`~fedq.errors.UpdateRejected` for a frame that is damaged or that
+    decompresses to more than ``limit`` bytes."""
     if data[:4] != ZSTD_MAGIC:
         return data
     require_extra("zstandard", "zstd", "a zstd-compressed update")
+    import io
+
     import zstandard
 
-    return zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+            out = reader.read(limit + 1)
+    except zstandard.ZstdError as exc:
+        raise UpdateRejected(f"zstd: damaged frame ({exc})") from None
+    if len(out) > limit:
+        raise UpdateRejected(f"zstd: the frame decompresses to more than {limit} bytes "
+                             f"(the most an update of this model can be)")
+    return out

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fedq.errors import BlobIntegrityError
+from fedq.errors import BlobIntegrityError, BlobTooLarge
 
 _OVERLAP_HASH_BYTES = 4 << 20
 
@@ -63,6 +63,9 @@ class BlobStore(ABC):
     - ``_write(key, data)`` stores ``data`` atomically: a reader sees the old bytes or
       the new bytes, never a mix. Writing an existing key replaces it.
     - ``_read(key)`` returns the bytes or raises :class:`~fedq.errors.BlobNotFound`.
+    - ``_size(key)`` returns the stored value's length in bytes without reading it
+      (stat, STRLEN, HEAD), raises :class:`~fedq.errors.BlobNotFound`, or returns None
+      where the backend cannot tell; :meth:`get` with a ``limit`` asks it first.
     - ``delete_prefix(prefix)`` removes every key starting with ``prefix``.
     - ``check()`` raises :class:`~fedq.errors.ServiceUnavailable` (or BlobError) when the
       store cannot be written right now, with one line saying why.
@@ -76,6 +79,9 @@ class BlobStore(ABC):
 
     @abstractmethod
     def _read(self, key: str) -> bytes: ...
+
+    def _size(self, key: str) -> int | None:
+        return None
 
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None: ...
@@ -100,9 +106,19 @@ class BlobStore(ABC):
         can write a value in pieces override this to skip joining them."""
         return self.put(key, b"".join(parts))
 
-    def get(self, ref: BlobRef) -> bytes:
-        """The bytes of ``ref``, verified against its sha256."""
+    def get(self, ref: BlobRef, limit: int | None = None) -> bytes:
+        """The bytes of ``ref``, verified against its sha256. With ``limit``, a blob
+        larger than ``limit`` bytes is refused (:class:`~fedq.errors.BlobTooLarge`)
+        before it is read, as far as the backend can tell its size, and after."""
+        if limit is not None:
+            size = self._size(ref.key)
+            if size is not None and size > limit:
+                raise BlobTooLarge(f"blob {ref.key} is {size} bytes, more than the {limit} "
+                                   f"it may be: not read")
         data = self._read(ref.key)
+        if limit is not None and len(data) > limit:
+            raise BlobTooLarge(f"blob {ref.key} is {len(data)} bytes, more than the {limit} "
+                               f"it may be")
         digest = sha256_hex(data)
         if digest != ref.sha256:
             raise BlobIntegrityError(

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from fedq.blobs.base import BlobRef, BlobStore, sha256_hex
+from fedq.wire import check_sha256
 
 DEFAULT_KEEP = 4
 _STALE_TMP_S = 3600.0
@@ -30,8 +31,11 @@ class HostCache:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def get(self, store: BlobStore, ref: BlobRef) -> tuple[bytes, bool]:
-        """The verified bytes of ``ref`` and whether they came over the network."""
-        path = self.folder / ref.sha256
+        """The verified bytes of ``ref`` and whether they came over the network.
+        The file name is the sha256, checked to be one before any path is built (a
+        task's ref could otherwise name a file anywhere the worker may write); the
+        download is bounded by the ref's size."""
+        path = self.folder / check_sha256(ref.sha256)
         data = self._read(path, ref)
         if data is not None:
             return data, False
@@ -40,7 +44,7 @@ class HostCache:
             data = self._read(path, ref)  # another worker may have fetched it meanwhile
             if data is not None:
                 return data, False
-            data = store.get(ref)  # verified against ref.sha256 by the store
+            data = store.get(ref, limit=ref.size or None)  # sha256-checked by the store
             tmp = self.folder / f".{ref.sha256}.{os.getpid()}.tmp"
             with open(tmp, "wb") as fh:
                 fh.write(data)

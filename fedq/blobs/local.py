@@ -41,6 +41,14 @@ class LocalBlobStore(BlobStore):
         except OSError as exc:
             raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
 
+    def _size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise BlobNotFound(f"blob {key}: not found in {self.root}") from None
+        except OSError as exc:
+            raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
     def delete_prefix(self, prefix: str) -> None:
         target = self._path(prefix)
         if target.is_dir():

@@ -18,6 +18,7 @@ from typing import Any
 
 from fedq.blobs.base import BlobRef, BlobStore, write_hashing
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
+from fedq.redaction import redact
 
 KEY_PREFIX = "fedq:blob:"
 
@@ -27,7 +28,7 @@ class RedisBlobStore(BlobStore):
         import redis
         from redis.connection import parse_url
 
-        self.url = url
+        self.url = redact(url)  # for messages: the password never leaves in text
         self._client: Any = redis.Redis.from_url(url, socket_connect_timeout=5)
         self._reader: _BulkReader | None = None
         if url.startswith("redis://"):
@@ -73,6 +74,18 @@ class RedisBlobStore(BlobStore):
         if data is None:
             raise BlobNotFound(f"blob {key}: not found in {self.url}")
         return data  # type: ignore[no-any-return]  # bytes, or a bytearray from the reader
+
+    def _size(self, key: str) -> int | None:
+        import redis
+
+        try:
+            exists, size = self._client.pipeline().exists(KEY_PREFIX + key) \
+                .strlen(KEY_PREFIX + key).execute()
+        except redis.RedisError as exc:
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        if not exists:
+            raise BlobNotFound(f"blob {key}: not found in {self.url}")
+        return int(size)
 
     def delete_prefix(self, prefix: str) -> None:
         keys = list(self._client.scan_iter(match=KEY_PREFIX + prefix + "*", count=1000))

@@ -17,6 +17,7 @@ from fedq.errors import (
     ServiceUnavailable,
     require_extra,
 )
+from fedq.redaction import redact
 
 
 class S3BlobStore(BlobStore):
@@ -28,7 +29,7 @@ class S3BlobStore(BlobStore):
         parsed = urlparse(url)
         if not parsed.netloc:
             raise ConfigError(f"FEDQ_BLOB_URL: {url!r} names no bucket (s3://bucket/prefix)")
-        self.url = url
+        self.url = redact(url)
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
         self._client: Any = boto3.client(
@@ -59,6 +60,19 @@ class S3BlobStore(BlobStore):
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+
+    def _size(self, key: str) -> int | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise BlobNotFound(f"blob {key}: not found in {self.url}") from None
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        except self._errors() as exc:
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        return int(head["ContentLength"])
 
     def delete_prefix(self, prefix: str) -> None:
         paginator = self._client.get_paginator("list_objects_v2")

@@ -262,13 +262,19 @@ def workers(timeout: float) -> None:
         uplink = " ".join(x for x in (
             f"{info['uplink_mbit']:.0f} Mbit/s" if info.get("uplink_mbit") else "",
             info.get("codec") or "") if x) or "-"
-        table.add_row(host, "[green]live[/]" if live else "[dim]gone[/]", names,
+        status = "[green]live[/]" if live else "[dim]gone[/]"
+        if info.get("problem"):
+            status = "[red]incompatible[/]"
+        table.add_row(host, status, names,
                       str(len(active.get(host, []))) if live else "-", hardware,
                       str(hw.get("torch", "-")), fmt(info.get("samples_per_second"), ".0f"),
                       str(info.get("tasks_done", 0)),
                       f"[red]{failed}[/]" if failed else "0", gpu, uplink,
                       _ago(info.get("last_task")), _ago(info.get("last_seen")))
     out.print(table)
+    for host, info in sorted(known.items()):
+        if info.get("problem"):
+            out.print(f"{host}: {info['problem']}")
 
 
 @main.command()

@@ -36,6 +36,7 @@ version's row in ``rounds`` carries its metrics, and ``fedq results`` shows them
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -52,6 +53,7 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
     put_model,
@@ -63,11 +65,12 @@ from fedq.coordinator.pipeline import (
 )
 from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
 from fedq.db import ClientUpdate, Job, Round, session_scope
-from fedq.db.models import aware, utcnow, worker_time
+from fedq.db.models import aware, utcnow
+from fedq.db.rows import fill_row, row_ref
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
 from fedq.process import PROCESS
-from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
+from fedq.refs import StepRef, TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.weights import loads
@@ -132,7 +135,7 @@ def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
                        attempt=t.attempt, gen=0, step=t.step)
         app.send_task(TRAIN_TASK, args=(ref.to_json(),), queue=t.queue,
                       task_id=task_id(job_id, t.index, t.attempt),
-                      link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index),
+                      link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
                                          queue=CONTROL_QUEUE))
 
 
@@ -163,26 +166,6 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         _ensure_version(s, job, spec, job.committed_round + 1)
     _send(job_id, spec, tasks)
     return {"status": "started", "version": job.committed_round + 1, "tasks": len(tasks)}
-
-
-def _fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
-    """Copy what the task reported into its row."""
-    ok = ref.status == "ok"
-    row.worker, row.samples, row.processed = ref.worker, ref.samples, ref.stats.seen
-    row.steps, row.seconds, row.loss = ref.steps, ref.seconds, ref.loss
-    row.bytes_up, row.bytes_down = ref.bytes_up, ref.bytes_down
-    row.blob_key, row.blob_sha256 = ref.key, ref.sha256
-    row.error = ref.error
-    row.attempt = ref.attempt
-    if ok:
-        row.train_seconds, row.device, row.amp = (ref.stats.train_seconds, ref.stats.device,
-                                                  ref.stats.amp)
-        row.stopped_by_budget, row.tokens = ref.stats.stopped_by_budget, ref.stats.tokens
-        row.gpu_peak_mb, row.gpu_util = ref.stats.gpu_peak_mb, ref.stats.gpu_util
-        row.download_seconds = ref.stats.download_seconds
-        row.upload_seconds = ref.stats.upload_seconds
-        row.codec, row.uplink_mbit = ref.stats.codec or None, ref.stats.uplink_mbit
-    row.started_at = worker_time(ref.stats.started)
 
 
 def _filling(s: Session, job: Job, spec: JobSpec) -> int:
@@ -225,10 +208,13 @@ def _full(s: Session, job_id: str, version: int) -> int:
         ClientUpdate.status == "buffered")) or 0
 
 
-def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str, Any]:
-    """Take task ``index``'s result into the version being filled, send its replacement,
-    and apply the version when it is full. Safe to call any number of times."""
-    ref = UpdateRef.from_json(result)
+def absorb(settings: Settings, result: Any, job_id: str, index: int,
+           attempt: int | None = None) -> dict[str, Any]:
+    """Take task ``index``'s result (of dispatch ``attempt``, as its callback was
+    sent; None: a callback from before attempts were named, taken as the result's
+    own, within those sent) into the version being filled, send its replacement, and
+    apply the version when it is full. Safe to call any number of times. The result
+    is admitted against the task as it was recorded (fedq/coordinator/intake.py)."""
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         row = s.scalar(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
@@ -236,7 +222,18 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
         if job is None or row is None or row.status != "training":
             return {"status": "skipped", "reason": "absorbed already"}
         spec = JobSpec.stored(job.spec)
-        _fill_row(row, ref)
+        if attempt is None:
+            said = result.get("attempt") if isinstance(result, dict) else None
+            attempt = said if isinstance(said, int) and 1 <= said <= row.attempt \
+                else row.attempt
+        sent = Sent(job_id, index, row.client, min(attempt, row.attempt), 0,
+                    row.queue or "cpu")
+        ref = admit(result, sent, known_limits(spec, row.client))
+        if attempt > row.attempt:  # a callback for an attempt never sent
+            ref = dataclasses.replace(ref, status="rejected", error=(
+                f"identity: a result for attempt {attempt}, task {index} was sent "
+                f"{row.attempt} time(s)"))
+        fill_row(row, ref)
         tasks: list[Dispatch] = []
         revoke: list[str] = []
         version, full = 0, False
@@ -248,7 +245,8 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int) -> dict[str
             row.staleness = (version - 1) - (row.base_version or 0)
             limit = spec.aggregation.max_staleness
             if ref.status != "ok" or ref.key is None or ref.sha256 is None:
-                row.status, row.error = "error", ref.error or "task failed"
+                row.status = "rejected" if ref.status == "rejected" else "error"
+                row.error = ref.error or "task failed"
                 failing = _failing(s, job, spec)
                 if failing:  # every recent task failed: stop instead of spinning
                     job.status, job.error, job.finished_at = "failed", failing, utcnow()
@@ -298,16 +296,6 @@ def apply_ready(settings: Settings, job_id: str) -> list[dict[str, Any]]:
             return done
 
 
-def _row_ref(row: ClientUpdate) -> UpdateRef:
-    return UpdateRef(status="ok", job=row.job_id, round=row.task_index, client=row.client,
-                     queue=row.queue or "?", worker=row.worker or "?", key=row.blob_key,
-                     sha256=row.blob_sha256, samples=row.samples, steps=row.steps,
-                     loss=row.loss, seconds=row.seconds, bytes_up=row.bytes_up,
-                     bytes_down=row.bytes_down, attempt=row.attempt,
-                     stats=TrainStats(seen=row.processed, train_seconds=row.train_seconds or 0.0,
-                                      tokens=row.tokens or 0))
-
-
 def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, Any]:
     """Aggregate version ``version``'s K buffered updates and commit it (exactly once)."""
     started = time.perf_counter()
@@ -331,7 +319,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     st = spec.aggregation.staleness
     factors = {r.task_index: staleness_factor(st.kind, r.staleness or 0, a=st.a, b=st.b)
                for r in rows}
-    refs = [_row_ref(r) for r in rows]
+    refs = [row_ref(r) for r in rows]
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     kept = PROCESS.model(model.sha256)
     current = kept if kept is not None else loads(store.get(model), what=f"blob {model.key}")
@@ -352,7 +340,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     blob, state_blob, step = put_model(store, job_id, version, nxt, model.sha256,
                                        tag=secrets.token_hex(4))
     records = {r.ref.round: r for r in outcome.records}
-    weights = {r.task_index: update_weight(spec, _row_ref(r)) * factors[r.task_index]
+    weights = {r.task_index: update_weight(spec, row_ref(r)) * factors[r.task_index]
                for r in rows}
     total = sum(weights[i] for i, r in records.items() if r.status == "ok") or 1.0
     now = utcnow()
@@ -486,7 +474,7 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
     for a in range(attempt, 0, -1):
         meta = app.backend.get_task_meta(task_id(job_id, index, a))
         if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
-            result = absorb(settings, meta["result"], job_id, index)
+            result = absorb(settings, meta["result"], job_id, index, a)
             return {"job": job_id, "task": index, "action": "absorb (lost callback)",
                     "result": result["status"]}
     tasks: list[Dispatch] = []

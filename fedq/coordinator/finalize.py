@@ -37,6 +37,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore
 from fedq.blobs.keys import updates_prefix
 from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
     UpdateRecord,
@@ -55,9 +56,10 @@ from fedq.coordinator.policy import (
     pick_results,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
-from fedq.coordinator.rounds import redispatch, request_round, round_task_ids, start_round
+from fedq.coordinator.rounds import redispatch, request_round, start_round, task_id
 from fedq.db import ClientUpdate, Job, Round, session_scope
-from fedq.db.models import aware, utcnow, worker_time
+from fedq.db.models import aware, utcnow
+from fedq.db.rows import fill_row, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.process import PROCESS
@@ -69,14 +71,19 @@ from fedq.weights import loads
 log = logging.getLogger(__name__)
 
 
-def collect_results(task_ids: dict[int, list[str]]) -> list[Any]:
-    """Every finished training result in the result backend for these task ids."""
+def collect(job_id: str, number: int, gen: int, attempts: int,
+            queues: dict[int, str], spec: JobSpec) -> list[UpdateRef]:
+    """Every finished training result of a round in the result backend, read by the
+    task ids this coordinator sent (all attempts so far) and admitted against them
+    (fedq/coordinator/intake.py): who a result is for comes from its task id."""
     found = []
-    for ids in task_ids.values():
-        for tid in ids:
-            meta = app.backend.get_task_meta(tid)
-            if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
-                found.append(meta["result"])
+    for client, queue in queues.items():
+        for attempt in range(1, attempts + 1):
+            meta = app.backend.get_task_meta(task_id(job_id, number, client, attempt, gen))
+            if meta.get("status") != "SUCCESS":
+                continue
+            sent = Sent(job_id, number, client, attempt, gen, queue)
+            found.append(admit(meta.get("result"), sent, known_limits(spec, client)))
     return found
 
 
@@ -89,7 +96,6 @@ class OpenRound:
     state: RoundState
     started_at: datetime
     queues: dict[int, str]  # client -> queue
-    task_ids: dict[int, list[str]]
     server_state: BlobRef | None  # the server optimizer's state after the previous round
 
 
@@ -110,22 +116,24 @@ def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound 
                              quorum=spec.quorum, max_redispatch=spec.max_redispatch),
             started_at=aware(rnd.started_at),
             queues=dict(zip(clients, rnd.planned["queues"], strict=True)),
-            task_ids=round_task_ids(job_id, rnd),
             server_state=BlobRef(job.state_key, job.state_sha256 or "", job.state_size or 0)
             if job.state_key else None)
 
 
-def finalize_round(settings: Settings, results: Sequence[Any], job_id: str,
-                   round_number: int) -> dict[str, Any]:
+def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[str, Any]:
     """Decide round ``round_number`` (fedq/coordinator/policy.py) and do what it says:
     wait, commit, re-dispatch or fail. Safe to call any number of times, from any
-    number of processes."""
+    number of processes. The results are read from the backend by their task ids:
+    what the chord passes its body is a doorbell, never read (a worker could put
+    anything there)."""
     started = time.perf_counter()
     rnd = open_round(settings, job_id, round_number)
     if rnd is None:
-        late = record_late(settings, results, job_id, round_number)
+        late = record_late(settings, job_id, round_number)
         return {"status": "skipped", "reason": "round not open", "late": late}
-    chosen = pick_results([*results, *collect_results(rnd.task_ids)], rnd.state)
+    st = rnd.state
+    chosen = pick_results(collect(job_id, round_number, st.gen, st.attempt, rnd.queues,
+                                  rnd.spec), st)
     now = utcnow()
     decision = decide(rnd.state, chosen, now)
     if isinstance(decision, Wait):
@@ -219,25 +227,8 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
 
 def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
     """One client_updates row per record."""
-    return [ClientUpdate(
-        job_id=job_id, round_number=r.ref.round, client=r.ref.client, status=r.status,
-        queue=r.ref.queue, worker=r.ref.worker, samples=r.ref.samples,
-        processed=r.ref.stats.seen, steps=r.ref.steps, seconds=r.ref.seconds,
-        loss=r.ref.loss, bytes_up=r.ref.bytes_up, raw_bytes=r.raw_bytes,
-        bytes_down=r.ref.bytes_down, update_norm=r.norm, blob_key=r.ref.key,
-        blob_sha256=r.ref.sha256, error=r.error,
-        train_seconds=r.ref.stats.train_seconds if r.ref.status == "ok" else None,
-        device=r.ref.stats.device if r.ref.status == "ok" else None,
-        amp=r.ref.stats.amp if r.ref.status == "ok" else None,
-        stopped_by_budget=r.ref.stats.stopped_by_budget if r.ref.status == "ok" else None,
-        gpu_peak_mb=r.ref.stats.gpu_peak_mb, gpu_util=r.ref.stats.gpu_util,
-        tokens=r.ref.stats.tokens if r.ref.status == "ok" else None,
-        started_at=worker_time(r.ref.stats.started),
-        download_seconds=r.ref.stats.download_seconds if r.ref.status == "ok" else None,
-        upload_seconds=r.ref.stats.upload_seconds if r.ref.status == "ok" else None,
-        codec=r.ref.stats.codec or None if r.ref.status == "ok" else None,
-        uplink_mbit=r.ref.stats.uplink_mbit)
-        for r in records]
+    return [new_row(job_id, r.ref.round, r.ref, r.status, r.error, r.norm, r.raw_bytes)
+            for r in records]
 
 
 def _drop_updates(store: BlobStore, job_id: str, round_number: int) -> None:
@@ -295,30 +286,37 @@ def _fail(settings: Settings, rnd: OpenRound, decision: Fail,
     return {"status": "failed", "reason": reason}
 
 
-def record_late(settings: Settings, results: Sequence[Any], job_id: str,
-                round_number: int) -> int:
+def record_late(settings: Settings, job_id: str, round_number: int) -> int:
     """Record results that reached an already finalized round as ``late`` (their
     updates are never averaged into any model). Returns how many were recorded."""
-    late = 0
-    refs = [UpdateRef.from_json(r) for r in results]
-    refs = [r for r in refs if r.job == job_id and r.round == round_number and r.status == "ok"]
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        rnd = s.scalar(select(Round).where(Round.job_id == job_id,
+                                           Round.number == round_number))
+        if job is None or rnd is None or rnd.status == "training":
+            return 0
+        missing = set(s.scalars(select(ClientUpdate.client).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number,
+            ClientUpdate.status == "missing")))
+        if not missing:
+            return 0
+        spec = JobSpec.stored(job.spec)
+        queues = {c: q for c, q in zip(rnd.planned["clients"], rnd.planned["queues"],
+                                       strict=True) if c in missing}
+        gen, attempts = rnd.id, rnd.attempt
+    refs = [r for r in collect(job_id, round_number, gen, attempts, queues, spec)
+            if r.status == "ok"]
     if not refs:
         return 0
+    late = 0
     with session_scope(settings.database_url) as s:
         rows = {r.client: r for r in s.scalars(select(ClientUpdate).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number))}
         for ref in refs:
             row = rows.get(ref.client)
             if row is not None and row.status == "missing":
-                fresh = _rows(job_id, [UpdateRecord(ref, "late",
-                                                    "arrived after the round was finalized")])[0]
-                for column in ("worker", "samples", "processed", "steps", "seconds", "loss",
-                               "bytes_up", "bytes_down", "blob_key", "blob_sha256", "error",
-                               "train_seconds", "device", "amp", "stopped_by_budget",
-                               "gpu_peak_mb", "gpu_util", "tokens", "started_at",
-                               "download_seconds", "upload_seconds"):
-                    setattr(row, column, getattr(fresh, column))
-                row.status = "late"
+                fill_row(row, ref)
+                row.status, row.error = "late", "arrived after the round was finalized"
                 late += 1
     return late
 

@@ -45,6 +45,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
+from fedq.redaction import redact_text
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
@@ -77,7 +78,8 @@ class Outcome:
 
     def record(self, ref: UpdateRef, status: str, error: str | None = None,
                norm: float | None = None, raw: int = 0) -> None:
-        self.records.append(UpdateRecord(ref, status, error, norm, raw))
+        self.records.append(UpdateRecord(ref, status, redact_text(error) if error else None,
+                                         norm, raw))
 
     @property
     def rejected(self) -> list[int]:
@@ -86,34 +88,49 @@ class Outcome:
                 if r.ref.status == "ok" and r.status != "ok"]
 
 
-def read_update(store: BlobStore, ref: UpdateRef, reference: Weights,
+def update_limit(reference: Weights, chunk: int) -> int:
+    """The most bytes an update of ``reference`` can take, stored or decompressed: its
+    float32 size (wider dtypes as they are), int8 scales of ``chunk``, and the
+    safetensors header with slack. Larger blobs are refused before they are read."""
+    data = sum(t.numel() * max(4, t.element_size()) for t in reference.values())
+    scales = sum(4 * -(-t.numel() // chunk) for t in reference.values())
+    return data + scales + 256 * len(reference) + (64 << 10)
+
+
+def read_update(store: BlobStore, ref: UpdateRef, reference: Weights, spec: JobSpec,
                 data: bytes | None = None) -> Weights:
-    """The float32 delta behind ``ref``: sha256-checked, decompressed, decoded.
-    ``data``: the blob's bytes, when already read (and checked) by the caller."""
-    data = maybe_decompress(store.get(ref.blob) if data is None else data)
+    """The float32 delta behind ``ref``: sha256-checked, decompressed, decoded, each
+    step bounded by :func:`update_limit`. ``data``: the blob's bytes, when already
+    read (and checked) by the caller."""
+    limit = update_limit(reference, spec.compression.chunk)
+    data = maybe_decompress(store.get(ref.blob, limit=limit) if data is None else data, limit)
     stored, meta = loads_with_meta(data, what=f"blob {ref.key}")
     shapes = {k: tuple(v.shape) for k, v in reference.items()}
-    return decode(stored, meta, shapes)
+    return decode(stored, meta, shapes, spec.compression.chunk)
 
 
 def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, spec: JobSpec,
              outcome: Outcome) -> Iterator[tuple[UpdateRef, Weights]]:
     """Stream (ref, delta) of each update that passes verification, clipped if the spec
-    says so; record every update in ``outcome``."""
+    says so; record every update in ``outcome``. Whatever goes wrong while one update
+    is read — its bytes, size, compression, codec, shapes, values — rejects that
+    update alone, with the reason; it never escapes to the round."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
-    for ref, data in prefetched(store, refs):
+    limit = update_limit(reference, spec.compression.chunk)
+    for ref, data in prefetched(store, refs, limit):
         if not _has_blob(ref):
-            outcome.record(ref, "error", ref.error or "task failed")
+            outcome.record(ref, "rejected" if ref.status == "rejected" else "error",
+                           ref.error or "task failed")
             continue
         try:
             if isinstance(data, Exception):
                 raise data
-            delta = read_update(store, ref, reference, data)
+            delta = read_update(store, ref, reference, spec, data)
             norm = check_update(delta, reference, spec.max_update_norm)
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
-        except (BlobError, UpdateRejected, ValueError) as exc:
-            outcome.record(ref, "rejected", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a hostile blob may raise anything
+            outcome.record(ref, "rejected", _reason(exc))
             continue
         if clip is not None:
             delta, _ = clip_update(delta, clip)
@@ -128,24 +145,34 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
         yield ref, delta
 
 
-def prefetched(store: BlobStore, refs: Sequence[UpdateRef]
-               ) -> Iterator[tuple[UpdateRef, bytes | BlobError | None]]:
+def _reason(exc: BaseException) -> str:
+    """One line for a rejected update: fedq's own errors say what they checked;
+    anything else is named by its type (the check that did not anticipate it)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, (BlobError, UpdateRejected)):
+        return redact_text(text)[:500]
+    return redact_text(f"unreadable update: {type(exc).__name__}: {text}")[:500]
+
+
+def prefetched(store: BlobStore, refs: Sequence[UpdateRef], limit: int | None = None
+               ) -> Iterator[tuple[UpdateRef, bytes | Exception | None]]:
     """(ref, its blob's checked bytes or the error reading them), reading the next
     blob in a background thread while the caller works on this one: network reads,
     sha256 and the tensor arithmetic all release the GIL, so on two cores reading
-    overlaps averaging. At most two blobs are held at once."""
+    overlaps averaging. At most two blobs are held at once, each at most ``limit``
+    bytes (a larger one is refused before it is read)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    def fetch(ref: UpdateRef) -> bytes | BlobError | None:
+    def fetch(ref: UpdateRef) -> bytes | Exception | None:
         if not _has_blob(ref):
             return None
         try:
-            return store.get(ref.blob)
-        except BlobError as exc:
+            return store.get(ref.blob, limit=limit)
+        except Exception as exc:  # noqa: BLE001 - the update's rejection, not the round's
             return exc
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-prefetch") as pool:
-        ahead: Future[bytes | BlobError | None] | None = None
+        ahead: Future[bytes | Exception | None] | None = None
         for i, ref in enumerate(refs):
             current = ahead if ahead is not None else pool.submit(fetch, ref)
             ahead = pool.submit(fetch, refs[i + 1]) if i + 1 < len(refs) else None

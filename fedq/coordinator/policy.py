@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from fedq.refs import UpdateRef
 
@@ -66,14 +66,15 @@ class Fail:
 Decision = Wait | Commit | Redispatch | Fail
 
 
-def pick_results(results: Iterable[Any], state: RoundState) -> dict[int, UpdateRef]:
+def pick_results(results: Iterable[UpdateRef], state: RoundState) -> dict[int, UpdateRef]:
     """One result per planned client of this round: an ok one if any (earliest attempt
-    first), else the error of the latest attempt. Results of other jobs, rounds or
-    generations (a resumed round), and of unplanned clients, are ignored."""
+    first), else the failure (error or rejection) of the latest attempt. The results
+    were attributed by their task ids (fedq/coordinator/intake.py); those of other
+    jobs, rounds or generations (a resumed round), and of unplanned clients, are
+    ignored."""
     chosen: dict[int, UpdateRef] = {}
     wanted = set(state.clients)
-    for raw in results:
-        ref = UpdateRef.from_json(raw)
+    for ref in results:
         if (ref.job, ref.round, ref.gen) != (state.job, state.number, state.gen) or \
                 ref.client not in wanted:
             continue

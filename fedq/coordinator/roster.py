@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,21 +14,53 @@ from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
 from fedq.settings import Settings
+from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, QUEUE
+
+log = logging.getLogger(__name__)
 
 #: Weight of the newest measurement in the throughput moving average.
 THROUGHPUT_ALPHA = 0.3
 
 
-def record_worker(db_url: str, hostname: str, queues: list[str],
-                  hardware: dict[str, Any]) -> None:
-    """Insert or refresh a worker's row (called by the control task at worker start)."""
+def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
+                  version: Any = None, message_format: Any = None) -> str:
+    """Insert or refresh a worker's row (called by the control task at worker start);
+    returns what was recorded, or why nothing was. Every argument comes from the
+    worker: bounded and typed here before it reaches a row."""
+    if not isinstance(hostname, str) or not 0 < len(hostname) <= 200:
+        return "refused: hostname is not a string of 1..200 characters"
+    if not isinstance(queues, list) or not all(isinstance(q, str) and QUEUE.fullmatch(q)
+                                               for q in queues) or len(queues) > 32:
+        return f"refused {hostname}: queues are not a list of queue names"
+    if not isinstance(hardware, dict) or len(json.dumps(hardware)) > 64 << 10:
+        return f"refused {hostname}: the hardware report is not an object of at most 64 KiB"
+    version = version[:32] if isinstance(version, str) else None
+    fmt = message_format if isinstance(message_format, int) and \
+        not isinstance(message_format, bool) and 0 <= message_format < 2**31 else None
     ensure_schema(db_url)
     with session_scope(db_url) as s:
         row = s.get(Worker, hostname)
         if row is None:
-            s.add(Worker(hostname=hostname, queues=queues, hardware=hardware, tasks_done=0))
+            s.add(Worker(hostname=hostname, queues=queues, hardware=hardware, tasks_done=0,
+                         fedq_version=version, message_format=fmt))
         else:
             row.queues, row.hardware, row.last_seen = queues, hardware, utcnow()
+            row.fedq_version, row.message_format = version, fmt
+    problem = incompatibility(version, fmt)
+    if problem:
+        log.warning("worker %s: %s", hostname, problem)
+    return hostname
+
+
+def incompatibility(version: str | None, message_format: int | None) -> str | None:
+    """Why a worker that registered with (``version``, ``message_format``) cannot work
+    with this coordinator, in one line; None when it can."""
+    if message_format == MESSAGE_FORMAT:
+        return None
+    said = f"message format {message_format} (fedq {version})" if message_format is not None \
+        else "no message format (a fedq from before the version handshake)"
+    return (f"incompatible: it speaks {said}, the coordinator {MESSAGE_FORMAT} (fedq "
+            f"{FEDQ_VERSION}); its tasks are refused: install fedq {FEDQ_VERSION} there")
 
 
 def ema(previous: float | None, sample: float, alpha: float = THROUGHPUT_ALPHA) -> float:
@@ -83,6 +117,9 @@ def list_workers(db_url: str) -> list[dict[str, Any]]:
                  "samples_per_second": w.samples_per_second,
                  "gpu_peak_mb": w.gpu_peak_mb, "gpu_util": w.gpu_util,
                  "uplink_mbit": w.uplink_mbit, "codec": w.codec,
+                 "fedq_version": w.fedq_version, "message_format": w.message_format,
+                 "problem": incompatibility(w.fedq_version, w.message_format)
+                 if w.hardware else None,
                  "last_task": aware(w.last_task_at).isoformat(timespec="seconds")
                  if w.last_task_at else None,
                  "last_seen": aware(w.last_seen).isoformat(timespec="seconds")}

@@ -36,6 +36,7 @@ from fedq.coordinator.rounds import request_round
 from fedq.db import Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
+from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 
@@ -55,24 +56,52 @@ class NextRound:
     buffered: bool = False
 
 
-def scan(settings: Settings) -> list[NextRound]:
+def scan(settings: Settings) -> list[NextRound | tuple[str, str]]:
+    """Each running job's next round, or (job, why) for a job that cannot be read."""
     with session_scope(settings.database_url) as s:
-        out = []
+        out: list[NextRound | tuple[str, str]] = []
         for job in s.scalars(select(Job).where(Job.status == "running")):
-            number = job.committed_round + 1
-            rnd = s.scalar(select(Round).where(Round.job_id == job.id, Round.number == number))
-            out.append(NextRound(
-                job.id, number, aware(job.updated_at), rnd.status if rnd else None,
-                aware(rnd.started_at) if rnd else None,
-                aware(rnd.deadline) if rnd and rnd.deadline else None,
-                JobSpec.stored(job.spec).buffered))
+            try:
+                number = job.committed_round + 1
+                rnd = s.scalar(select(Round).where(Round.job_id == job.id,
+                                                   Round.number == number))
+                out.append(NextRound(
+                    job.id, number, aware(job.updated_at), rnd.status if rnd else None,
+                    aware(rnd.started_at) if rnd else None,
+                    aware(rnd.deadline) if rnd and rnd.deadline else None,
+                    JobSpec.stored(job.spec).buffered))
+            except Exception as exc:  # noqa: BLE001 - one job's problem, not the pass's
+                out.append((job.id, _why(exc)))
         return out
+
+
+def _why(exc: BaseException) -> str:
+    return redact_text(f"{type(exc).__name__}: {exc}".splitlines()[0])[:500]
 
 
 def _outcome(result: Any) -> str | None:
     if isinstance(result, dict):
         result = result.get("status")
     return None if result is None else str(result)[:32]
+
+
+def _repair(settings: Settings, item: NextRound, now: datetime,
+            grace: timedelta) -> list[dict[str, Any]]:
+    """What the watchdog does for one running job."""
+    if item.buffered:
+        return buffered.repair(settings, item.job, grace)
+    what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace)
+    if what == "start":
+        request_round(item.job, item.number)
+        return [{"job": item.job, "round": item.number, "action": "start"}]
+    if what is None:
+        return []
+    result = finalize_round(settings, item.job, item.number)
+    if what == "check" and result.get("status") == "waiting":
+        return []  # clients still training: nothing was stuck
+    why = "deadline" if what == "deadline" else "stuck"
+    return [{"job": item.job, "round": item.number, "action": f"finalize ({why})",
+             "result": result.get("status")}]
 
 
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
@@ -82,20 +111,18 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     now = utcnow()
     actions: list[dict[str, Any]] = []
     for item in scan(settings):
-        if item.buffered:
-            actions += buffered.repair(settings, item.job, grace)
+        if isinstance(item, tuple):
+            job, why = item
+            log.error("fedq watchdog: job %s cannot be read: %s", job, why)
+            actions.append({"job": job, "action": "error (read)", "result": "error",
+                            "error": why})
             continue
-        what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace)
-        if what == "start":
-            request_round(item.job, item.number)
-            actions.append({"job": item.job, "round": item.number, "action": "start"})
-        elif what is not None:
-            result = finalize_round(settings, [], item.job, item.number)
-            if what == "check" and result.get("status") == "waiting":
-                continue  # clients still training: nothing was stuck
-            why = "deadline" if what == "deadline" else "stuck"
-            actions.append({"job": item.job, "round": item.number,
-                            "action": f"finalize ({why})", "result": result.get("status")})
+        try:
+            actions += _repair(settings, item, now, grace)
+        except Exception as exc:  # noqa: BLE001 - one job's error never stops the others
+            log.exception("fedq watchdog: repairing job %s failed", item.job)
+            actions.append({"job": item.job, "round": item.number, "action": "error (repair)",
+                            "result": "error", "error": _why(exc)})
     for action in actions:
         log.warning("fedq watchdog: %s", action)
     if actions:
@@ -103,5 +130,6 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
             s.add_all(WatchdogAction(job_id=str(a["job"]),
                                      round_number=a.get("round", a.get("version")),
                                      action=str(a["action"])[:64],
-                                     result=_outcome(a.get("result"))) for a in actions)
+                                     result=_outcome(a.get("result")),
+                                     error=a.get("error")) for a in actions)
     return actions

@@ -179,6 +179,9 @@ class Worker(Base):
     # The uplink (Mbit/s) its last large upload measured, and the codec it last sent.
     uplink_mbit: Mapped[float | None] = mapped_column(Float, default=None)
     codec: Mapped[str | None] = mapped_column(String(16), default=None)
+    # Migration 0010: what it registered with (the version handshake, fedq/wire.py).
+    fedq_version: Mapped[str | None] = mapped_column(String(32), default=None)
+    message_format: Mapped[int | None] = mapped_column(Integer, default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -194,3 +197,4 @@ class WatchdogAction(Base):
     round_number: Mapped[int | None] = mapped_column(Integer, default=None)
     action: Mapped[str] = mapped_column(String(64))
     result: Mapped[str | None] = mapped_column(String(32), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)  # a failed repair's reason

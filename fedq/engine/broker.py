@@ -7,7 +7,8 @@ from typing import Any
 
 from fedq.engine.app import app
 from fedq.errors import ServiceUnavailable
-from fedq.settings import get_settings, redact
+from fedq.redaction import redact
+from fedq.settings import get_settings
 
 
 def check_broker(timeout: float = 5.0) -> None:

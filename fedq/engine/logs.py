@@ -19,6 +19,8 @@ from typing import Any
 
 from celery.signals import after_setup_logger, after_setup_task_logger, task_postrun, task_prerun
 
+from fedq.redaction import install_log_filter
+
 #: The fields a JSON line carries for the task that wrote it.
 CONTEXT_FIELDS = ("job", "round", "client", "task_id", "task", "worker", "queue")
 
@@ -90,6 +92,7 @@ def _enabled() -> bool:
 def _setup(logger: logging.Logger, **_: Any) -> None:
     if _enabled():
         use_json(logger)
+    install_log_filter(logger)  # no password leaves in a log line (fedq/redaction.py)
 
 
 @task_prerun.connect

@@ -29,26 +29,35 @@ def start_round(job_id: str, round_number: int) -> dict[str, Any]:
 
 
 @app.task(name=FINALIZE_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
-def finalize_round(results: list[Any], job_id: str, round_number: int) -> dict[str, Any]:
+def finalize_round(results: Any, job_id: str, round_number: int) -> dict[str, Any]:
+    """The chord's body: a doorbell. ``results`` (what the header tasks returned, or
+    what a worker says they returned) is never read: finalize reads each result back
+    by the task id it sent (fedq/coordinator/intake.py)."""
     from fedq.coordinator import finalize
 
-    return finalize.finalize_round(get_settings(), results, job_id, round_number)
+    del results
+    return finalize.finalize_round(get_settings(), job_id, round_number)
 
 
 @app.task(name=ABSORB_UPDATE_TASK, time_limit=CONTROL_TIME_LIMIT)
-def absorb_update(result: Any, job_id: str, index: int) -> dict[str, Any]:
-    """A buffered job's training task finished (its ``link`` callback)."""
+def absorb_update(result: Any, job_id: str, index: int,
+                  attempt: int | None = None) -> dict[str, Any]:
+    """A buffered job's training task finished (its ``link`` callback, which names the
+    task number and attempt it was sent with)."""
     from fedq.coordinator import buffered
 
-    return buffered.absorb(get_settings(), result, job_id, index)
+    return buffered.absorb(get_settings(), result, job_id, index, attempt)
 
 
 @app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
-def register_worker(hostname: str, queues: list[str], hardware: dict[str, Any]) -> str:
+def register_worker(hostname: Any, queues: Any, hardware: Any, version: Any = None,
+                    message_format: Any = None) -> str:
+    """A worker started (the version handshake: its fedq version and message format;
+    a worker from before the handshake sends neither). Checked by the roster."""
     from fedq.coordinator import roster
 
-    roster.record_worker(get_settings().database_url, hostname, queues, hardware)
-    return hostname
+    return roster.record_worker(get_settings().database_url, hostname, queues, hardware,
+                                version, message_format)
 
 
 @app.task(name=WATCHDOG_TASK, time_limit=CONTROL_TIME_LIMIT)

@@ -21,10 +21,23 @@ from pathlib import Path
 import torch
 
 from fedq.weights import dumps, loads_with_meta
+from fedq.wire import FormatError, check_job_id
+
+
+def client_folder(home: Path, job: str, client: int) -> Path:
+    """This worker's folder for one job's client state: under ``home`` only (the job id
+    is checked against fedq's own id shape before the path is built)."""
+    check_job_id(job)
+    if not isinstance(client, int) or not 0 <= client < 10**9:
+        raise FormatError(f"client {client!r} is not a client number")
+    folder = home / "inner" / job
+    if not folder.resolve().is_relative_to(home.resolve()):
+        raise FormatError(f"job {job!r} names a folder outside {home}")
+    return folder
 
 
 def state_path(home: Path, job: str, client: int) -> Path:
-    return home / "inner" / job / f"c{client:06d}.safetensors"
+    return client_folder(home, job, client) / f"c{client:06d}.safetensors"
 
 
 def save(opt: torch.optim.Optimizer, path: Path, step: int) -> None:

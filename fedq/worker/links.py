@@ -13,7 +13,8 @@ from fedq.blobs import open_store
 from fedq.blobs.base import sha256_hex
 from fedq.engine.broker import check_broker
 from fedq.errors import BlobError, FedqError
-from fedq.settings import Settings, redact
+from fedq.redaction import redact
+from fedq.settings import Settings
 
 #: The probe blob: about a small CNN's update; a ResNet-18 is 45 MB.
 PROBE_BYTES = 10 * 2**20

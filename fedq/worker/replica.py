@@ -29,10 +29,11 @@ from fedq.aggregate.streaming import fragments, synced_between
 from fedq.aggregate.types import Weights
 from fedq.errors import BlobError, UpdateRejected
 from fedq.weights import dumps, loads_with_meta
+from fedq.worker.inner import client_folder
 
 
 def replica_path(home: Path, job: str, client: int) -> Path:
-    return home / "inner" / job / f"c{client:06d}.model.safetensors"
+    return client_folder(home, job, client) / f"c{client:06d}.model.safetensors"
 
 
 def start_from(global_weights: Mapping[str, torch.Tensor], path: Path, number: int,

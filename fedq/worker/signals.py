@@ -64,8 +64,11 @@ def register(sender: Any, **_: Any) -> None:
     from fedq.worker.hardware import probe
 
     try:
+        from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
+
         report = probe(run_smoke=False).to_json()
         sender.app.send_task(REGISTER_WORKER_TASK, queue=CONTROL_QUEUE,
-                             args=(sender.hostname, _queues(sender.app), report))
+                             args=(sender.hostname, _queues(sender.app), report,
+                                   FEDQ_VERSION, MESSAGE_FORMAT))
     except Exception as exc:  # registration is informative; never stop a worker for it
         log.warning("fedq: could not register worker %s: %s", sender.hostname, exc)

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from fedq.errors import BlobError, UpdateRejected
 from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
+from fedq.redaction import redact_text
 from fedq.refs import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
@@ -51,7 +53,7 @@ def fetch_global(store: BlobStore, ref: BlobRef,
     if step is not None and base is not None:
         try:
             data, downloaded = HostCache(folder).get(store, step.blob) if folder is not None \
-                else (store.get(step.blob), True)
+                else (store.get(step.blob, limit=step.blob.size), True)
             stored, meta = loads_with_meta(data, what=f"blob {step.blob.key}")
             weights = apply_step(base, stored, meta)
         except (BlobError, UpdateRejected) as exc:
@@ -63,7 +65,7 @@ def fetch_global(store: BlobStore, ref: BlobRef,
     if folder is not None:
         data, downloaded = HostCache(folder).get(store, ref)
     else:
-        data, downloaded = store.get(ref), True
+        data, downloaded = store.get(ref, limit=ref.size), True
     weights = loads(data, what=f"blob {ref.key}")
     PROCESS.keep_model(ref.sha256, weights)
     return weights, ref.size if downloaded else 0
@@ -115,11 +117,15 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
     start, wall = time.perf_counter(), time.time()
     try:
         ref = TrainRef.from_json(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        return UpdateRef(status="error", job=str(data.get("job", "?")),
-                         round=int(data.get("round", -1)), client=int(data.get("client", -1)),
-                         queue=str(data.get("queue", "?")), worker=worker,
-                         error=f"malformed train ref: {exc}").to_json()
+    except (KeyError, TypeError, ValueError) as exc:  # FormatError is a ValueError
+        log.warning("refused a malformed task: %s", exc)
+        fields = data if isinstance(data, dict) else {}
+        return UpdateRef(status="error", job=_echo(fields.get("job"), "?", 32),
+                         round=_echo(fields.get("round"), 0), client=_echo(fields.get("client"), 0),
+                         queue=_echo(fields.get("queue"), "?", 32), worker=worker,
+                         attempt=max(1, _echo(fields.get("attempt"), 1)),
+                         gen=_echo(fields.get("gen"), 0),
+                         error=redact_text(f"malformed task: {exc}")[:2000]).to_json()
     try:
         result = _train(ref, store, worker, start)
         result = dataclasses.replace(result, stats=dataclasses.replace(result.stats,
@@ -135,7 +141,16 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
         return UpdateRef(status="error", job=ref.job, round=ref.round, client=ref.client,
                          queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
                          attempt=ref.attempt, gen=ref.gen, stats=TrainStats(started=wall),
-                         error=f"{type(exc).__name__}: {exc}"[:2000]).to_json()
+                         error=redact_text(f"{type(exc).__name__}: {exc}")[:2000]).to_json()
+
+
+def _echo(value: object, default: Any, length: int = 0) -> Any:
+    """A field of a refused task, echoed in the error result only if it has the right
+    type (an int in range; a string cut to ``length``), else ``default``."""
+    if isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+        return value if ok else default
+    return value[:length] if isinstance(value, str) and value else default
 
 
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:

@@ -1,0 +1,158 @@
+"""Admitting a training task's result: attributed by the task it answers, parsed
+strictly, bounded by what the coordinator knows (docs/security.md).
+
+A result arrives under a task id the coordinator chose (the chord is only a doorbell:
+finalize reads every result back from the backend by its task ids; a buffered job's
+``absorb`` is called for one task number). So who a result is for — job, round or
+task number, client, attempt, generation, queue — comes from :class:`Sent`, never from
+the result's body: a body that names anything else is a rejection saying so. The
+update key must be the one fedq derives for that task (:attr:`Sent.update_key`), and
+the FedAvg weight cannot exceed what the client's shard allows (:class:`Limits`: the
+partition is a pure function of the spec, so the coordinator computes the shard size
+itself): a result may report fewer samples, never more.
+
+:func:`admit` never raises: anything wrong is an :class:`~fedq.refs.UpdateRef` with
+status ``rejected`` and one line naming the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from fedq.blobs.keys import update_key
+from fedq.errors import FedqError
+from fedq.redaction import redact_text
+from fedq.refs import TrainStats, UpdateRef
+from fedq.spec import JobSpec
+from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, FormatError, parse_result
+
+ERROR_CHARS = 2000  # a worker's error text kept in a row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A training task as the coordinator sent it."""
+
+    job: str
+    round: int  # the round (synchronous) or the task number (buffered)
+    client: int
+    attempt: int
+    gen: int  # the round row's id (synchronous; 0 for buffered tasks)
+    queue: str
+
+    @property
+    def update_key(self) -> str:
+        """The one key this task's update may be stored under."""
+        return update_key(self.job, self.round, self.client, self.attempt)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most a client's result may claim under its job's spec."""
+
+    samples: int  # the client's shard size: the FedAvg weight
+    steps: int  # local steps the spec allows
+    seen: int  # samples processed the spec allows (the ``processed`` weight)
+
+
+def limits(spec: JobSpec, client: int) -> Limits:
+    """What client ``client`` can report under ``spec`` (its shard from the partition,
+    computed here; cached per process)."""
+    if spec.zero_compute:  # benchmarks: no data, one sample, no steps
+        return Limits(samples=1, steps=0, seen=1)
+    n = _shard_sizes(spec.dataset, str(spec.data_dir) if spec.data_dir else "",
+                     json.dumps(spec.dataset_args or {}, sort_keys=True),
+                     spec.partition.model_dump_json(), spec.num_clients, spec.seed)[client]
+    batches = math.ceil(n / spec.batch_size)
+    steps = spec.local_steps if spec.local_steps is not None \
+        else (spec.local_epochs or 1) * batches
+    return Limits(samples=n, steps=steps, seen=steps * spec.batch_size)
+
+
+def known_limits(spec: JobSpec, client: int) -> Limits | None:
+    """:func:`limits`, or None (no bound, logged) where the coordinator cannot load the
+    job's dataset to compute the shard (a dataset only the workers hold)."""
+    try:
+        return limits(spec, client)
+    except FedqError as exc:
+        log.warning("cannot bound client %d's sample count: %s", client, exc)
+        return None
+
+
+@lru_cache(maxsize=8)
+def _shard_sizes(dataset: str, data_dir: str, args: str, partition: str, num_clients: int,
+                 seed: int) -> tuple[int, ...]:
+    from pydantic import TypeAdapter
+
+    from fedq.data import load_dataset
+    from fedq.data.partition import Partition, partition_indices
+
+    ds = load_dataset(dataset, data_dir or None, json.loads(args))
+    part = TypeAdapter(Partition).validate_json(partition)
+    return tuple(len(p) for p in partition_indices(ds.partition_labels(), part,
+                                                   num_clients, seed))
+
+
+def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
+    """The result ``raw`` of task ``sent``: status ok or error as the worker reported
+    it, identity from ``sent``; or status ``rejected`` with the reason."""
+    rejected = UpdateRef(status="rejected", job=sent.job, round=sent.round,
+                         client=sent.client, queue=sent.queue, worker="?",
+                         attempt=sent.attempt, gen=sent.gen)
+    try:
+        got = parse_result(raw)
+    except FormatError as exc:
+        worker = raw.get("worker") if isinstance(raw, dict) else None
+        return dataclasses.replace(
+            rejected, worker=str(worker)[:200] if isinstance(worker, str) and worker else "?",
+            error=redact_text(str(exc)))
+    rejected = dataclasses.replace(rejected, worker=got.worker)
+    if got.format != MESSAGE_FORMAT:
+        return dataclasses.replace(rejected, error=(
+            f"version: worker {got.worker} speaks message format {got.format} (fedq "
+            f"{got.version}), the coordinator {MESSAGE_FORMAT} (fedq {FEDQ_VERSION})"))
+    for name in ("job", "round", "client", "attempt", "gen"):
+        said, truth = getattr(got, name), getattr(sent, name)
+        if said != truth:
+            return dataclasses.replace(rejected, error=(
+                f"identity: the result names {name} {str(said)[:40]!r}, its task was "
+                f"{name} {truth!r}"))
+    fields = got.model_dump()
+    fields.update(queue=sent.queue, stats=TrainStats(**fields["stats"]),
+                  error=redact_text(got.error)[:ERROR_CHARS] if got.error else None)
+    ref = UpdateRef(**fields)
+    if ref.status != "ok":
+        return ref
+    if ref.key != sent.update_key:
+        return dataclasses.replace(rejected, error=(
+            f"key: the update is at {str(ref.key)[:120]!r}, its task's key is "
+            f"{sent.update_key!r}"))
+    if ref.sha256 is None:
+        return dataclasses.replace(rejected, error="key: the result names no sha256")
+    if bound is not None:
+        problem = _beyond(ref, bound)
+        if problem:
+            return dataclasses.replace(rejected, error=f"weight: {problem}")
+    return ref
+
+
+def _beyond(ref: UpdateRef, bound: Limits) -> str | None:
+    """Why ``ref`` claims more than its client can, or None."""
+    if ref.samples < 1:
+        return f"reports {ref.samples} samples"
+    if ref.samples > bound.samples:
+        return (f"reports {ref.samples} samples, client {ref.client}'s shard has "
+                f"{bound.samples}")
+    if ref.steps > bound.steps:
+        return f"reports {ref.steps} local steps, the spec allows {bound.steps}"
+    if ref.stats.seen > bound.seen:
+        return f"reports {ref.stats.seen} samples processed, the spec allows {bound.seen}"
+    return None
