@@ -123,8 +123,8 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
         said, truth = getattr(got, name), getattr(sent, name)
         if said != truth:
             return dataclasses.replace(rejected, error=(
-                f"identity: the result names {name} {str(said)[:40]!r}, its task was "
-                f"{name} {truth!r}"))
+                f"identity: the result names {name} {_show(said)}, its task was "
+                f"{name} {_show(truth)}"))
     fields = got.model_dump()
     fields.update(queue=sent.queue, stats=TrainStats(**fields["stats"]),
                   error=redact_text(got.error)[:ERROR_CHARS] if got.error else None)
@@ -142,6 +142,10 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
         if problem:
             return dataclasses.replace(rejected, error=f"weight: {problem}")
     return ref
+
+
+def _show(value: object) -> str:
+    return repr(value[:40]) if isinstance(value, str) else str(value)
 
 
 def _beyond(ref: UpdateRef, bound: Limits) -> str | None:
