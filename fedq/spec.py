@@ -315,6 +315,11 @@ class JobSpec(_Strict):
                                 "round synchronises the next fragment")
         if self.dp is not None and self.reducer.name != "mean":
             yield ("dp", "central DP needs reducer mean")
+        if self.dp is not None and self.buffered:
+            yield ("dp", "needs synchronous rounds (aggregation.mode: sync): the privacy "
+                         "accountant assumes each round samples clients uniformly at random, "
+                         "and a buffered version takes the updates that arrive first, so no "
+                         "epsilon it reported would hold")
         why = make_reducer(self.reducer.name, self.reducer.params()).problem(self.quorum)
         if why:  # a round commits with as few as quorum updates: the rule must work there
             yield ("reducer", f"{self.reducer.name} {why}; min_clients is {self.quorum}")

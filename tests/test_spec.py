@@ -46,6 +46,10 @@ BASE = {"model": "small_cnn", "dataset": "digits", "num_clients": 4, "clients_pe
         ({"model": "gpt5"}, "spec: model: unknown model 'gpt5'"),
         ({"dataset": "imagenet"}, "spec: dataset: unknown dataset 'imagenet'"),
         ({"data_dir": "/nonexistent/cifar"}, "data_dir: folder /nonexistent/cifar does not exist"),
+        # DP's accountant assumes uniformly sampled rounds: a buffered job is refused
+        ({"dp": {"noise_multiplier": 1.0, "clip_norm": 1.0},
+          "aggregation": {"mode": "buffered", "buffer": 2}},
+         "spec: dp: needs synchronous rounds (aggregation.mode: sync)"),
     ],
 )
 def test_invalid_spec_names_the_field(change: dict, message: str) -> None:

@@ -86,6 +86,29 @@ def test_every_strategy_on_redis(tmp_path: Path, redis_db: str, pg_url: str) -> 
         cluster.stop()
 
 
+@pytest.mark.slow
+def test_keep_updates_in_both_modes(embedded: Cluster) -> None:
+    """``keep_updates: 0`` deletes each round's or version's update blobs once it
+    commits, synchronous and buffered alike: delete the drop in
+    fedq/coordinator/commit.py ``settle`` and this fails for both jobs."""
+    from fedq.errors import BlobNotFound
+
+    base = {**SMALL, "rounds": 3, "keep_updates": 0, "eval_every": 0}
+    jobs = embedded.submit_many([
+        {**base, "name": "keep-sync"},
+        {**base, "name": "keep-buffered", "aggregation": {"mode": "buffered", "buffer": 2}}])
+    store = open_store(embedded.settings.blob_url)
+    for job in jobs:
+        view = embedded.wait(job, timeout=300)
+        assert view.status == "completed", view.error
+        used = [u for u in embedded.updates(job) if u.status == "ok"]
+        assert len(used) >= 6
+        for u in used:
+            assert u.blob_key is not None and u.blob_sha256 is not None
+            with pytest.raises(BlobNotFound):
+                store.get(BlobRef(u.blob_key, u.blob_sha256, u.bytes_up))
+
+
 BYZANTINE = {**DIGITS, "num_clients": 10, "clients_per_round": 10, "rounds": 8,
              "min_clients": 5, "local_epochs": 3}
 ATTACK = {"byzantine": {"clients": [0, 1], "scale": -10.0}}

@@ -89,6 +89,12 @@ class BlobStore(ABC):
     @abstractmethod
     def check(self) -> None: ...
 
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        """Remove these keys (missing ones are fine). Backends that can delete many in
+        one request override this."""
+        for key in keys:
+            self.delete_prefix(key)
+
     def prepare(self) -> str:
         """Make the store ready to be written (an S3 store creates its bucket); one
         line saying what was done."""

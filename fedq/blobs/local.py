@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedq.blobs.base import BlobStore
@@ -48,6 +49,10 @@ class LocalBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.root}") from None
         except OSError as exc:
             raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
 
     def delete_prefix(self, prefix: str) -> None:
         target = self._path(prefix)

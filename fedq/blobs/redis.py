@@ -87,6 +87,10 @@ class RedisBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.url}")
         return int(size)
 
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            self._client.delete(*(KEY_PREFIX + k for k in keys[i:i + 1000]))
+
     def delete_prefix(self, prefix: str) -> None:
         keys = list(self._client.scan_iter(match=KEY_PREFIX + prefix + "*", count=1000))
         if keys:

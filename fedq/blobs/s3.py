@@ -6,6 +6,7 @@ Credentials come from the usual AWS_* variables; the endpoint from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -73,6 +74,11 @@ class S3BlobStore(BlobStore):
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
         return int(head["ContentLength"])
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes 1,000 keys
+            objects = [{"Key": self.prefix + k} for k in keys[i:i + 1000]]
+            self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
 
     def delete_prefix(self, prefix: str) -> None:
         paginator = self._client.get_paginator("list_objects_v2")

@@ -52,14 +52,11 @@ from sqlalchemy.orm import Session
 
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
-from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator import commit
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
-    put_model,
     reduce,
-    server_update,
-    set_step,
     step_of,
     update_weight,
 )
@@ -73,7 +70,6 @@ from fedq.process import PROCESS
 from fedq.refs import StepRef, TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.weights import loads
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +317,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
                for r in rows}
     refs = [row_ref(r) for r in rows]
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    kept = PROCESS.model(model.sha256)
-    current = kept if kept is not None else loads(store.get(model), what=f"blob {model.key}")
+    current = commit.current_model(store, model)
     outcome = Outcome()
     delta = reduce(spec, store, refs, current, outcome, settings.home / "scratch",
                    PROCESS.accumulator, factors)
@@ -331,14 +326,8 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
         return {"status": "rejected", "version": version, "rejected": outcome.rejected}
     if settings.finalize_delay:  # fault injection: widen the window for crash tests
         time.sleep(settings.finalize_delay)
-    server_state = loads(store.get(state), what=f"blob {state.key}") if state else {}
-    nxt = server_update(spec, current, delta, server_state)
-    new = nxt.weights
-    every = spec.eval_every
-    accuracy, eval_loss = evaluate_weights(spec, new) \
-        if every and (version % every == 0 or version >= spec.rounds) else (None, None)
-    blob, state_blob, step = put_model(store, job_id, version, nxt, model.sha256,
-                                       tag=secrets.token_hex(4))
+    new = commit.build(spec, store, job_id, version, current, model.sha256, delta, state,
+                       tag=secrets.token_hex(4))
     records = {r.ref.round: r for r in outcome.records}
     weights = {r.task_index: update_weight(spec, row_ref(r)) * factors[r.task_index]
                for r in rows}
@@ -352,13 +341,10 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             Round.job_id == job_id, Round.number == version, Round.status == "training",
         ).values(
             status="committed", finished_at=now,
-            seconds=(now - aware(previous)).total_seconds(),
-            participants=outcome.accepted, samples=outcome.samples,
-            train_loss=outcome.loss_sum / max(outcome.samples, 1), eval_loss=eval_loss,
-            accuracy=accuracy, bytes_up=sum(r.bytes_up for r in rows),
-            raw_bytes_up=outcome.raw_bytes, bytes_down=sum(r.bytes_down for r in rows),
-            global_key=blob.key, global_sha256=blob.sha256,
-            finalize_seconds=time.perf_counter() - started,
+            **commit.metrics(new, outcome, sum(r.bytes_up for r in rows),
+                             sum(r.bytes_down for r in rows),
+                             (now - aware(previous)).total_seconds(),
+                             time.perf_counter() - started),
             planned={"clients": [r.client for r in rows], "queues": [r.queue for r in rows],
                      "buffer": spec.aggregation.buffer}))
         if claimed.rowcount != 1 or job.committed_round != version - 1:  # type: ignore[attr-defined]
@@ -372,21 +358,17 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             row.update_norm, row.raw_bytes = rec.norm, rec.raw_bytes
             row.weight = weights[row.task_index] / total if rec.status == "ok" else 0.0
         record_throughput(s, outcome.throughput)
-        job.committed_round = version
-        job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
-        set_step(job, step)
-        if state_blob is not None:
-            job.state_key, job.state_sha256, job.state_size = (state_blob.key, state_blob.sha256,
-                                                               state_blob.size)
+        commit.advance(job, new)
         done = version >= spec.rounds
         if done:
             job.status, job.finished_at = "completed", now
             revoke = _close_training(s, job_id, "the job completed first")
         else:
             _ensure_version(s, job, spec, version + 1)
-    PROCESS.keep_model(blob.sha256, new, only=True)
+    commit.settle(settings, store, spec, job_id, new)
     if revoke:
         _revoke(revoke)
+    accuracy = new.accuracy
     log.info("job %s version %d committed: accuracy %s, %d updates, staleness %s, "
              "apply %.2fs", job_id, version, "-" if accuracy is None else f"{accuracy:.4f}",
              outcome.accepted, sorted(r.staleness or 0 for r in rows),

@@ -31,20 +31,14 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from fedq.aggregate.dp import epsilon
 from fedq.aggregate.streaming import fragment_names
-from fedq.aggregate.types import Weights
-from fedq.blobs import BlobRef, BlobStore
-from fedq.blobs.keys import updates_prefix
-from fedq.coordinator.evaluation import evaluate_weights
+from fedq.blobs import BlobRef
+from fedq.coordinator import commit
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
     UpdateRecord,
-    put_model,
     reduce,
-    server_update,
-    set_step,
 )
 from fedq.coordinator.policy import (
     Commit,
@@ -63,10 +57,9 @@ from fedq.db.rows import fill_row, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.process import PROCESS
-from fedq.refs import StepRef, UpdateRef
+from fedq.refs import UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
-from fedq.weights import loads
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +164,7 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     fewer than the quorum of updates pass verification (nothing is written then)."""
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    current = _current_model(store, rnd.model)
+    current = commit.current_model(store, rnd.model)
     reference = current if spec.streaming is None else \
         {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
     delta = reduce(spec, store, list(chosen.values()), reference, outcome,
@@ -183,42 +176,23 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
                           queue=rnd.queues[c],
                           error=f"no result by the deadline (attempt {rnd.state.attempt})")
              for c in decision.missing]
-    server_state = loads(store.get(rnd.server_state), what=f"blob {rnd.server_state.key}") \
-        if rnd.server_state else {}
-    nxt = server_update(spec, current, delta, server_state)
-    new = nxt.weights
-    every = spec.eval_every
-    accuracy, eval_loss = evaluate_weights(spec, new) \
-        if every and (number % every == 0 or number >= spec.rounds) else (None, None)
-    blob, state_blob, step = put_model(store, job_id, number, nxt, rnd.model.sha256)
+    new = commit.build(spec, store, job_id, number, current, rnd.model.sha256, delta,
+                       rnd.server_state)
     seconds = (utcnow() - rnd.started_at).total_seconds()
-    dp = spec.dp
-    metrics = {
-        "participants": outcome.accepted, "samples": outcome.samples,
-        "train_loss": outcome.loss_sum / max(outcome.samples, 1), "eval_loss": eval_loss,
-        "accuracy": accuracy, "seconds": seconds,
-        "bytes_up": sum(r.bytes_up or 0 for r in rows),
-        "raw_bytes_up": outcome.raw_bytes,
-        "bytes_down": sum(r.bytes_down or 0 for r in rows),
-        "global_key": blob.key, "global_sha256": blob.sha256,
-        "finalize_seconds": time.perf_counter() - started,
-        "epsilon": epsilon(number, noise_multiplier=dp.noise_multiplier,
-                           sample_rate=spec.clients_per_round / spec.num_clients,
-                           delta=dp.delta) if dp else None,
-    }
+    metrics = commit.metrics(new, outcome, sum(r.bytes_up or 0 for r in rows),
+                             sum(r.bytes_down or 0 for r in rows), seconds,
+                             time.perf_counter() - started)
     committed, done = _commit(settings, job_id, rnd.state.gen, rows,
-                              throughput=outcome.throughput, metrics=metrics, blob=blob,
-                              state=state_blob, step=step, round_number=number,
+                              throughput=outcome.throughput, metrics=metrics, new=new,
                               total=spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
-    PROCESS.keep_model(blob.sha256, new, only=True)  # the next round's finalize starts here
-    if spec.keep_updates is not None and number > spec.keep_updates:
-        _drop_updates(store, job_id, number - spec.keep_updates)
+    commit.settle(settings, store, spec, job_id, new)
     if done:
         PROCESS.accumulator.release()
     else:
         _start_next(settings, job_id, number + 1)
+    accuracy = new.accuracy
     log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
              job_id, number, "-" if accuracy is None else f"{accuracy:.4f}",
              outcome.accepted, seconds, time.perf_counter() - started)
@@ -231,16 +205,6 @@ def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
             for r in records]
 
 
-def _drop_updates(store: BlobStore, job_id: str, round_number: int) -> None:
-    """Delete round ``round_number``'s update blobs (``keep_updates``); the rows that
-    describe them stay. A failure is logged, never fatal: it only costs space."""
-    try:
-        store.delete_prefix(updates_prefix(job_id, round_number))
-    except Exception:
-        log.exception("job %s: could not delete round %d's update blobs", job_id,
-                      round_number)
-
-
 def _start_next(settings: Settings, job_id: str, round_number: int) -> None:
     """Start the next round here and now (one broker hop less than sending start_round
     to the control queue); if that fails, leave it to a start_round task."""
@@ -250,12 +214,6 @@ def _start_next(settings: Settings, job_id: str, round_number: int) -> None:
         log.exception("job %s: starting round %d in finalize failed; queued instead",
                       job_id, round_number)
         request_round(job_id, round_number)
-
-
-def _current_model(store: BlobStore, ref: BlobRef) -> Weights:
-    """The global model: the one this process committed last, else read from the store."""
-    kept = PROCESS.model(ref.sha256)
-    return kept if kept is not None else loads(store.get(ref), what=f"blob {ref.key}")
 
 
 def _fail(settings: Settings, rnd: OpenRound, decision: Fail,
@@ -324,9 +282,7 @@ def record_late(settings: Settings, job_id: str, round_number: int) -> int:
 def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,
             throughput: Sequence[tuple[str, int, float]] = (),
             failed: str | None = None, metrics: dict[str, Any] | None = None,
-            blob: BlobRef | None = None, state: BlobRef | None = None,
-            step: StepRef | None = None, round_number: int = 0,
-            total: int = 0) -> tuple[bool, bool]:
+            new: commit.NewModel | None = None, total: int = 0) -> tuple[bool, bool]:
     """One transaction: claim the round, write client rows, move the job. Returns
     (committed, job_done); (False, _) when another delivery got there first."""
     now = utcnow()
@@ -351,14 +307,9 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
         if failed:
             job.status, job.error, job.finished_at = "failed", failed, now
         else:
-            assert blob is not None
-            job.committed_round = round_number
-            job.global_key, job.global_sha256, job.global_size = blob.key, blob.sha256, blob.size
-            set_step(job, step)
-            if state is not None:
-                job.state_key, job.state_sha256, job.state_size = (state.key, state.sha256,
-                                                                   state.size)
-            done = round_number >= total
+            assert new is not None
+            commit.advance(job, new)
+            done = new.number >= total
             if done:
                 job.status, job.finished_at = "completed", now
     return True, done

@@ -1,0 +1,139 @@
+"""The one commit sequence, for a synchronous round and a buffered version alike.
+
+Both modes reduce their updates (fedq/coordinator/pipeline.py ``reduce``), then:
+
+1. :func:`build` — the server optimizer's step from the stored state, the evaluation
+   when it is due, the new model, state and step written to the blob store, and the
+   privacy spent so far (DP-FedAvg with an RDP accountant);
+2. the mode's own claim transaction (``UPDATE rounds ... WHERE status='training'``:
+   one delivery wins), which writes :func:`metrics` into the round row and calls
+   :func:`advance` to move the job's pointers;
+3. :func:`settle` — after the claim: the new model kept in this process for the next
+   round, and the update blobs older than ``keep_updates`` deleted.
+
+A spec option the sequence cannot honour in a mode is refused by the spec for that
+mode (``JobSpec.problems``), never ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+
+from fedq.aggregate.dp import epsilon
+from fedq.aggregate.types import Weights
+from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.coordinator.evaluation import evaluate_weights
+from fedq.coordinator.pipeline import Outcome, put_model, server_update, set_step
+from fedq.db import ClientUpdate, Job, session_scope
+from fedq.process import PROCESS
+from fedq.refs import StepRef
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+from fedq.weights import loads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewModel:
+    """A round's or version's new global model: stored and evaluated, not yet claimed."""
+
+    number: int  # the round or version it commits
+    weights: Weights
+    blob: BlobRef
+    state: BlobRef | None  # the server optimizer's state (with the downlink residual)
+    step: StepRef | None  # the model as a step from the previous one
+    accuracy: float | None
+    eval_loss: float | None
+    epsilon: float | None  # DP: the privacy spent after this round
+
+
+def current_model(store: BlobStore, ref: BlobRef) -> Weights:
+    """The global model: the one this process committed last, else read from the store."""
+    kept = PROCESS.model(ref.sha256)
+    return kept if kept is not None else loads(store.get(ref), what=f"blob {ref.key}")
+
+
+def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: Weights,
+          current_sha256: str, delta: Weights, server_state: BlobRef | None,
+          tag: str = "") -> NewModel:
+    """Step the server optimizer, evaluate if due, store the results (``tag``: a key of
+    this attempt's own, for commits that may race)."""
+    state = loads(store.get(server_state), what=f"blob {server_state.key}") \
+        if server_state else {}
+    nxt = server_update(spec, current, delta, state)
+    every = spec.eval_every
+    accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \
+        if every and (number % every == 0 or number >= spec.rounds) else (None, None)
+    blob, state_blob, step = put_model(store, job_id, number, nxt, current_sha256, tag=tag)
+    return NewModel(number, nxt.weights, blob, state_blob, step, accuracy, eval_loss,
+                    privacy_spent(spec, number))
+
+
+def privacy_spent(spec: JobSpec, number: int) -> float | None:
+    """epsilon after ``number`` rounds of DP-FedAvg: the RDP accountant for the sampled
+    Gaussian mechanism, each round sampling clients_per_round of num_clients
+    (fedq/aggregate/dp.py). None without DP. Synchronous rounds only: the spec refuses
+    DP for buffered jobs, whose versions take the updates that arrive first."""
+    dp = spec.dp
+    if dp is None:
+        return None
+    return epsilon(number, noise_multiplier=dp.noise_multiplier,
+                   sample_rate=spec.clients_per_round / spec.num_clients, delta=dp.delta)
+
+
+def metrics(new: NewModel, outcome: Outcome, bytes_up: int, bytes_down: int,
+            seconds: float, finalize_seconds: float) -> dict[str, Any]:
+    """The round row's columns for a commit."""
+    return {
+        "participants": outcome.accepted, "samples": outcome.samples,
+        "train_loss": outcome.loss_sum / max(outcome.samples, 1), "eval_loss": new.eval_loss,
+        "accuracy": new.accuracy, "seconds": seconds, "bytes_up": bytes_up,
+        "raw_bytes_up": outcome.raw_bytes, "bytes_down": bytes_down,
+        "global_key": new.blob.key, "global_sha256": new.blob.sha256,
+        "finalize_seconds": finalize_seconds, "epsilon": new.epsilon,
+    }
+
+
+def advance(job: Job, new: NewModel) -> None:
+    """Point the job at the new model (inside the claim's transaction)."""
+    job.committed_round = new.number
+    job.global_key, job.global_sha256, job.global_size = (new.blob.key, new.blob.sha256,
+                                                          new.blob.size)
+    set_step(job, new.step)
+    if new.state is not None:
+        job.state_key, job.state_sha256, job.state_size = (new.state.key, new.state.sha256,
+                                                           new.state.size)
+
+
+def settle(settings: Settings, store: BlobStore, spec: JobSpec, job_id: str,
+           new: NewModel) -> int:
+    """After the claim: keep the new model in this process (the next round's finalize
+    starts from it) and delete the update blobs of the round or version
+    ``keep_updates`` before this one. Returns how many blobs were deleted."""
+    PROCESS.keep_model(new.blob.sha256, new.weights, only=True)
+    if spec.keep_updates is None or new.number <= spec.keep_updates:
+        return 0
+    return drop_updates(settings, store, job_id, new.number - spec.keep_updates)
+
+
+def drop_updates(settings: Settings, store: BlobStore, job_id: str, number: int) -> int:
+    """Delete every update blob of round or version ``number`` — each task's key for
+    every attempt it was sent, whatever became of it; the rows that describe them stay.
+    A failure is logged, never fatal: it only costs space."""
+    with session_scope(settings.database_url) as s:
+        tasks = s.execute(select(ClientUpdate.round_number, ClientUpdate.task_index,
+                                 ClientUpdate.client, ClientUpdate.attempt)
+                          .where(ClientUpdate.job_id == job_id,
+                                 ClientUpdate.round_number == number)).all()
+    keys = {update_key(job_id, index or rnd, client, a)
+            for rnd, index, client, attempts in tasks for a in range(1, (attempts or 1) + 1)}
+    try:
+        store.delete_keys(sorted(keys))
+    except Exception:  # noqa: BLE001 - space, not correctness
+        log.exception("job %s: could not delete the update blobs of %d", job_id, number)
+    return len(keys)
