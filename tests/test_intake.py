@@ -293,3 +293,27 @@ def test_watchdog_repairs_every_job_whatever_one_does(tmp_path: Path,
 def test_sent_derives_the_update_key() -> None:
     assert SENT.update_key == "jobs/j1/r00003/updates/c000002-a1.safetensors"
     assert dataclasses.replace(SENT, attempt=2).update_key.endswith("-a2.safetensors")
+
+
+def test_doctor_names_an_incompatible_worker(tmp_path: Path) -> None:
+    """`fedq doctor --services` on the coordinator's host lists, in one line, a worker
+    that registered with another message format."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fedq.coordinator.roster import record_worker
+    from fedq.settings import load_settings
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
+    env["FEDQ_HOME"] = str(tmp_path)
+    settings = load_settings(env)
+    record_worker(settings.database_url, "old@h", ["cpu"], {"cpus": 2}, "0.0.9", 1)
+    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services", "--json"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    report = json.loads(proc.stdout)
+    assert report["fedq"]["message_format"] == MESSAGE_FORMAT
+    assert any(p.startswith("worker old@h: incompatible: it speaks message format 1 (fedq "
+                            "0.0.9)") for p in report["problems"]), report["problems"]
+    assert proc.returncode == 1

@@ -25,6 +25,7 @@ from fedq.cli.output import (
     status_style,
 )
 from fedq.errors import FedqError, JobCancelled, JobFailed
+from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -326,8 +327,11 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
             with out.status("connecting to the broker; a 10 MB blob to and from the store"):
                 links = check_services(_settings())
         problems += links["problems"]
+        problems += _incompatible_workers()
     if as_json and not smoke:
         click.echo(json.dumps({**report.to_json(), "image": image, "services": links,
+                               "fedq": {"version": FEDQ_VERSION,
+                                        "message_format": MESSAGE_FORMAT},
                                "problems": problems}, indent=2))
         sys.exit(1 if problems else 0)
     if as_json:  # --smoke --json: the report and the round, one document
@@ -341,6 +345,8 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
                               indent=2))
         return
     out.print(f"host      {report.hostname}", highlight=False)
+    out.print(f"fedq      {FEDQ_VERSION}, message format {MESSAGE_FORMAT} (a coordinator and "
+              f"its workers must speak the same)", highlight=False)
     out.print(f"torch     {report.torch} (CUDA build {report.cuda or 'none'}), driver "
               f"{report.driver or 'none'}", highlight=False)
     if report.arch_list or report.build_arch:
@@ -385,6 +391,18 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
                       fmt(m["gpu_peak_mb"], ".0f"), fmt(m["gpu_util_percent"], ".0f"),
                       fmt(m["round_seconds"], ".2f"))
         out.print(table)
+
+
+def _incompatible_workers() -> list[str]:
+    """On a host that reaches the coordinator's database: one line per registered
+    worker of another message format (the version handshake); elsewhere nothing."""
+    from fedq.coordinator.roster import list_workers
+
+    try:
+        rows = list_workers(_settings().database_url)
+    except Exception:  # noqa: BLE001 - a worker machine has no database: nothing to say
+        return []
+    return [f"worker {w['hostname']}: {w['problem']}" for w in rows if w.get("problem")]
 
 
 @main.group()
