@@ -95,7 +95,7 @@ class OptimizerSpec(_Strict):
 
 
 class ServerSpec(_Strict):
-    """The server optimizer over the aggregated delta (fedq/aggregate/server.py).
+    """The server optimizer over the aggregated delta (fedq/aggregate/server/).
     Unset options take the optimizer's defaults."""
 
     name: str = Field(default="fedavg", description="a name from fedq/aggregate/server/")

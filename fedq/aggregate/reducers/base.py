@@ -59,8 +59,8 @@ class UpdateSource(Protocol):
 
 
 class Reducer(ABC):
-    """One aggregation rule. Subclasses set ``name`` and ``paper`` and register
-    themselves with :func:`fedq.aggregate.reducers.register`."""
+    """One aggregation rule. Subclasses set ``name`` and ``paper`` and are listed in
+    ``_BUILTIN`` in fedq/aggregate/reducers/__init__.py (the registry)."""
 
     name: ClassVar[str]
     paper: ClassVar[str]
