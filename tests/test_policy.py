@@ -1,5 +1,6 @@
 """The round's decisions (fedq/coordinator/policy.py), table-driven: every branch of
-pick_results, decide and the watchdog's repair, with no services."""
+pick_results, decide and the watchdog's repair, and a buffered job's absorb status,
+failing window and overdue choice, with no services."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from fedq.coordinator.policy import (
     Redispatch,
     RoundState,
     Wait,
+    absorb_status,
     decide,
+    failing,
+    overdue,
     pick_results,
     repair,
 )
@@ -118,3 +122,39 @@ GRACE = timedelta(seconds=10)
 def test_watchdog_repair(job_updated: datetime, status: str | None, started: datetime | None,
                          deadline: datetime | None, expected: str | None) -> None:
     assert repair(job_updated, status, started, deadline, AFTER, GRACE) == expected
+
+
+# -- buffered jobs: the pure decisions fedq/coordinator/buffered.py acts on ----------
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    # (ref status, has blob, job running, version, rounds, staleness, max_staleness)
+    (("ok", True, True, 2, 5, 1, None), ("buffered", None)),
+    (("ok", True, False, 2, 5, 1, None), ("late", "arrived after the job stopped")),
+    (("error", False, True, 2, 5, 1, None), ("error", None)),
+    (("rejected", False, True, 2, 5, 1, None), ("rejected", None)),
+    (("ok", False, True, 2, 5, 1, None), ("error", None)),  # ok without a blob
+    (("ok", True, True, 6, 5, 0, None), ("late", "every version is full")),
+    (("ok", True, True, 3, 5, 3, 2), ("stale", "staleness 3 > 2")),
+    (("ok", True, True, 3, 5, 2, 2), ("buffered", None)),  # at the bound: kept
+    # a failure after the job stopped is late, not a failure that could fail the job
+    (("error", False, False, 0, 5, 0, None), ("late", "arrived after the job stopped")),
+])
+def test_absorb_status(args: tuple, expected: tuple) -> None:
+    assert absorb_status(*args) == expected
+
+
+def test_failing_needs_a_whole_window_of_failures() -> None:
+    bad = ("error", "boom", "cpu")
+    assert failing([bad] * 3, 4, "j") is None  # not a window yet
+    assert failing([bad, bad, ("ok", None, "cpu"), bad], 4, "j") is None
+    why = failing([bad, ("rejected", "weight: too many", "gpu_new"), bad, bad], 4, "j")
+    assert why is not None and why.startswith("the last 4 training tasks all failed")
+    assert "boom; weight: too many" in why and "cpu, gpu_new" in why
+    assert why.endswith("`fedq resume j`.")
+
+
+@pytest.mark.parametrize(("attempt", "max_redispatch", "expected"), [
+    (1, 2, "resend"), (2, 2, "resend"), (3, 2, "replace"), (1, 0, "replace")])
+def test_overdue(attempt: int, max_redispatch: int, expected: str) -> None:
+    assert overdue(attempt, max_redispatch) == expected

@@ -52,7 +52,7 @@ from sqlalchemy.orm import Session
 
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
-from fedq.coordinator import commit
+from fedq.coordinator import commit, policy
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -177,25 +177,14 @@ def _filling(s: Session, job: Job, spec: JobSpec) -> int:
 
 
 def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
-    """A reason to fail the job when its last C x (max_redispatch + 1) settled tasks
-    all failed or had their update rejected (a worker that cannot run it, one that
-    uploads to another blob store, an update-norm bound below every update), else
-    None."""
+    """:func:`fedq.coordinator.policy.failing` over the job's newest settled tasks."""
     window = spec.clients_per_round * (spec.max_redispatch + 1)
     last = s.execute(select(ClientUpdate.status, ClientUpdate.error, ClientUpdate.queue)
                      .where(ClientUpdate.job_id == job.id,
                             ClientUpdate.status.in_(("ok", "buffered", "error", "stale",
                                                      "rejected")))
-                     .order_by(ClientUpdate.task_index.desc()).limit(window)).all()
-    if len(last) < window or any(status not in ("error", "rejected")
-                                 for status, _, _ in last):
-        return None
-    errors = sorted({error or "task failed" for _, error, _ in last})
-    queues = sorted({queue or "?" for _, _, queue in last})
-    return (f"the last {window} training tasks all failed (clients_per_round x "
-            f"(max_redispatch + 1); a rejected update counts as failed) on queue(s) "
-            f"{', '.join(queues)}: "
-            f"{'; '.join(errors)[:1000]}. Fix that, then `fedq resume {job.id}`.")
+                     .order_by(ClientUpdate.task_index.desc()).limit(window)).tuples().all()
+    return policy.failing(list(last), window, job.id)
 
 
 def _full(s: Session, job_id: str, version: int) -> int:
@@ -233,30 +222,27 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         tasks: list[Dispatch] = []
         revoke: list[str] = []
         version, full = 0, False
-        if job.status != "running":
-            row.status, row.error = "late", "arrived after the job stopped"
-        else:
+        running = job.status == "running"
+        if running:
             version = _filling(s, job, spec)
             row.round_number = version
             row.staleness = (version - 1) - (row.base_version or 0)
-            limit = spec.aggregation.max_staleness
-            if ref.status != "ok" or ref.key is None or ref.sha256 is None:
-                row.status = "rejected" if ref.status == "rejected" else "error"
-                row.error = ref.error or "task failed"
-                failing = _failing(s, job, spec)
-                if failing:  # every recent task failed: stop instead of spinning
-                    job.status, job.error, job.finished_at = "failed", failing, utcnow()
-                    revoke = _close_training(s, job_id, "the job failed")
-            elif version > spec.rounds:
-                row.status, row.error = "late", "every version is full"
-            elif limit is not None and row.staleness > limit:
-                row.status, row.error = "stale", f"staleness {row.staleness} > {limit}"
-            else:
-                row.status = "buffered"
-                rnd = _ensure_version(s, job, spec, version)
-                if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
-                    rnd.deadline = utcnow()  # full since: the watchdog's clock
-                    full = version == job.committed_round + 1
+        status, why = policy.absorb_status(
+            ref.status, ref.key is not None and ref.sha256 is not None, running, version,
+            spec.rounds, row.staleness or 0, spec.aggregation.max_staleness)
+        row.status, row.error = status, why or row.error
+        if status in ("error", "rejected"):
+            row.error = ref.error or "task failed"
+            failing = _failing(s, job, spec)
+            if failing:  # every recent task failed: stop instead of spinning
+                job.status, job.error, job.finished_at = "failed", failing, utcnow()
+                revoke = _close_training(s, job_id, "the job failed")
+        elif status == "buffered":
+            rnd = _ensure_version(s, job, spec, version)
+            if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
+                rnd.deadline = utcnow()  # full since: the watchdog's clock
+                full = version == job.committed_round + 1
+        if running:
             # The replacement trains from the newest model: when this update fills the
             # next version, only once that version is applied (below, by start()).
             if not full and job.status == "running" and _filling(s, job, spec) <= spec.rounds:
@@ -467,7 +453,7 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         if job is None or job.status != "running" or row is None or \
                 row.status != "training" or row.attempt != attempt:
             return {"job": job_id, "task": index, "action": "none (moved on)"}
-        if attempt <= spec.max_redispatch:
+        if policy.overdue(attempt, spec.max_redispatch) == "resend":
             row.attempt, row.created_at = attempt + 1, utcnow()
             row.base_version = job.committed_round
             tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu", _model(job),

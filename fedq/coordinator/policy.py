@@ -137,3 +137,52 @@ def repair(job_updated: datetime, round_status: str | None, started: datetime | 
     if started is not None and now - started > grace:
         return "check"
     return None
+
+
+# -- buffered jobs (fedq/coordinator/buffered.py does the I/O around these) ----------
+
+#: A finished task's row in a buffered job: (status, error, queue).
+TaskRow = tuple[str, str | None, str | None]
+
+
+def absorb_status(ref_status: str, has_blob: bool, job_running: bool, version: int,
+                  rounds: int, staleness: int, max_staleness: int | None
+                  ) -> tuple[str, str | None]:
+    """(status, error) for a buffered task's result as it is absorbed: ``late`` after
+    the job stopped, the failure as reported (``error``, or ``rejected`` by intake),
+    ``late`` when every version is full, ``stale`` past ``max_staleness``, else
+    ``buffered`` into ``version``. The error of a failure is the caller's (the
+    worker's or intake's words)."""
+    if not job_running:
+        return "late", "arrived after the job stopped"
+    if ref_status != "ok" or not has_blob:
+        return ("rejected" if ref_status == "rejected" else "error"), None
+    if version > rounds:
+        return "late", "every version is full"
+    if max_staleness is not None and staleness > max_staleness:
+        return "stale", f"staleness {staleness} > {max_staleness}"
+    return "buffered", None
+
+
+def failing(last: Sequence[TaskRow], window: int, job_id: str) -> str | None:
+    """A reason to fail a buffered job when its last ``window`` settled tasks (newest
+    first; window = clients_per_round x (max_redispatch + 1)) all failed or had their
+    update rejected, else None."""
+    if len(last) < window or any(status not in ("error", "rejected")
+                                 for status, _, _ in last[:window]):
+        return None
+    errors = sorted({error or "task failed" for _, error, _ in last[:window]})
+    queues = sorted({queue or "?" for _, _, queue in last[:window]})
+    return (f"the last {window} training tasks all failed (clients_per_round x "
+            f"(max_redispatch + 1); a rejected update counts as failed) on queue(s) "
+            f"{', '.join(queues)}: "
+            f"{'; '.join(errors)[:1000]}. Fix that, then `fedq resume {job_id}`.")
+
+
+OverdueAction = Literal["resend", "replace"]
+
+
+def overdue(attempt: int, max_redispatch: int) -> OverdueAction:
+    """A buffered task past its deadline with no result: send it again as the next
+    attempt, or after ``max_redispatch`` re-sends give its slot to another client."""
+    return "resend" if attempt <= max_redispatch else "replace"
