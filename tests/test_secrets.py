@@ -73,15 +73,16 @@ def _run_and_search(home: Path, redis_url: str, pg_url: str) -> None:
     cluster.start(control=["control"], cpu1=["cpu"])
     cluster.add("broken", ["gpu_new"], FEDQ_BLOB_URL=f"redis://:{SECRET}@127.0.0.1:1/0")
     try:
-        job = cluster.submit({**DIGITS, "rounds": 2, "clients_per_round": 3, "min_clients": 2,
+        job = cluster.submit({**DIGITS, "rounds": 1, "clients_per_round": 3, "min_clients": 2,
                               "queues": {"cpu": 2, "gpu_new": 1}, "round_timeout_s": 120})
         view = cluster.wait(job, timeout=300)
         assert view.status == "completed", view.error
         errors = [u.error or "" for u in cluster.updates(job) if u.queue == "gpu_new"]
         assert errors and all("blob store redis://:***@127.0.0.1:1/0" in e for e in errors), errors
-        outputs = [cluster.fedq(*args).stdout + cluster.fedq(*args).stderr for args in (
+        runs = [cluster.fedq(*args) for args in (
             ("results", job), ("results", job, "--json"), ("status",), ("workers",),
             ("status", job, "--json"))]
+        outputs = [run.stdout + run.stderr for run in runs]
     finally:
         cluster.stop()
     found: list[str] = []
