@@ -9,7 +9,8 @@ from sqlalchemy import select
 
 from fedq.blobs import global_key, open_store
 from fedq.coordinator.evaluation import initial_weights
-from fedq.coordinator.rounds import plan_round, task_id
+from fedq.coordinator.intake import task_id
+from fedq.coordinator.rounds import plan_round
 from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
 from fedq.engine.names import FINALIZE_ROUND_TASK
 from fedq.refs import TrainRef
@@ -65,7 +66,7 @@ def _deliver(cluster: Cluster, results: list[dict]) -> None:
     tasks would: finalize reads them from there (what the chord passes is a doorbell)."""
     app = cluster.client_app()
     for r in results:
-        app.backend.store_result(task_id(r["job"], r["round"], r["client"], r["attempt"],
+        app.backend.store_result(task_id(r["job"], r["round"], r["attempt"], r["client"],
                                          r["gen"]), r, "SUCCESS")
 
 

@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit, policy
-from fedq.coordinator.intake import Sent, admit, known_limits
+from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
     reduce,
@@ -75,10 +75,6 @@ log = logging.getLogger(__name__)
 
 # Rows in these states are settled: their task is over and its update used or not.
 SETTLED = ("ok", "rejected", "stale", "error", "missing", "late", "cancelled")
-
-
-def task_id(job_id: str, index: int, attempt: int) -> str:
-    return f"fedq-{job_id}-b{index}-a{attempt}"
 
 
 @dataclass(frozen=True)
@@ -212,7 +208,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
             attempt = said if isinstance(said, int) and 1 <= said <= row.attempt \
                 else row.attempt
         sent = Sent(job_id, index, row.client, min(attempt, row.attempt), 0,
-                    row.queue or "cpu")
+                    row.queue or "cpu", buffered=True)
         ref = admit(result, sent, known_limits(spec, row.client))
         if attempt > row.attempt:  # a callback for an attempt never sent
             ref = dataclasses.replace(ref, status="rejected", error=(

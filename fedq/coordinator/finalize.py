@@ -50,7 +50,7 @@ from fedq.coordinator.policy import (
     pick_results,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
-from fedq.coordinator.rounds import redispatch, request_round, start_round, task_id
+from fedq.coordinator.rounds import redispatch, request_round, start_round
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, new_row
@@ -72,10 +72,10 @@ def collect(job_id: str, number: int, gen: int, attempts: int,
     found = []
     for client, queue in queues.items():
         for attempt in range(1, attempts + 1):
-            meta = app.backend.get_task_meta(task_id(job_id, number, client, attempt, gen))
+            sent = Sent(job_id, number, client, attempt, gen, queue)
+            meta = app.backend.get_task_meta(sent.task_id)
             if meta.get("status") != "SUCCESS":
                 continue
-            sent = Sent(job_id, number, client, attempt, gen, queue)
             found.append(admit(meta.get("result"), sent, known_limits(spec, client)))
     return found
 

@@ -37,6 +37,18 @@ ERROR_CHARS = 2000  # a worker's error text kept in a row
 log = logging.getLogger(__name__)
 
 
+def task_id(job: str, number: int, attempt: int, client: int | None = None,
+            gen: int | None = None) -> str:
+    """The Celery task id of a training task, chosen before it is sent (the
+    coordinator reads its result back by it): a round's ``fedq-JOB-gGEN-rROUND-cCLIENT-
+    aATTEMPT`` (GEN: the round row's id, never reused, which tells a resumed round from
+    the one it replaced), or with ``gen`` None a buffered job's ``fedq-JOB-bTASK-
+    aATTEMPT`` (``number``: its task number)."""
+    if gen is None:
+        return f"fedq-{job}-b{number}-a{attempt}"
+    return f"fedq-{job}-g{gen}-r{number}-c{client}-a{attempt}"
+
+
 @dataclass(frozen=True)
 class Sent:
     """A training task as the coordinator sent it."""
@@ -47,6 +59,12 @@ class Sent:
     attempt: int
     gen: int  # the round row's id (synchronous; 0 for buffered tasks)
     queue: str
+    buffered: bool = False
+
+    @property
+    def task_id(self) -> str:
+        return task_id(self.job, self.round, self.attempt, self.client,
+                       None if self.buffered else self.gen)
 
     @property
     def update_key(self) -> str:

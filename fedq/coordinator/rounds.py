@@ -20,6 +20,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
+from fedq.coordinator.intake import task_id
 from fedq.coordinator.pipeline import step_of
 from fedq.coordinator.roster import live_throughput
 from fedq.db import Job, Round, session_scope
@@ -50,15 +51,9 @@ def plan_round(spec: JobSpec, round_number: int,
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
 
 
-def task_id(job_id: str, round_number: int, client: int, attempt: int, gen: int) -> str:
-    """Deterministic Celery task id of one training task: the coordinator can look up
-    its result in the backend without the chord."""
-    return f"fedq-{job_id}-g{gen}-r{round_number}-c{client}-a{attempt}"
-
-
 def round_task_ids(job_id: str, rnd: Round) -> dict[int, list[str]]:
     """Client -> task ids of every attempt so far, oldest first."""
-    return {c: [task_id(job_id, rnd.number, c, a, rnd.id) for a in range(1, rnd.attempt + 1)]
+    return {c: [task_id(job_id, rnd.number, a, c, rnd.id) for a in range(1, rnd.attempt + 1)]
             for c in rnd.planned["clients"]}
 
 
@@ -133,8 +128,8 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
         app.signature(TRAIN_TASK,
                       args=(TrainRef(job_id, round_number, a.client, a.queue, spec_json, model,
                                      attempt=attempt, gen=gen, step=step).to_json(),),
-                      queue=a.queue, task_id=task_id(job_id, round_number, a.client,
-                                                     attempt, gen))
+                      queue=a.queue, task_id=task_id(job_id, round_number, attempt, a.client,
+                                                     gen))
         for a in plan
     ]
     body = app.signature(FINALIZE_ROUND_TASK, args=(job_id, round_number), queue=CONTROL_QUEUE)

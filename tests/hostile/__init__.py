@@ -18,6 +18,7 @@ import torch
 import fedq.worker.update as update
 from fedq.aggregate.compression import ZSTD_MAGIC, encode
 from fedq.blobs import BlobStore, update_key
+from fedq.coordinator.intake import task_id
 from fedq.engine.app import app
 from fedq.engine.names import FINALIZE_ROUND_TASK
 from fedq.weights import dumps, loads
@@ -131,8 +132,8 @@ def never_sent(task: dict, result: dict, store: BlobStore) -> dict:
     for client in range(task["spec"]["num_clients"]):
         fake = {**result, "client": client, "attempt": 2,
                 "key": update_key(task["job"], task["round"], client, 2)}
-        app.backend.store_result(f"fedq-{task['job']}-g{task['gen']}-r{task['round']}-c"
-                                 f"{client}-a2", fake, "SUCCESS")
+        app.backend.store_result(task_id(task["job"], task["round"], 2, client, task["gen"]),
+                                 fake, "SUCCESS")
         forged.append({**fake, "attempt": 1, "worker": "forged"})
     app.send_task(FINALIZE_ROUND_TASK, args=(forged, task["job"], task["round"]),
                   queue="control")
