@@ -3,9 +3,9 @@
     .venv/bin/python -m bench.security            # about 2 minutes on 2 cores
 
 tests/test_security.py runs one real hostile ``celery worker`` (tests/hostile) beside
-honest ones, one attack per job, on Redis + PostgreSQL and on the embedded default;
-tests/test_secrets.py runs a job with a password in every URL and searches every
-table, log, Redis value and CLI output for it. Each records one row (scenario, what
+honest ones, one attack per job, on Redis + PostgreSQL and on the embedded default,
+with a password in every URL, and then searches every table, log, result and CLI
+output for it. Each records one row (scenario, what
 the worker did, what fedq did, the check that caught it, the job's outcome); this
 script renders them above the marker in docs/security.md, keeping the prose below it.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "security.md"
 MARKER = "<!-- end of generated table -->"
-TESTS = ["tests/test_security.py", "tests/test_secrets.py"]
+TESTS = ["tests/test_security.py"]
 
 
 def render(rows: list[dict], memory: list[dict]) -> list[str]:

@@ -14,10 +14,14 @@ Each scenario names the line whose removal makes it fail.
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -90,6 +94,7 @@ class Run:
     ids: dict[str, str]
     control_peak: int  # bytes
     crafted: list[tuple[str, dict[str, Any]]]  # (what was crafted, the worker's result)
+    leaks: list[str]  # where the password was found
 
 
 def _peak_rss(pid: int) -> int:
@@ -102,18 +107,59 @@ def _peak_rss(pid: int) -> int:
 @pytest.fixture(scope="module", params=["redis+postgresql", "embedded"])
 def attacked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Run]:
-    """Every attack job and an honest one, run to the end on one cluster."""
+    """Every attack job, an honest one and one with a worker whose blob store is
+    unreachable, run to the end on one cluster. On Redis + PostgreSQL every URL holds
+    the password (a redis-server of its own with ``requirepass``); on the embedded
+    default only the broken worker's blob store URL does."""
     home = tmp_path_factory.mktemp(f"security-{request.param.replace('+', '-')}")
     if request.param == "embedded":
-        env = base_env(home)
-        yield from _run(request.param, home, env)
+        yield from _run(request.param, home, base_env(home))
         return
-    from tests.conftest import pg_database, redis_database
+    from tests.conftest import pg_database
 
-    with redis_database() as redis_url, pg_database() as pg_url:
-        env = base_env(home, FEDQ_BROKER_URL=redis_url, FEDQ_RESULT_BACKEND=redis_url,
-                       FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=redis_url)
+    with protected_redis(home) as redis_url, pg_database() as admin_url:
+        # trust authentication ignores the password, but every URL carries it
+        pg_url = admin_url.replace("postgres@", f"postgres:{quote(SECRET)}@")
+        url = f"{redis_url}/0"
+        env = base_env(home, FEDQ_BROKER_URL=url, FEDQ_RESULT_BACKEND=url,
+                       FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=url)
         yield from _run(request.param, home, env)
+
+
+#: The password of every URL (its '@' is what the old redact() missed).
+SECRET = "Hunter2@pw"
+MARK = "Hunter2"
+
+
+@contextmanager
+def protected_redis(folder: Path) -> Iterator[str]:
+    """A redis-server of its own with ``requirepass SECRET``; yields its URL (no db)."""
+    import redis
+
+    from tests.conftest import free_port, missing
+
+    port = free_port()
+    try:
+        proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--requirepass", SECRET, "--dir", str(folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError as exc:
+        missing("redis-server", exc)
+    url = f"redis://:{SECRET}@127.0.0.1:{port}"
+    client = redis.Redis.from_url(f"{url}/0")
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
 
 
 def _run(backend: str, home: Path, env: dict[str, str]) -> Iterator[Run]:
@@ -122,17 +168,21 @@ def _run(backend: str, home: Path, env: dict[str, str]) -> Iterator[Run]:
     upgrade(cluster.settings.database_url)
     hostile = cluster.worker("hostile", ["gpu_new"])
     hostile.app = "tests.hostile"
+    # a worker whose blob store is unreachable: its errors name the store's URL
+    broken = cluster.worker("broken", ["gpu_sm61"],
+                            FEDQ_BLOB_URL=f"redis://:{SECRET}@127.0.0.1:1/0")
     from fedq.testing.procs import start_workers
 
-    start_workers([hostile])
-    cluster.workers.append(hostile)
+    start_workers([hostile, broken])
+    cluster.workers += [hostile, broken]
     cluster.start(control=["control"], honest1=["cpu"], honest2=["cpu"])
     cluster.start_beat()
     try:
         base = {**DIGITS, "rounds": 1, "clients_per_round": 3, "min_clients": 2,
                 "queues": {"cpu": 2, "gpu_new": 1}, "round_timeout_s": 120,
                 "max_update_norm": 1000.0}
-        specs = [{**base, "name": "honest"}] + [
+        specs = [{**base, "name": "honest"},
+                 {**base, "name": "secrets", "queues": {"cpu": 2, "gpu_sm61": 1}}] + [
             {**base, "name": f"attack-{name}", "rounds": max(sc.rounds)}
             for name, sc in SCENARIOS.items()]
         ids = dict(zip([s["name"] for s in specs], cluster.submit_many(specs), strict=True))
@@ -141,9 +191,60 @@ def _run(backend: str, home: Path, env: dict[str, str]) -> Iterator[Run]:
         assert control.proc is not None
         peak = _peak_rss(control.proc.pid)
         crafted = _send_crafted(cluster, ids["honest"])
-        yield Run(backend, cluster, jobs, ids, peak, crafted)
+        outputs = [cluster.fedq(*args) for args in (
+            ("results", ids["secrets"]), ("results", ids["secrets"], "--json"), ("status",),
+            ("workers",), ("status", ids["secrets"], "--json"))]
+        cluster.stop()
+        leaks = _search(cluster, [o.stdout + o.stderr for o in outputs])
+        yield Run(backend, cluster, jobs, ids, peak, crafted, leaks)
     finally:
         cluster.stop()
+
+
+def _search(cluster: Cluster, outputs: list[str]) -> list[str]:
+    """Every place the password shows: tables, log files, the result backend (Redis
+    values or the embedded default's result files), CLI output."""
+    from sqlalchemy import create_engine, inspect, text
+
+    found: list[str] = []
+    engine = create_engine(cluster.settings.database_url)
+    with engine.connect() as conn:
+        for table in inspect(conn).get_table_names():
+            for row in conn.execute(text(f'SELECT * FROM "{table}"')):
+                if MARK in str(tuple(row)):
+                    found.append(f"table {table}: {str(tuple(row))[:200]}")
+    engine.dispose()
+    files = [*(cluster.home / "logs").iterdir()]
+    backend = cluster.settings.result_backend
+    if backend.startswith("redis://"):
+        found += _search_redis(backend)
+    else:
+        files += [p for p in (cluster.settings.home / "results").rglob("*") if p.is_file()]
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            if MARK in line:
+                found.append(f"file {path.name}: {line[:200]}")
+    found += [f"CLI output: {line}" for out in outputs for line in out.splitlines()
+              if MARK in line]
+    return found
+
+
+def _search_redis(url: str) -> list[str]:
+    import redis
+
+    found = []
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(count=1000):
+        if key.startswith(b"fedq:blob:"):
+            continue  # weights, not text
+        kind = client.type(key)
+        value = client.get(key) if kind == b"string" else str(
+            client.lrange(key, 0, -1) if kind == b"list" else
+            client.hgetall(key) if kind == b"hash" else "").encode()
+        if value and MARK.encode() in value:
+            found.append(f"redis {key!r}: {value[:200]!r}")
+    client.close()
+    return found
 
 
 #: Tasks a compromised broker (or coordinator) could send: each names a path outside
@@ -213,6 +314,27 @@ def test_crafted_tasks_build_no_path(attacked: Run) -> None:
                    fedq=f"refused by the worker: {result['error'][:90]}",
                    guard="wire.check_task before any path or key is built",
                    outcome="no file outside the worker's folders; an error result")
+
+
+def test_no_password_anywhere(attacked: Run) -> None:
+    """Make ``redact`` and ``redact_text`` (fedq/redaction.py) return their input and
+    the broken worker's error rows carry the password: this fails. (Either alone is
+    backed by the other: a store names itself by its redacted URL, and every error
+    text is also searched for the secrets the process was configured with.)"""
+    errors = [u.error or "" for u in attacked.cluster.updates(attacked.ids["secrets"])
+              if u.queue == "gpu_sm61"]
+    assert errors and all("blob store redis://:***@127.0.0.1:1/0" in e for e in errors), \
+        errors
+    assert attacked.jobs["secrets"].status == "completed"
+    assert not attacked.leaks, "\n".join(attacked.leaks)
+    if attacked.backend == "redis+postgresql":
+        record("security", scenario="a password in every URL",
+               did="its blob store unreachable: its errors name the store's URL (with the "
+                   "password)",
+               fedq="URLs redacted by a URL parser (a password may hold '@' or '/'); the "
+                    "configured secrets masked in any error text and log line",
+               guard="redaction.redact / redact_text wherever a URL reaches text",
+               outcome="the password is in no table, log, result or CLI output")
 
 
 def test_control_worker_memory_stays_bounded(attacked: Run) -> None:

@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from fedq.coordinator import buffered
 from fedq.coordinator.finalize import finalize_round
@@ -57,22 +58,29 @@ class NextRound:
 
 
 def scan(settings: Settings) -> list[NextRound | tuple[str, str]]:
-    """Each running job's next round, or (job, why) for a job that cannot be read."""
+    """Each running job's next round, or (job, why) for a job that cannot be read. Each
+    job is read inside a savepoint of its own: on PostgreSQL one failed statement
+    would otherwise abort the transaction, and with it every job after it."""
     with session_scope(settings.database_url) as s:
         out: list[NextRound | tuple[str, str]] = []
-        for job in s.scalars(select(Job).where(Job.status == "running")):
+        for job_id in list(s.scalars(select(Job.id).where(Job.status == "running"))):
             try:
-                number = job.committed_round + 1
-                rnd = s.scalar(select(Round).where(Round.job_id == job.id,
-                                                   Round.number == number))
-                out.append(NextRound(
-                    job.id, number, aware(job.updated_at), rnd.status if rnd else None,
-                    aware(rnd.started_at) if rnd else None,
-                    aware(rnd.deadline) if rnd and rnd.deadline else None,
-                    JobSpec.stored(job.spec).buffered))
+                with s.begin_nested():
+                    out.append(_next_round(s, job_id))
             except Exception as exc:  # noqa: BLE001 - one job's problem, not the pass's
-                out.append((job.id, _why(exc)))
+                out.append((job_id, _why(exc)))
         return out
+
+
+def _next_round(s: Session, job_id: str) -> NextRound:
+    job = s.get(Job, job_id)
+    assert job is not None
+    number = job.committed_round + 1
+    rnd = s.scalar(select(Round).where(Round.job_id == job.id, Round.number == number))
+    return NextRound(job.id, number, aware(job.updated_at), rnd.status if rnd else None,
+                     aware(rnd.started_at) if rnd else None,
+                     aware(rnd.deadline) if rnd and rnd.deadline else None,
+                     JobSpec.stored(job.spec).buffered)
 
 
 def _why(exc: BaseException) -> str:
