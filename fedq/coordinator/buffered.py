@@ -232,7 +232,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         elif status == "buffered":
             rnd = _ensure_version(s, job, spec, version)
             if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
-                rnd.full_since = utcnow()  # the watchdog's clock for a stuck apply
+                rnd.deadline = utcnow()  # full since: the watchdog's clock
                 full = version == job.committed_round + 1
         if running:
             # The replacement trains from the newest model: when this update fills the
@@ -407,7 +407,7 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
         spec = JobSpec.stored(job.spec)
         version = job.committed_round + 1
         rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == version))
-        full_since = aware(rnd.full_since) if rnd is not None and rnd.full_since else None
+        full_since = aware(rnd.deadline) if rnd is not None and rnd.deadline else None
         overdue = [(r.task_index, r.attempt) for r in s.scalars(select(ClientUpdate).where(
             ClientUpdate.job_id == job_id, ClientUpdate.status == "training",
             ClientUpdate.created_at < now - timedelta(seconds=spec.round_timeout_s)))]

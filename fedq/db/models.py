@@ -86,8 +86,6 @@ class Round(Base):
     planned: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"clients": [...], "queues": [...]}
     attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
-    # Migration 0010: a buffered version's K-th update arrived (its apply is due)
-    full_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     seconds: Mapped[float | None] = mapped_column(Float, default=None)

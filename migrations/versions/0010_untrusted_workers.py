@@ -4,8 +4,7 @@ workers gains the fedq version and message format each worker registered with
 (fedq/wire.py: a worker of another format is refused and shown as incompatible);
 watchdog_actions gains the one-line error of a job whose repair failed (the watchdog
 repairs each job inside its own guard and goes on with the others). rounds loses
-chord_id, which nothing ever wrote (results are read back by their task ids), and
-gains full_since: when a buffered version filled up (it had borrowed ``deadline``).
+chord_id, which nothing ever wrote (results are read back by their task ids).
 
 Revision ID: 0010
 Revises: 0009
@@ -28,12 +27,10 @@ def upgrade() -> None:
         batch.add_column(sa.Column("error", sa.Text(), nullable=True))
     with op.batch_alter_table("rounds") as batch:
         batch.drop_column("chord_id")
-        batch.add_column(sa.Column("full_since", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("rounds") as batch:
-        batch.drop_column("full_since")
         batch.add_column(sa.Column("chord_id", sa.String(64), nullable=True))
     with op.batch_alter_table("watchdog_actions") as batch:
         batch.drop_column("error")
