@@ -73,6 +73,10 @@ from fedq.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
+# Rows in these states are settled: their task is over and its update used or not.
+SETTLED = ("ok", "rejected", "stale", "error", "missing", "late", "cancelled")
+
+
 @dataclass(frozen=True)
 class Dispatch:
     """One task to send once the transaction that recorded it has committed."""

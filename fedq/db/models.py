@@ -45,7 +45,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    # running -> completed | failed | cancelled (fedq.coordinator.jobs.FINISHED)
+    # pending -> running -> completed | failed | cancelled
     status: Mapped[str] = mapped_column(String(16), index=True)
     total_rounds: Mapped[int] = mapped_column(Integer)
     committed_round: Mapped[int] = mapped_column(Integer, default=0)  # 0: none yet
@@ -84,6 +84,7 @@ class Round(Base):
     # training -> committed | failed
     status: Mapped[str] = mapped_column(String(16), index=True)
     planned: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"clients": [...], "queues": [...]}
+    chord_id: Mapped[str | None] = mapped_column(String(64), default=None)
     attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -87,7 +87,7 @@ class FedqCollector:
                             w.gpu_util, aware(w.last_seen).timestamp()) for w in workers]
 
         job_status = GaugeMetricFamily("fedq_jobs", "Jobs by status", labels=["status"])
-        for status in ("running", "completed", "failed", "cancelled"):
+        for status in ("pending", "running", "completed", "failed", "cancelled"):
             job_status.add_metric([status], sum(1 for j in jobs if j.status == status))
         yield job_status
         progress = GaugeMetricFamily("fedq_job_committed_rounds",

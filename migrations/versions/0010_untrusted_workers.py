@@ -3,8 +3,7 @@
 workers gains the fedq version and message format each worker registered with
 (fedq/wire.py: a worker of another format is refused and shown as incompatible);
 watchdog_actions gains the one-line error of a job whose repair failed (the watchdog
-repairs each job inside its own guard and goes on with the others). rounds loses
-chord_id, which nothing ever wrote (results are read back by their task ids).
+repairs each job inside its own guard and goes on with the others).
 
 Revision ID: 0010
 Revises: 0009
@@ -25,13 +24,9 @@ def upgrade() -> None:
         batch.add_column(sa.Column("message_format", sa.Integer(), nullable=True))
     with op.batch_alter_table("watchdog_actions") as batch:
         batch.add_column(sa.Column("error", sa.Text(), nullable=True))
-    with op.batch_alter_table("rounds") as batch:
-        batch.drop_column("chord_id")
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("rounds") as batch:
-        batch.add_column(sa.Column("chord_id", sa.String(64), nullable=True))
     with op.batch_alter_table("watchdog_actions") as batch:
         batch.drop_column("error")
     with op.batch_alter_table("workers") as batch:
