@@ -13,7 +13,6 @@ different formats refuse each other's tasks and results (the version handshake).
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -171,7 +170,3 @@ def parse_result(data: Any) -> ResultModel:
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {str(value)[:60]!r})"
         raise FormatError(f"malformed result: {where}: {err['msg']}{shown}") from None
-
-
-def finite(value: float | None) -> bool:
-    return value is None or math.isfinite(value)
