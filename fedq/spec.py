@@ -94,15 +94,31 @@ class OptimizerSpec(_Strict):
                                    "inner AdamW); a worker restart keeps it")
 
 
-class ServerSpec(_Strict):
-    """The server optimizer over the aggregated delta (fedq/aggregate/server/).
-    Unset options take the optimizer's defaults."""
+class _PluginSpec(BaseModel):
+    """A plug-in by ``name`` and its parameters, the section's other keys: the plug-in
+    declares them (its ``Params``, fedq/aggregate/plugin.py) and :meth:`JobSpec.problems`
+    checks them against that declaration."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+
+    def params(self) -> dict[str, Any]:
+        """The parameters set (None: unset, the plug-in's default)."""
+        return {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+
+    def summary(self) -> str:
+        """``trimmed_mean (beta 0.2)``: the name and the parameters set."""
+        args = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in self.params().items())
+        return f"{self.name} ({args})" if args else self.name
+
+
+class ServerSpec(_PluginSpec):
+    """The server optimizer over the aggregated delta (fedq/aggregate/server/) and its
+    parameters (e.g. ``lr``, ``momentum``); unset ones take the optimizer's defaults."""
 
     name: str = Field(default="fedavg", description="a name from fedq/aggregate/server/")
-    lr: float | None = Field(default=None, gt=0)
-    momentum: float | None = Field(default=None, ge=0, lt=1, description="or beta_1")
-    beta2: float | None = Field(default=None, ge=0, lt=1)
-    tau: float | None = Field(default=None, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -110,25 +126,17 @@ class ServerSpec(_Strict):
         return v if _stored(info) else _one_of("server optimizer", v, _registries()[3])
 
 
-class ReducerSpec(_Strict):
-    """How client updates are combined (fedq/aggregate/): a weighted mean, FedNova,
-    or a robust reducer (unweighted)."""
+class ReducerSpec(_PluginSpec):
+    """How client updates are combined (fedq/aggregate/reducers/): a weighted mean,
+    FedNova, or a robust reducer (unweighted), and its parameters (e.g. ``beta``,
+    ``f``)."""
 
     name: str = Field(default="mean", description="a name from fedq/aggregate/reducers/")
-    beta: float = Field(default=0.1, ge=0, lt=0.5, description="trimmed_mean: cut per side")
-    f: int = Field(default=1, ge=0, description="krum/multi_krum/bulyan: Byzantine clients")
-    m: int | None = Field(default=None, ge=1, description="multi_krum: updates averaged")
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str, info: ValidationInfo) -> str:
         return v if _stored(info) else _one_of("reducer", v, _registries()[2])
-
-    def params(self) -> Any:
-        """The reducer's :class:`~fedq.aggregate.reducers.ReducerParams`."""
-        from fedq.aggregate.reducers import ReducerParams
-
-        return ReducerParams(beta=self.beta, f=self.f, m=self.m)
 
 
 class DPSpec(_Strict):
@@ -205,8 +213,9 @@ class AggregationSpec(_Strict):
         instead of every C, so a full-size step per version would move the model C/K
         times as far per unit of client work; measured on digits (docs/strategies.md):
         lr 1 with K=3 of C=6 oscillates (best 0.76), K/C = 0.5 tracks synchronous."""
-        if server.lr is not None or server.name not in ("fedavg", "fedavgm"):
-            return server.lr
+        lr = server.params().get("lr")
+        if lr is not None or server.name not in ("fedavg", "fedavgm"):
+            return lr
         return self.buffer / concurrency
 
 
@@ -297,9 +306,14 @@ class JobSpec(_Strict):
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """(field, message) for every rule that involves more than one field."""
+        from fedq.aggregate import plugin
         from fedq.aggregate.reducers import make_reducer
 
-        models, datasets, _, _ = _registries()
+        models, datasets, reducers, servers = _registries()
+        for field, table, section in (("reducer", reducers, self.reducer),
+                                      ("server", servers, self.server)):
+            yield from plugin.problems(field, section.name, table[section.name].Params,
+                                       section.params())
         if self.clients_per_round > self.num_clients:
             yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
                                         f"({self.num_clients})")
@@ -320,7 +334,10 @@ class JobSpec(_Strict):
                          "accountant assumes each round samples clients uniformly at random, "
                          "and a buffered version takes the updates that arrive first, so no "
                          "epsilon it reported would hold")
-        why = make_reducer(self.reducer.name, self.reducer.params()).problem(self.quorum)
+        try:
+            why = make_reducer(self.reducer.name, self.reducer.params()).problem(self.quorum)
+        except ValueError:  # its parameters are wrong: said above
+            why = None
         if why:  # a round commits with as few as quorum updates: the rule must work there
             yield ("reducer", f"{self.reducer.name} {why}; min_clients is {self.quorum}")
         if self.byzantine and max(self.byzantine.clients) >= self.num_clients:
@@ -417,7 +434,7 @@ def round_window(round_: int, rounds: int) -> tuple[float, float]:
 
 def describe(spec: JobSpec) -> str:
     """One line naming the strategy, for `fedq results`."""
-    parts = [f"server {spec.server.name}", f"reducer {spec.reducer.name}"]
+    parts = [f"server {spec.server.summary()}", f"reducer {spec.reducer.summary()}"]
     if spec.buffered:
         a = spec.aggregation
         st = a.staleness
@@ -427,12 +444,8 @@ def describe(spec: JobSpec) -> str:
         parts.insert(0, f"buffered K={a.buffer} C={spec.clients_per_round} "
                         f"staleness {weight}"
                      + (f" max {a.max_staleness}" if a.max_staleness is not None else ""))
-        if lr is not None and spec.server.lr is None:
+        if lr is not None and "lr" not in spec.server.params():
             parts[1] += f" (lr {lr:g} = K/C)"
-    if spec.reducer.name == "trimmed_mean":
-        parts[-1] += f" (beta {spec.reducer.beta})"
-    elif spec.reducer.name in ("krum", "multi_krum", "bulyan"):
-        parts[-1] += f" (f {spec.reducer.f})"
     if spec.clip_norm:
         parts.append(f"clip {spec.clip_norm}")
     if spec.dp:

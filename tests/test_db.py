@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from fedq.db import Base, Job, session_scope, upgrade
 from fedq.db.session import connect, current_revision, ensure_schema
@@ -23,7 +23,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_migrations_create_schema_matching_orm(db_url: str) -> None:
     upgrade(db_url)
-    assert current_revision(db_url) == "0010"
+    assert current_revision(db_url) == "0011"
     engine = connect(db_url)
     tables = set(inspect(engine).get_table_names())
     assert {"jobs", "rounds", "client_updates", "workers", "alembic_version"} <= tables
@@ -44,3 +44,53 @@ def test_schema_required_before_use_on_postgres(pg_url: str) -> None:
 def test_unreachable_database_is_one_line() -> None:
     with pytest.raises(ServiceUnavailable, match="database postgresql"):
         upgrade("postgresql+psycopg://nobody@127.0.0.1:1/none")
+
+
+def test_0011_moves_a_versions_fill_time_and_keeps_round_ids_unique(db_url: str) -> None:
+    """A buffered version's fill time leaves ``deadline`` for ``full_since``; a
+    synchronous round keeps its deadline. And the recreated ``rounds`` table never
+    hands a deleted round's id out again (its id names its tasks' generation: a
+    resumed round that reused it would wait on revoked task ids)."""
+    upgrade(db_url, "0010")
+    engine = connect(db_url)
+    when = "2026-11-25 01:02:03+00:00"
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO jobs (id, name, spec, status, total_rounds, committed_round, "
+            "global_key, global_sha256, global_size, created_at, updated_at) VALUES "
+            "('j', 'j', '{}', 'running', 3, 0, 'k', 's', 1, :t, :t)"), {"t": when})
+        for number, planned in ((1, '{"clients": [], "queues": [], "buffer": 2}'),
+                                (2, '{"clients": [0], "queues": ["cpu"]}')):
+            conn.execute(text(
+                "INSERT INTO rounds (job_id, number, status, planned, attempt, deadline, "
+                "started_at) VALUES ('j', :n, 'training', :p, 1, :t, :t)"),
+                {"n": number, "p": planned, "t": when})
+    upgrade(db_url)
+    with engine.begin() as conn:
+        rows = {n: (d, f) for n, d, f in conn.execute(text(
+            "SELECT number, deadline, full_since FROM rounds ORDER BY number"))}
+        assert rows[1][0] is None and rows[1][1] is not None  # the buffered version
+        assert rows[2][0] is not None and rows[2][1] is None  # the synchronous round
+        top = conn.execute(text("SELECT max(id) FROM rounds")).scalar_one()
+        conn.execute(text("DELETE FROM rounds WHERE id = :i"), {"i": top})
+        conn.execute(text("INSERT INTO rounds (job_id, number, status, planned, attempt, "
+                          "started_at) VALUES ('j', 2, 'training', '{}', 1, :t)"), {"t": when})
+        new = conn.execute(text("SELECT max(id) FROM rounds")).scalar_one()
+    assert new > top
+    assert "chord_id" not in {c["name"] for c in inspect(engine).get_columns("rounds")}
+
+
+def test_docs_list_exactly_the_statuses() -> None:
+    """docs/architecture.md's Statuses section is the enums of fedq/status.py."""
+    import re
+
+    from fedq.status import JobStatus, RoundStatus, UpdateStatus
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Statuses", 1)[1].split("\n## ", 1)[0]
+    lines = {kind: set(re.findall(r"`([a-z_]+)`", section.split(f"- {kind}:", 1)[1]
+                                  .split("\n- ", 1)[0].split("\n\n", 1)[0]))
+             for kind in ("job", "round (a buffered job's version)", "client update")}
+    assert lines["job"] == set(JobStatus)
+    assert lines["round (a buffered job's version)"] == set(RoundStatus)
+    assert lines["client update"] == set(UpdateStatus)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedq.aggregate.clip import clip_update
-from fedq.aggregate.reducers import MemorySource, ReducerParams, make_reducer
+from fedq.aggregate.reducers import MemorySource, make_reducer
 from fedq.aggregate.reducers.bulyan import bulyan, bulyan_select
 from fedq.aggregate.reducers.krum import krum, multi_krum
 from fedq.aggregate.reducers.median import median
@@ -50,13 +50,13 @@ def test_bulyan_last_pick_uses_the_nearest_neighbour() -> None:
 
 
 def test_reducers_check_their_constraints_in_one_place() -> None:
-    assert make_reducer("krum", ReducerParams(f=1)).problem(3) is not None  # n > f + 2
-    assert make_reducer("krum", ReducerParams(f=1)).problem(4) is None
-    assert make_reducer("bulyan", ReducerParams(f=1)).problem(6) is not None  # n >= 4f + 3
-    assert make_reducer("bulyan", ReducerParams(f=1)).problem(7) is None
-    assert make_reducer("multi_krum", ReducerParams(f=1, m=4)).problem(4) is not None
+    assert make_reducer("krum", {"f": 1}).problem(3) is not None  # n > f + 2
+    assert make_reducer("krum", {"f": 1}).problem(4) is None
+    assert make_reducer("bulyan", {"f": 1}).problem(6) is not None  # n >= 4f + 3
+    assert make_reducer("bulyan", {"f": 1}).problem(7) is None
+    assert make_reducer("multi_krum", {"f": 1, "m": 4}).problem(4) is not None
     with pytest.raises(ValueError, match="krum"):
-        make_reducer("krum", ReducerParams(f=2)).reduce(_src([0, 1, 2, 3]))
+        make_reducer("krum", {"f": 2}).reduce(_src([0, 1, 2, 3]))
 
 
 def test_clip_update() -> None:

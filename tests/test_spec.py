@@ -41,6 +41,20 @@ BASE = {"model": "small_cnn", "dataset": "digits", "num_clients": 4, "clients_pe
                                              "'server'?)"),
             ({"reducer": {"name": "bulyan", "f": 1}, "min_clients": 2},
              "spec: reducer: bulyan needs at least 4f + 3 updates"),
+            # each plug-in declares its own parameters: one that does nothing is refused
+            ({"reducer": {"name": "mean", "beta": 0.2}},
+             "spec: reducer.beta: not a parameter of mean (its parameters: none)"),
+            ({"reducer": {"name": "trimmed_mean", "beta": 0.6}},
+             "spec: reducer.beta: Input should be less than 0.5"),
+            ({"reducer": {"name": "krum", "f": 0, "m": 2}, "clients_per_round": 3,
+              "min_clients": 3},
+             "spec: reducer.m: not a parameter of krum (its parameters: f)"),
+            ({"server": {"name": "fedavg", "beta2": 0.9}},
+             "spec: server.beta2: not a parameter of fedavg (its parameters: lr)"),
+            ({"server": {"name": "fedadam", "beta_2": 0.9}},
+             "spec: server.beta_2: not a parameter of fedadam (did you mean 'beta2'?)"),
+            ({"server": {"name": "diloco", "lr": 0}},
+             "spec: server.lr: Input should be greater than 0"),
         ({"queues": {"tpu": 2}}, "queues: unknown queue 'tpu'"),
         ({"queues": {"cpu": 1, "gpu_new": 2}}, "queues: counts sum to 3"),
         ({"model": "gpt5"}, "spec: model: unknown model 'gpt5'"),
@@ -134,3 +148,30 @@ def test_cli_submit_invalid_spec_writes_nothing(tmp_path: Path) -> None:
     assert "partition.alpha: Input should be greater than 0" in lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (home / "fedq.db").exists() and not (home / "blobs").exists()
+
+
+def test_plugin_parameter_mistake_has_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "reducer": {"name": "trimmed_mean", "bta": 0.2}},
+                                   sort_keys=False))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(info.value).startswith(f"{path}:8:3: reducer.bta: not a parameter of "
+                                      "trimmed_mean (did you mean 'beta'?)")
+
+
+def test_plugin_parameters_reach_the_plugin_and_a_stored_spec_keeps_them() -> None:
+    from fedq.aggregate.reducers import make_reducer
+    from fedq.aggregate.server import make_server
+    from fedq.spec import JobSpec
+
+    spec = parse_spec({**BASE, "reducer": {"name": "trimmed_mean", "beta": 0.25},
+                       "server": {"name": "fedadam", "beta2": 0.9}})
+    back = JobSpec.stored(spec.to_json())
+    assert make_reducer(back.reducer.name, back.reducer.params()).params.beta == 0.25
+    server = make_server(back.server.name, back.server.params())
+    assert (server.opts.beta2, server.opts.lr) == (0.9, 0.1)  # the rest: its defaults
+    # a spec stored before plug-ins declared their own parameters carried all of them
+    old = JobSpec.stored({**spec.to_json(), "reducer": {"name": "mean", "beta": 0.1, "f": 1,
+                                                        "m": None}})
+    assert make_reducer(old.reducer.name, old.reducer.params()).name == "mean"

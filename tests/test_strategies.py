@@ -25,7 +25,7 @@ D = {"w": torch.tensor([0.5]), "n": torch.tensor(1.0)}
 
 
 def _two_steps(name: str, **opts: float) -> tuple[float, float]:
-    o = make_server(name, **opts)
+    o = make_server(name, opts)
     w1, s1 = o.step(W, D, {})
     w2, _ = o.step(w1, D, s1)
     assert int(w1["n"]) == 5 and w1["n"].dtype == torch.int64  # integer buffers: plain delta
@@ -132,3 +132,23 @@ def test_codecs_round_trip_through_blob_bytes() -> None:
 def test_zstd_passes_plain_bytes_through() -> None:
     assert maybe_decompress(b"plain", 10) == b"plain"
     assert maybe_decompress(zstd_compress(b"x" * 1000), 1000) == b"x" * 1000
+
+
+def test_docs_name_every_declared_option() -> None:
+    """docs/strategies.md's tables list each optimizer's and reducer's own options
+    (their declarations, fedq/aggregate/plugin.py), and no other."""
+    from pathlib import Path
+
+    from fedq.aggregate.reducers import REDUCERS
+    from fedq.aggregate.server import SERVER_OPTIMIZERS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "strategies.md").read_text()
+    for table in (SERVER_OPTIMIZERS, REDUCERS):
+        for name, cls in table.items():
+            row = next(line for line in text.splitlines()
+                       if line.startswith("|") and f"`{name}`" in line.split("|")[1])
+            options = row.split("|")[3]
+            declared = set(cls.Params.model_fields)
+            named = {o for o in ("lr", "momentum", "beta2", "tau", "beta", "f", "m")
+                     if f"`{o}`" in options}
+            assert named == declared, (name, named, declared)

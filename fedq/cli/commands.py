@@ -25,6 +25,7 @@ from fedq.cli.output import (
     status_style,
 )
 from fedq.errors import FedqError, JobCancelled, JobFailed
+from fedq.status import JobStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -142,9 +143,9 @@ def watch(job_id: str, interval: float, timeout: float) -> None:
     """Follow JOB round by round until it finishes. Exits 0 when it completed, 5 when
     it failed, 6 when it was cancelled, 7 on --timeout, 4 for an unknown JOB."""
     view = follow(job_id, interval=interval, timeout=timeout or None)
-    if view.status == "failed":
+    if view.status == JobStatus.FAILED:
         raise JobFailed(f"job {job_id} failed: {view.error}")
-    if view.status == "cancelled":
+    if view.status == JobStatus.CANCELLED:
         raise JobCancelled(f"job {job_id} was cancelled")
 
 

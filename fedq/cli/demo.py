@@ -22,6 +22,7 @@ from fedq.coordinator.jobs import get_job, round_results, submit
 from fedq.db.session import ensure_schema
 from fedq.settings import Settings, get_settings
 from fedq.spec import parse_spec
+from fedq.status import JobStatus
 from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 
 #: Same as examples/digits.yaml (a test keeps the two equal).
@@ -95,4 +96,4 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
     console.print(f"final test accuracy {final.accuracy or 0:.4f}; "
                   f"demo took {time.perf_counter() - started:.1f}s "
                   f"(worker logs in {logs})", highlight=False)
-    return 0 if final.status == "completed" else 1
+    return 0 if final.status == JobStatus.COMPLETED else 1

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from fedq.errors import WatchTimeout
+from fedq.status import JobStatus, RoundStatus, UpdateStatus
 
 # Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
 # Not a terminal: 120 columns unless COLUMNS says otherwise (rich reads it).
@@ -38,7 +39,7 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
             view = get_job(settings, job_id)
             rows = round_results(settings, job_id)
             for row in rows[shown:]:
-                if row["status"] == "training":
+                if row["status"] == RoundStatus.TRAINING:
                     break
                 buffered = row["staleness_mean"] is not None
                 progress.console.print(
@@ -62,7 +63,7 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
             if deadline and time.monotonic() > deadline:
                 raise WatchTimeout(f"job {job_id} still {view.status} after {timeout:.0f}s")
             time.sleep(interval)
-    style = "green" if view.status == "completed" else "red"
+    style = "green" if view.status == JobStatus.COMPLETED else "red"
     console.print(f"job {job_id} [{style}]{view.status}[/] at round "
                   f"{view.committed_round}/{view.total_rounds}"
                   + (f": {view.error}" if view.error else ""), highlight=False)
@@ -142,23 +143,31 @@ def buffered_summary(rows: list[dict[str, Any]], seconds: float | None) -> str:
         return ""
     states = Counter(r["status"] for r in tasks)
     lines = ["updates: " + ", ".join(f"{n} {state}" for state, n in states.most_common())]
-    used = Counter(r["staleness"] for r in tasks if r["status"] == "ok")
+    used = Counter(r["staleness"] for r in tasks if r["status"] == UpdateStatus.OK)
     if used:
         top = max(used.values())
         lines.append("staleness of the used updates:")
         lines += [f"  {tau:>3} | {'#' * max(1, round(40 * n / top))} {n}"
                   for tau, n in sorted(used.items())]
     if seconds:
-        done = sum(n for state, n in states.items() if state not in ("training", "cancelled"))
+        done = sum(n for state, n in states.items()
+                   if state not in (UpdateStatus.TRAINING, UpdateStatus.CANCELLED))
         lines.append(f"throughput: {done / seconds:.2f} updates/s over {seconds:.1f} s")
     return "\n".join(lines)
 
 
+#: How each status is shown: done well green, under way cyan, not used yellow, failed red.
+STATUS_COLORS: dict[str, str] = {
+    JobStatus.RUNNING: "cyan", JobStatus.COMPLETED: "green", JobStatus.FAILED: "red",
+    JobStatus.CANCELLED: "yellow", RoundStatus.COMMITTED: "green",
+    UpdateStatus.OK: "green", UpdateStatus.ERROR: "red", UpdateStatus.REJECTED: "red",
+    UpdateStatus.MISSING: "yellow", UpdateStatus.LATE: "yellow",
+    UpdateStatus.TRAINING: "cyan", UpdateStatus.BUFFERED: "cyan", UpdateStatus.STALE: "yellow",
+}
+
+
 def status_style(status: str) -> str:
-    color = {"committed": "green", "completed": "green", "running": "cyan",
-             "training": "cyan", "failed": "red", "cancelled": "yellow", "ok": "green",
-             "buffered": "cyan", "stale": "yellow", "rejected": "red", "error": "red",
-             "missing": "yellow", "late": "yellow"}.get(status, "white")
+    color = STATUS_COLORS.get(status, "white")
     return f"[{color}]{status}[/]"
 
 

@@ -19,6 +19,7 @@ from fedq.cli.demo import use_embedded
 from fedq.coordinator.jobs import client_results, get_job, round_results, submit
 from fedq.errors import FedqError
 from fedq.spec import parse_spec
+from fedq.status import JobStatus
 from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
 from fedq.worker.hardware import HardwareReport
 
@@ -48,7 +49,7 @@ def run_smoke(home: Path, report: HardwareReport, *, steps: int,
     start_workers(workers)  # a GPU worker refuses to start here if its torch cannot run
     try:
         job = submit(settings, spec)
-        while get_job(settings, job).status == "running":
+        while get_job(settings, job).status == JobStatus.RUNNING:
             if time.perf_counter() - started > spec.round_timeout_s:
                 raise FedqError(f"smoke round not done after {spec.round_timeout_s:.0f}s; "
                                 f"see {logs}")
@@ -56,7 +57,7 @@ def run_smoke(home: Path, report: HardwareReport, *, steps: int,
     finally:
         stop_workers(workers)
     view = get_job(settings, job)
-    if view.status != "completed":
+    if view.status != JobStatus.COMPLETED:
         raise FedqError(f"smoke round {view.status}: {view.error}; see {logs}")
     [row] = [r for r in client_results(settings, job) if r["status"] == "ok"]
     [rnd] = round_results(settings, job)

@@ -70,12 +70,9 @@ from fedq.process import PROCESS
 from fedq.refs import StepRef, TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.status import FAILED_UPDATES, JobStatus, RoundStatus, UpdateStatus
 
 log = logging.getLogger(__name__)
-
-# Rows in these states are settled: their task is over and its update used or not.
-SETTLED = ("ok", "rejected", "stale", "error", "missing", "late", "cancelled")
-
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -107,13 +104,14 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
     top = s.scalar(select(func.max(ClientUpdate.task_index))
                    .where(ClientUpdate.job_id == job.id)) or 0
     busy = set(s.scalars(select(ClientUpdate.client).where(
-        ClientUpdate.job_id == job.id, ClientUpdate.status == "training")))
+        ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.TRAINING)))
     out = []
     for i, queue in enumerate(queues, start=top + 1):
         order = np.random.default_rng([spec.seed, i]).permutation(spec.num_clients)
         client = int(next((c for c in order if int(c) not in busy), order[0]))
         busy.add(client)
-        s.add(ClientUpdate(job_id=job.id, round_number=0, client=client, status="training",
+        s.add(ClientUpdate(job_id=job.id, round_number=0, client=client,
+                           status=UpdateStatus.TRAINING,
                            queue=queue, task_index=i, attempt=1,
                            base_version=job.committed_round, created_at=utcnow()))
         out.append(Dispatch(i, 1, client, queue, _model(job), step_of(job)))
@@ -134,7 +132,7 @@ def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
 def _ensure_version(s: Session, job: Job, spec: JobSpec, version: int) -> Round:
     rnd = s.scalar(select(Round).where(Round.job_id == job.id, Round.number == version))
     if rnd is None:
-        rnd = Round(job_id=job.id, number=version, status="training", attempt=1,
+        rnd = Round(job_id=job.id, number=version, status=RoundStatus.TRAINING, attempt=1,
                     planned={"clients": [], "queues": [], "buffer": spec.aggregation.buffer})
         s.add(rnd)
         s.flush()
@@ -146,13 +144,13 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
     submit and resume; idempotent, a second call finds them training)."""
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
-        if job is None or job.status != "running":
+        if job is None or job.status != JobStatus.RUNNING:
             return {"status": "skipped", "reason": "job not running"}
         spec = JobSpec.stored(job.spec)
         live = live_throughput(settings) if spec.queues == "auto" else None
         wanted = Counter(q for q, n in spec.queue_counts(live).items() for _ in range(n))
         wanted.subtract(s.scalars(select(ClientUpdate.queue).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == "training")))
+            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)))
         full = _filling(s, job, spec) > spec.rounds
         tasks = [] if full else _new_tasks(s, job, spec, sorted(wanted.elements()))
         _ensure_version(s, job, spec, job.committed_round + 1)
@@ -164,7 +162,7 @@ def _filling(s: Session, job: Job, spec: JobSpec) -> int:
     """The lowest version after the committed one that is not yet full."""
     counts = {v: n for v, n in s.execute(
         select(ClientUpdate.round_number, func.count())
-        .where(ClientUpdate.job_id == job.id, ClientUpdate.status == "buffered")
+        .where(ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.BUFFERED)
         .group_by(ClientUpdate.round_number)).tuples()}
     v = job.committed_round + 1
     while counts.get(v, 0) >= spec.aggregation.buffer:
@@ -177,8 +175,8 @@ def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
     window = spec.clients_per_round * (spec.max_redispatch + 1)
     last = s.execute(select(ClientUpdate.status, ClientUpdate.error, ClientUpdate.queue)
                      .where(ClientUpdate.job_id == job.id,
-                            ClientUpdate.status.in_(("ok", "buffered", "error", "stale",
-                                                     "rejected")))
+                            ClientUpdate.status.in_((UpdateStatus.OK, UpdateStatus.BUFFERED,
+                                                     UpdateStatus.STALE, *FAILED_UPDATES)))
                      .order_by(ClientUpdate.task_index.desc()).limit(window)).tuples().all()
     return policy.failing(list(last), window, job.id)
 
@@ -186,7 +184,7 @@ def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
 def _full(s: Session, job_id: str, version: int) -> int:
     return s.scalar(select(func.count()).where(
         ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
-        ClientUpdate.status == "buffered")) or 0
+        ClientUpdate.status == UpdateStatus.BUFFERED)) or 0
 
 
 def absorb(settings: Settings, result: Any, job_id: str, index: int,
@@ -200,7 +198,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         job = _lock(s, job_id)
         row = s.scalar(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
                                                   ClientUpdate.task_index == index))
-        if job is None or row is None or row.status != "training":
+        if job is None or row is None or row.status != UpdateStatus.TRAINING:
             return {"status": "skipped", "reason": "absorbed already"}
         spec = JobSpec.stored(job.spec)
         if attempt is None:
@@ -211,14 +209,14 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
                     row.queue or "cpu", buffered=True)
         ref = admit(result, sent, known_limits(spec, row.client))
         if attempt > row.attempt:  # a callback for an attempt never sent
-            ref = dataclasses.replace(ref, status="rejected", error=(
+            ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED, error=(
                 f"identity: a result for attempt {attempt}, task {index} was sent "
                 f"{row.attempt} time(s)"))
         fill_row(row, ref)
         tasks: list[Dispatch] = []
         revoke: list[str] = []
         version, full = 0, False
-        running = job.status == "running"
+        running = job.status == JobStatus.RUNNING
         if running:
             version = _filling(s, job, spec)
             row.round_number = version
@@ -227,21 +225,22 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
             ref.status, ref.key is not None and ref.sha256 is not None, running, version,
             spec.rounds, row.staleness or 0, spec.aggregation.max_staleness)
         row.status, row.error = status, why or row.error
-        if status in ("error", "rejected"):
+        if status in FAILED_UPDATES:
             row.error = ref.error or "task failed"
             failing = _failing(s, job, spec)
             if failing:  # every recent task failed: stop instead of spinning
-                job.status, job.error, job.finished_at = "failed", failing, utcnow()
+                job.status, job.error, job.finished_at = JobStatus.FAILED, failing, utcnow()
                 revoke = _close_training(s, job_id, "the job failed")
-        elif status == "buffered":
+        elif status == UpdateStatus.BUFFERED:
             rnd = _ensure_version(s, job, spec, version)
             if _full(s, job_id, version) >= spec.aggregation.buffer:  # (autoflush)
-                rnd.deadline = utcnow()  # full since: the watchdog's clock
+                rnd.full_since = utcnow()  # the watchdog's clock
                 full = version == job.committed_round + 1
         if running:
             # The replacement trains from the newest model: when this update fills the
             # next version, only once that version is applied (below, by start()).
-            if not full and job.status == "running" and _filling(s, job, spec) <= spec.rounds:
+            if not full and job.status == JobStatus.RUNNING and \
+                    _filling(s, job, spec) <= spec.rounds:
                 tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
         record_tasks(s, [row])
         status = row.status
@@ -262,7 +261,7 @@ def apply_ready(settings: Settings, job_id: str) -> list[dict[str, Any]]:
     while True:
         with session_scope(settings.database_url) as s:
             job = s.get(Job, job_id)
-            if job is None or job.status != "running":
+            if job is None or job.status != JobStatus.RUNNING:
                 return done
             spec = JobSpec.stored(job.spec)
             version = job.committed_round + 1
@@ -279,12 +278,12 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     started = time.perf_counter()
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
-        if job is None or job.status != "running" or job.committed_round != version - 1:
+        if job is None or job.status != JobStatus.RUNNING or job.committed_round != version - 1:
             return {"status": "skipped", "reason": "version not next"}
         spec = JobSpec.stored(job.spec)
         rows = s.scalars(select(ClientUpdate).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
-            ClientUpdate.status == "buffered").order_by(ClientUpdate.task_index)).all()
+            ClientUpdate.status == UpdateStatus.BUFFERED).order_by(ClientUpdate.task_index)).all()
         rows = list(rows)[:spec.aggregation.buffer]
         if len(rows) < spec.aggregation.buffer:
             return {"status": "waiting", "buffered": len(rows)}
@@ -313,16 +312,16 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     records = {r.ref.round: r for r in outcome.records}
     weights = {r.task_index: update_weight(spec, row_ref(r)) * factors[r.task_index]
                for r in rows}
-    total = sum(weights[i] for i, r in records.items() if r.status == "ok") or 1.0
+    total = sum(weights[i] for i, r in records.items() if r.status == UpdateStatus.OK) or 1.0
     now = utcnow()
     revoke: list[str] = []
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         assert job is not None
         claimed = s.execute(update(Round).where(
-            Round.job_id == job_id, Round.number == version, Round.status == "training",
+            Round.job_id == job_id, Round.number == version, Round.status == RoundStatus.TRAINING,
         ).values(
-            status="committed", finished_at=now,
+            status=RoundStatus.COMMITTED, finished_at=now,
             **commit.metrics(new, outcome, sum(r.bytes_up for r in rows),
                              sum(r.bytes_down for r in rows),
                              (now - aware(previous)).total_seconds(),
@@ -338,12 +337,12 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             rec = records[row.task_index]
             row.status, row.error = rec.status, rec.error
             row.update_norm, row.raw_bytes = rec.norm, rec.raw_bytes
-            row.weight = weights[row.task_index] / total if rec.status == "ok" else 0.0
+            row.weight = weights[row.task_index] / total if rec.status == UpdateStatus.OK else 0.0
         record_throughput(s, outcome.throughput)
         commit.advance(job, new)
         done = version >= spec.rounds
         if done:
-            job.status, job.finished_at = "completed", now
+            job.status, job.finished_at = JobStatus.COMPLETED, now
             revoke = _close_training(s, job_id, "the job completed first")
         else:
             _ensure_version(s, job, spec, version + 1)
@@ -360,19 +359,19 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
 
 def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> None:
     """Mark the updates that failed verification; the version fills up again."""
-    bad = {r.ref.round: r for r in outcome.records if r.status != "ok"}
+    bad = {r.ref.round: r for r in outcome.records if r.status != UpdateStatus.OK}
     revoke: list[str] = []
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         for row in s.scalars(select(ClientUpdate).where(
                 ClientUpdate.job_id == job_id, ClientUpdate.task_index.in_(list(bad)),
-                ClientUpdate.status == "buffered")):
-            row.status, row.error = "rejected", bad[row.task_index].error
+                ClientUpdate.status == UpdateStatus.BUFFERED)):
+            row.status, row.error = UpdateStatus.REJECTED, bad[row.task_index].error
         s.flush()
         failing = _failing(s, job, JobSpec.stored(job.spec)) \
-            if job is not None and job.status == "running" else None
+            if job is not None and job.status == JobStatus.RUNNING else None
         if job is not None and failing:  # every recent update rejected: stop, not spin
-            job.status, job.error, job.finished_at = "failed", failing, utcnow()
+            job.status, job.error, job.finished_at = JobStatus.FAILED, failing, utcnow()
             revoke = _close_training(s, job_id, "the job failed")
     if revoke:
         _revoke(revoke)
@@ -382,9 +381,9 @@ def _close_training(s: Session, job_id: str, why: str) -> list[str]:
     """Mark the job's training rows cancelled; the task ids to revoke."""
     ids = []
     for row in s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
-                                                    ClientUpdate.status == "training")):
+                                                    ClientUpdate.status == UpdateStatus.TRAINING)):
         ids += [task_id(job_id, row.task_index, a) for a in range(1, row.attempt + 1)]
-        row.status, row.error = "cancelled", why
+        row.status, row.error = UpdateStatus.CANCELLED, why
     return ids
 
 
@@ -406,17 +405,17 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
     actions: list[dict[str, Any]] = []
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
-        if job is None or job.status != "running":
+        if job is None or job.status != JobStatus.RUNNING:
             return actions
         spec = JobSpec.stored(job.spec)
         version = job.committed_round + 1
         rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == version))
-        full_since = aware(rnd.deadline) if rnd is not None and rnd.deadline else None
+        full_since = aware(rnd.full_since) if rnd is not None and rnd.full_since else None
         overdue = [(r.task_index, r.attempt) for r in s.scalars(select(ClientUpdate).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == "training",
+            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING,
             ClientUpdate.created_at < now - timedelta(seconds=spec.round_timeout_s)))]
         training = s.scalar(select(func.count()).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == "training")) or 0
+            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)) or 0
     if rnd is None or training < spec.clients_per_round and aware(job.updated_at) < now - grace:
         # a lost start (no version row), or a replacement never recorded
         result = start(settings, job_id)
@@ -446,8 +445,8 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         job = _lock(s, job_id)
         row = s.scalar(select(ClientUpdate).where(ClientUpdate.job_id == job_id,
                                                   ClientUpdate.task_index == index))
-        if job is None or job.status != "running" or row is None or \
-                row.status != "training" or row.attempt != attempt:
+        if job is None or job.status != JobStatus.RUNNING or row is None or \
+                row.status != UpdateStatus.TRAINING or row.attempt != attempt:
             return {"job": job_id, "task": index, "action": "none (moved on)"}
         if policy.overdue(attempt, spec.max_redispatch) == "resend":
             row.attempt, row.created_at = attempt + 1, utcnow()
@@ -456,7 +455,7 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
                               step_of(job))]
             action = f"resend (attempt {attempt + 1})"
         else:
-            row.status, row.round_number = "missing", job.committed_round + 1
+            row.status, row.round_number = UpdateStatus.MISSING, job.committed_round + 1
             row.error = f"no result after {attempt} attempt(s)"
             tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
             action = "replace"

@@ -60,6 +60,7 @@ from fedq.process import PROCESS
 from fedq.refs import UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.status import JobStatus, RoundStatus, UpdateStatus
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound 
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == round_number))
-        if job is None or rnd is None or rnd.status != "training" or job.status != "running":
+        if job is None or rnd is None or rnd.status != RoundStatus.TRAINING or \
+                job.status != JobStatus.RUNNING:
             return None
         spec = JobSpec.stored(job.spec)
         clients = tuple(rnd.planned["clients"])
@@ -145,7 +147,7 @@ def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[s
         if isinstance(decision, Commit):  # the reducer found nothing usable after all
             decision = decide(rnd.state, chosen, now, rejected=list(rnd.state.clients))
     else:  # below the quorum without reading a blob: record what arrived as it is
-        outcome.records += [UpdateRecord(ref, "ok") if ref.status == "ok" else
+        outcome.records += [UpdateRecord(ref, UpdateStatus.OK) if ref.status == UpdateStatus.OK else
                             UpdateRecord(ref, "error", ref.error or "task failed")
                             for ref in chosen.values()]
     if isinstance(decision, Redispatch):
@@ -172,7 +174,7 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     if delta is None:
         return None
     rows = _rows(job_id, outcome.records)
-    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status="missing",
+    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status=UpdateStatus.MISSING,
                           queue=rnd.queues[c],
                           error=f"no result by the deadline (attempt {rnd.state.attempt})")
              for c in decision.missing]
@@ -237,7 +239,7 @@ def _fail(settings: Settings, rnd: OpenRound, decision: Fail,
               + f". Fix that, then `fedq resume {job_id}`.")
     rows = _rows(job_id, outcome.records)
     reported = {r.client for r in rows}
-    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status="missing",
+    rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status=UpdateStatus.MISSING,
                           queue=rnd.queues[c], error="no result")
              for c in rnd.state.clients if c not in reported]
     _commit(settings, job_id, rnd.state.gen, rows, failed=reason)
@@ -251,11 +253,11 @@ def record_late(settings: Settings, job_id: str, round_number: int) -> int:
         job = s.get(Job, job_id)
         rnd = s.scalar(select(Round).where(Round.job_id == job_id,
                                            Round.number == round_number))
-        if job is None or rnd is None or rnd.status == "training":
+        if job is None or rnd is None or rnd.status == RoundStatus.TRAINING:
             return 0
         missing = set(s.scalars(select(ClientUpdate.client).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number,
-            ClientUpdate.status == "missing")))
+            ClientUpdate.status == UpdateStatus.MISSING)))
         if not missing:
             return 0
         spec = JobSpec.stored(job.spec)
@@ -263,7 +265,7 @@ def record_late(settings: Settings, job_id: str, round_number: int) -> int:
                                        strict=True) if c in missing}
         gen, attempts = rnd.id, rnd.attempt
     refs = [r for r in collect(job_id, round_number, gen, attempts, queues, spec)
-            if r.status == "ok"]
+            if r.status == UpdateStatus.OK]
     if not refs:
         return 0
     late = 0
@@ -272,9 +274,9 @@ def record_late(settings: Settings, job_id: str, round_number: int) -> int:
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number))}
         for ref in refs:
             row = rows.get(ref.client)
-            if row is not None and row.status == "missing":
+            if row is not None and row.status == UpdateStatus.MISSING:
                 fill_row(row, ref)
-                row.status, row.error = "late", "arrived after the round was finalized"
+                row.status, row.error = UpdateStatus.LATE, "arrived after the round was finalized"
                 late += 1
     return late
 
@@ -290,11 +292,12 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
         # The job row first, as `fedq cancel` and buffered jobs take it: claiming the
         # round first deadlocked against a concurrent cancel on PostgreSQL.
         s.execute(update(Job).where(Job.id == job_id).values(updated_at=now))
-        values: dict[str, Any] = {"status": "failed" if failed else "committed",
+        values: dict[str, Any] = {"status": RoundStatus.FAILED if failed
+                                  else RoundStatus.COMMITTED,
                                   "finished_at": now, "error": failed}
         values.update(metrics or {})
-        claimed = s.execute(update(Round).where(Round.id == round_id,
-                                                Round.status == "training").values(**values))
+        claimed = s.execute(update(Round).where(
+            Round.id == round_id, Round.status == RoundStatus.TRAINING).values(**values))
         if claimed.rowcount != 1:  # type: ignore[attr-defined]
             s.rollback()
             return False, False
@@ -305,11 +308,11 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
         assert job is not None
         done = True
         if failed:
-            job.status, job.error, job.finished_at = "failed", failed, now
+            job.status, job.error, job.finished_at = JobStatus.FAILED, failed, now
         else:
             assert new is not None
             commit.advance(job, new)
             done = new.number >= total
             if done:
-                job.status, job.finished_at = "completed", now
+                job.status, job.finished_at = JobStatus.COMPLETED, now
     return True, done

@@ -30,6 +30,7 @@ from fedq.errors import FedqError
 from fedq.redaction import redact_text
 from fedq.refs import TrainStats, UpdateRef
 from fedq.spec import JobSpec
+from fedq.status import UpdateStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, FormatError, parse_result
 
 ERROR_CHARS = 2000  # a worker's error text kept in a row
@@ -122,7 +123,7 @@ def _shard_sizes(dataset: str, data_dir: str, args: str, partition: str, num_cli
 def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
     """The result ``raw`` of task ``sent``: status ok or error as the worker reported
     it, identity from ``sent``; or status ``rejected`` with the reason."""
-    rejected = UpdateRef(status="rejected", job=sent.job, round=sent.round,
+    rejected = UpdateRef(status=UpdateStatus.REJECTED, job=sent.job, round=sent.round,
                          client=sent.client, queue=sent.queue, worker="?",
                          attempt=sent.attempt, gen=sent.gen)
     try:

@@ -24,8 +24,7 @@ from fedq.engine.broker import check_broker
 from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
 from fedq.settings import Settings
 from fedq.spec import JobSpec, describe
-
-FINISHED = ("completed", "failed", "cancelled")
+from fedq.status import FINISHED, RESUMABLE, JobStatus, RoundStatus, UpdateStatus
 
 
 def submit(settings: Settings, spec: JobSpec) -> str:
@@ -52,7 +51,7 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     try:
         blob = store.put(global_key(job_id, 0), dumps(weights, {"job": job_id}))
         with session_scope(settings.database_url) as s:
-            s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status="running",
+            s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
                       total_rounds=spec.rounds, committed_round=0, global_key=blob.key,
                       global_sha256=blob.sha256, global_size=blob.size))
         request_round(job_id, 1)
@@ -95,8 +94,8 @@ def cancel(settings: Settings, job_id: str) -> int:
     get_job(settings, job_id)
     check_broker()  # before anything changes: revoking needs it
     with session_scope(settings.database_url) as s:
-        moved = s.execute(update(Job).where(Job.id == job_id, Job.status == "running")
-                          .values(status="cancelled", error="cancelled by user",
+        moved = s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING)
+                          .values(status=JobStatus.CANCELLED, error="cancelled by user",
                                   finished_at=utcnow()))
         if moved.rowcount != 1:  # type: ignore[attr-defined]
             job = s.get(Job, job_id)
@@ -105,9 +104,9 @@ def cancel(settings: Settings, job_id: str) -> int:
 
         ids: list[str] = cancel_ids(s, job_id)
         for rnd in s.scalars(select(Round).where(Round.job_id == job_id,
-                                                 Round.status == "training")):
+                                                 Round.status == RoundStatus.TRAINING)):
             ids += [t for tids in round_task_ids(job_id, rnd).values() for t in tids]
-            rnd.status, rnd.error, rnd.finished_at = "failed", "cancelled", utcnow()
+            rnd.status, rnd.error, rnd.finished_at = RoundStatus.FAILED, "cancelled", utcnow()
     if ids:
         try:
             app.control.revoke(ids)
@@ -128,7 +127,7 @@ def resume(settings: Settings, job_id: str) -> int:
         job = s.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"no job {job_id!r}")
-        if job.status not in ("failed", "cancelled"):
+        if job.status not in RESUMABLE:
             raise FedqError(f"job {job_id} is {job.status}; only a failed or cancelled job "
                             "can be resumed")
         after = job.committed_round
@@ -137,13 +136,13 @@ def resume(settings: Settings, job_id: str) -> int:
             # are never used again): what waited for a discarded version is closed.
             s.execute(update(ClientUpdate).where(
                 ClientUpdate.job_id == job_id,
-                ClientUpdate.status.in_(("training", "buffered"))).values(
-                    status="cancelled", error="discarded by resume"))
+                ClientUpdate.status.in_((UpdateStatus.TRAINING, UpdateStatus.BUFFERED))).values(
+                    status=UpdateStatus.CANCELLED, error="discarded by resume"))
         else:
             s.execute(delete(ClientUpdate).where(ClientUpdate.job_id == job_id,
                                                  ClientUpdate.round_number > after))
         s.execute(delete(Round).where(Round.job_id == job_id, Round.number > after))
-        s.execute(update(Job).where(Job.id == job_id).values(status="running", error=None,
+        s.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.RUNNING, error=None,
                                                             finished_at=None))
     request_round(job_id, after + 1)
     return after + 1
@@ -206,13 +205,13 @@ def round_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
         # come back as Decimal)
         tokens = {number: int(total) for number, total in s.execute(
             select(ClientUpdate.round_number, func.sum(ClientUpdate.tokens))
-            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == "ok")
+            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.OK)
             .group_by(ClientUpdate.round_number)).tuples() if total}
         # buffered jobs: how stale the updates each version used were
         stale = {number: (float(mean), int(top)) for number, mean, top in s.execute(
             select(ClientUpdate.round_number, func.avg(ClientUpdate.staleness),
                    func.max(ClientUpdate.staleness))
-            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == "ok",
+            .where(ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.OK,
                    ClientUpdate.staleness.is_not(None))
             .group_by(ClientUpdate.round_number)).tuples()}
         return [{"round": r.number, "status": r.status, "accuracy": r.accuracy,

@@ -48,6 +48,7 @@ from fedq.errors import BlobError, UpdateRejected
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
+from fedq.status import UpdateStatus
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
 
 if TYPE_CHECKING:
@@ -119,7 +120,8 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     limit = update_limit(reference, spec.compression.chunk)
     for ref, data in prefetched(store, refs, limit):
         if not _has_blob(ref):
-            outcome.record(ref, "rejected" if ref.status == "rejected" else "error",
+            outcome.record(ref, UpdateStatus.REJECTED if ref.status == UpdateStatus.REJECTED
+                           else UpdateStatus.ERROR,
                            ref.error or "task failed")
             continue
         try:
@@ -130,7 +132,7 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
         except Exception as exc:  # noqa: BLE001 - a hostile blob may raise anything
-            outcome.record(ref, "rejected", _reason(exc))
+            outcome.record(ref, UpdateStatus.REJECTED, _reason(exc))
             continue
         if clip is not None:
             delta, _ = clip_update(delta, clip)
@@ -246,9 +248,10 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
 def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
                  state: Weights) -> tuple[Weights, Weights]:
     """The new global model and server optimizer state."""
-    s = spec.server
-    lr = spec.aggregation.server_lr(s, spec.clients_per_round) if spec.buffered else s.lr
-    server = make_server(s.name, lr=lr, momentum=s.momentum, beta2=s.beta2, tau=s.tau)
+    params = spec.server.params()
+    if spec.buffered:
+        params["lr"] = spec.aggregation.server_lr(spec.server, spec.clients_per_round)
+    server = make_server(spec.server.name, params)
     return server.step(weights, delta, state)
 
 

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from fedq.refs import UpdateRef
+from fedq.status import FAILED_UPDATES, RoundStatus, UpdateStatus
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,9 @@ def pick_results(results: Iterable[UpdateRef], state: RoundState) -> dict[int, U
 
 
 def _better(new: UpdateRef, have: UpdateRef) -> bool:
-    if have.status != "ok":
-        return new.status == "ok" or new.attempt > have.attempt
-    return new.status == "ok" and new.attempt < have.attempt
+    if have.status != UpdateStatus.OK:
+        return new.status == UpdateStatus.OK or new.attempt > have.attempt
+    return new.status == UpdateStatus.OK and new.attempt < have.attempt
 
 
 def unsettled(chosen: dict[int, UpdateRef], state: RoundState) -> tuple[int, ...]:
@@ -130,7 +131,7 @@ def repair(job_updated: datetime, round_status: str | None, started: datetime | 
     """
     if round_status is None:
         return "start" if now - job_updated > grace else None
-    if round_status != "training":
+    if round_status != RoundStatus.TRAINING:
         return None
     if deadline is not None and now >= deadline:
         return "deadline"
@@ -154,21 +155,22 @@ def absorb_status(ref_status: str, has_blob: bool, job_running: bool, version: i
     ``buffered`` into ``version``. The error of a failure is the caller's (the
     worker's or intake's words)."""
     if not job_running:
-        return "late", "arrived after the job stopped"
+        return UpdateStatus.LATE, "arrived after the job stopped"
     if ref_status != "ok" or not has_blob:
-        return ("rejected" if ref_status == "rejected" else "error"), None
+        return (UpdateStatus.REJECTED if ref_status == UpdateStatus.REJECTED
+                else UpdateStatus.ERROR), None
     if version > rounds:
-        return "late", "every version is full"
+        return UpdateStatus.LATE, "every version is full"
     if max_staleness is not None and staleness > max_staleness:
-        return "stale", f"staleness {staleness} > {max_staleness}"
-    return "buffered", None
+        return UpdateStatus.STALE, f"staleness {staleness} > {max_staleness}"
+    return UpdateStatus.BUFFERED, None
 
 
 def failing(last: Sequence[TaskRow], window: int, job_id: str) -> str | None:
     """A reason to fail a buffered job when its last ``window`` settled tasks (newest
     first; window = clients_per_round x (max_redispatch + 1)) all failed or had their
     update rejected, else None."""
-    if len(last) < window or any(status not in ("error", "rejected")
+    if len(last) < window or any(status not in FAILED_UPDATES
                                  for status, _, _ in last[:window]):
         return None
     errors = sorted({error or "task failed" for _, error, _ in last[:window]})

@@ -14,6 +14,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
 from fedq.settings import Settings
+from fedq.status import FAILED_UPDATES, UpdateStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, QUEUE
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,15 @@ def record_tasks(session: Any, rows: Iterable[ClientUpdate]) -> None:
     Runs inside the caller's transaction (the round commit, a buffered absorb)."""
     now = utcnow()
     for row in rows:
-        if not row.worker or row.worker == "?" or row.status in ("training", "missing"):
+        if not row.worker or row.worker == "?" or \
+                row.status in (UpdateStatus.TRAINING, UpdateStatus.MISSING):
             continue
         worker = session.get(Worker, row.worker)
         if worker is None:
             worker = Worker(hostname=row.worker, queues=[], hardware={}, tasks_done=0,
                             tasks_failed=0)
             session.add(worker)
-        if row.status in ("error", "rejected"):
+        if row.status in FAILED_UPDATES:
             worker.tasks_failed = (worker.tasks_failed or 0) + 1
         if row.gpu_peak_mb is not None or row.gpu_util is not None:
             worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util

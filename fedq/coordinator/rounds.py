@@ -30,6 +30,7 @@ from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TA
 from fedq.refs import StepRef, TrainRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.status import JobStatus, RoundStatus
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
     buffered job has no rounds: its training slots are filled instead."""
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
-        if job is None or job.status != "running":
+        if job is None or job.status != JobStatus.RUNNING:
             return {"status": "skipped", "reason": "job not running"}
         if JobSpec.stored(job.spec).buffered:
             from fedq.coordinator import buffered
@@ -74,7 +75,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
         model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
         plan = plan_round(spec, round_number,
                           live_throughput(settings) if spec.queues == "auto" else None)
-        rnd = Round(job_id=job_id, number=round_number, status="training", attempt=1,
+        rnd = Round(job_id=job_id, number=round_number, status=RoundStatus.TRAINING, attempt=1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s),
                     planned={"clients": [a.client for a in plan],
                              "queues": [a.queue for a in plan]})
@@ -96,13 +97,13 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
     this one did."""
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
-        if job is None or job.status != "running":
+        if job is None or job.status != JobStatus.RUNNING:
             return False
         spec = JobSpec.stored(job.spec)
         won = s.execute(
             update(Round)
             .where(Round.job_id == job_id, Round.number == round_number,
-                   Round.status == "training", Round.attempt == from_attempt)
+                   Round.status == RoundStatus.TRAINING, Round.attempt == from_attempt)
             .values(attempt=from_attempt + 1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s)))
         if won.rowcount != 1:  # type: ignore[attr-defined]

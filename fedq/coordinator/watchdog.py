@@ -40,6 +40,7 @@ from fedq.db.session import ensure_schema
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.status import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def scan(settings: Settings) -> list[NextRound | tuple[str, str]]:
     would otherwise abort the transaction, and with it every job after it."""
     with session_scope(settings.database_url) as s:
         out: list[NextRound | tuple[str, str]] = []
-        for job_id in list(s.scalars(select(Job.id).where(Job.status == "running"))):
+        for job_id in list(s.scalars(select(Job.id).where(Job.status == JobStatus.RUNNING))):
             try:
                 with s.begin_nested():
                     out.append(_next_round(s, job_id))

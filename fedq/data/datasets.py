@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from fedq.errors import DataUnavailable, UnknownDataset
+from fedq.registry import Registry
 
 # The test split never depends on a job's seed, so accuracies compare across jobs.
 SPLIT_SEED = 20240601
@@ -57,6 +58,11 @@ def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, tor
             torch.from_numpy(((test - mean) / std).astype(np.float32)))
 
 
+#: Name -> loader (data_dir, **dataset_args) -> Dataset; a job spec's ``dataset``.
+DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
+
+
+@DATASETS.register("digits")
 def _digits(data_dir: Path | None) -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -70,6 +76,7 @@ def _digits(data_dir: Path | None) -> Dataset:
                    torch.from_numpy(y_te).long(), 10)
 
 
+@DATASETS.register("cifar10")
 def _cifar10(data_dir: Path | None) -> Dataset:
     from torchvision.datasets import CIFAR10
 
@@ -90,6 +97,7 @@ def _cifar10(data_dir: Path | None) -> Dataset:
                    torch.tensor(parts[1].targets).long(), 10)
 
 
+@DATASETS.register("synthetic")
 def _synthetic(data_dir: Path | None, n_train: int = 10_000, n_test: int = 2_000,
                shape: tuple[int, ...] | list[int] = (3, 32, 32), num_classes: int = 10,
                noise: float = 2.0) -> Dataset:
@@ -105,6 +113,7 @@ def _synthetic(data_dir: Path | None, n_train: int = 10_000, n_test: int = 2_000
     return Dataset("synthetic", xt, yt, xe, ye, num_classes)
 
 
+@DATASETS.register("shakespeare")
 def _shakespeare(data_dir: Path | None, block_size: int = 64,
                  authors: tuple[str, ...] | list[str] = ("shakespeare", "milton"),
                  val_fraction: float = 0.1, max_works: int = 0,
@@ -133,12 +142,6 @@ def _shakespeare(data_dir: Path | None, block_size: int = 64,
     return Dataset("shakespeare", tr[:, :-1].contiguous(), tr[:, 1:].contiguous(),
                    te[:, :-1].contiguous(), te[:, 1:].contiguous(), text.VOCAB,
                    torch.from_numpy(np.concatenate(groups)))
-
-
-DATASETS: dict[str, Callable[..., Dataset]] = {
-    "digits": _digits, "cifar10": _cifar10, "synthetic": _synthetic,
-    "shakespeare": _shakespeare,
-}
 
 
 @lru_cache(maxsize=4)

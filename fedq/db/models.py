@@ -45,8 +45,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    # pending -> running -> completed | failed | cancelled
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # fedq.status.JobStatus
     total_rounds: Mapped[int] = mapped_column(Integer)
     committed_round: Mapped[int] = mapped_column(Integer, default=0)  # 0: none yet
     global_key: Mapped[str] = mapped_column(String(300))
@@ -81,12 +80,13 @@ class Round(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
-    # training -> committed | failed
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # fedq.status.RoundStatus
     planned: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"clients": [...], "queues": [...]}
-    chord_id: Mapped[str | None] = mapped_column(String(64), default=None)
     attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # synchronous rounds: when the round is finalized with what it has
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    # buffered versions: when it held its K updates (the watchdog applies one left full)
+    full_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     seconds: Mapped[float | None] = mapped_column(Float, default=None)
@@ -117,11 +117,7 @@ class ClientUpdate(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     round_number: Mapped[int] = mapped_column(Integer)
     client: Mapped[int] = mapped_column(Integer)
-    # ok (averaged in) | error (task failed) | rejected (failed verification)
-    # | missing (no result by the deadline) | late (arrived after the commit; not used)
-    # buffered jobs also: training (dispatched) | buffered (waiting for its version)
-    # | stale (more than max_staleness versions old; not used)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))  # fedq.status.UpdateStatus
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
     samples: Mapped[int] = mapped_column(Integer, default=0)  # shard size

@@ -4,6 +4,6 @@ A model module registers its constructors on import; the built-in ones are impor
 """
 
 from fedq.models import cnn, gpt, resnet  # noqa: F401  (register the built-in models)
-from fedq.models.registry import MODELS, build_model, check_model, register, seeded_model
+from fedq.models.registry import MODELS, build_model, check_model, seeded_model
 
-__all__ = ["MODELS", "build_model", "check_model", "register", "seeded_model"]
+__all__ = ["MODELS", "build_model", "check_model", "seeded_model"]

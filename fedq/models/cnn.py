@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedq.models.registry import register
+from fedq.models.registry import MODELS
 
 
 class SmallCNN(nn.Module):
@@ -44,11 +44,11 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-@register("small_cnn")
+@MODELS.register("small_cnn")
 def small_cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
     return SmallCNN(input_shape, num_classes, width=width)
 
 
-@register("mlp")
+@MODELS.register("mlp")
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 64) -> nn.Module:
     return MLP(input_shape, num_classes, hidden=hidden)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedq.models.registry import register
+from fedq.models.registry import MODELS
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,7 +106,7 @@ class GPT(nn.Module):
         return idx
 
 
-@register("gpt")
+@MODELS.register("gpt")
 def gpt(input_shape: tuple[int, ...], num_classes: int, n_layer: int = 4, n_head: int = 4,
         n_embd: int = 128, dropout: float = 0.0) -> nn.Module:
     """input_shape: (block_size,); num_classes: the vocabulary size."""

@@ -1,4 +1,5 @@
-"""Name -> model constructor. Each constructor takes (input_shape, num_classes, **kwargs)."""
+"""Name -> model constructor (``@MODELS.register("name")``, fedq/registry.py). Each
+constructor takes (input_shape, num_classes, **kwargs)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,10 @@ import torch
 from torch import nn
 
 from fedq.errors import UnknownModel
+from fedq.registry import Registry
 
 ModelFactory = Callable[..., nn.Module]
-MODELS: dict[str, ModelFactory] = {}
-
-
-def register(name: str) -> Callable[[ModelFactory], ModelFactory]:
-    """Decorator: make a model constructor available to job specs under ``name``."""
-
-    def wrap(factory: ModelFactory) -> ModelFactory:
-        MODELS[name] = factory
-        return factory
-
-    return wrap
+MODELS: Registry[ModelFactory] = Registry("model")
 
 
 def check_model(name: str, source: str = "spec") -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedq.models.registry import register
+from fedq.models.registry import MODELS
 
 
 class BasicBlock(nn.Module):
@@ -52,6 +52,6 @@ class ResNet18Cifar(nn.Module):
         return self.head(x)
 
 
-@register("resnet18_cifar")
+@MODELS.register("resnet18_cifar")
 def resnet18_cifar(input_shape: tuple[int, ...], num_classes: int, width: int = 64) -> nn.Module:
     return ResNet18Cifar(input_shape, num_classes, width=width)

@@ -20,6 +20,7 @@ from fedq.db.models import aware
 from fedq.db.session import ensure_schema
 from fedq.errors import require_extra
 from fedq.settings import Settings
+from fedq.status import JobStatus, RoundStatus
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class FedqCollector:
                             w.gpu_util, aware(w.last_seen).timestamp()) for w in workers]
 
         job_status = GaugeMetricFamily("fedq_jobs", "Jobs by status", labels=["status"])
-        for status in ("pending", "running", "completed", "failed", "cancelled"):
+        for status in JobStatus:
             job_status.add_metric([status], sum(1 for j in jobs if j.status == status))
         yield job_status
         progress = GaugeMetricFamily("fedq_job_committed_rounds",
@@ -122,9 +123,9 @@ class FedqCollector:
                                        "Training loss of the last committed round",
                                        labels=["job"])
         for job_id, rows in by_job.items():
-            committed = [r for r in rows if r.status == "committed"]
-            for status in ("committed", "failed"):
-                finished.add_metric([job_id, status], sum(1 for r in rows if r.status == status))
+            committed = [r for r in rows if r.status == RoundStatus.COMMITTED]
+            for closed in (RoundStatus.COMMITTED, RoundStatus.FAILED):
+                finished.add_metric([job_id, closed], sum(1 for r in rows if r.status == closed))
             seconds = [r.seconds for r in committed if r.seconds is not None]
             buckets = [(str(bound), float(sum(1 for x in seconds if x <= bound)))
                        for bound in ROUND_BUCKETS] + [("+Inf", float(len(seconds)))]

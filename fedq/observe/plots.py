@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from fedq.errors import require_extra
+from fedq.status import RoundStatus, UpdateStatus
 
 #: Colours of a task's phases in the timeline (matplotlib's tab10 palette).
 PHASES = (("queue wait", "#c7c7c7"), ("download", "#1f77b4"), ("train", "#2ca02c"),
           ("upload", "#ff7f0e"))
 FINALIZE_COLOR = "#d62728"
-FAILED = ("error", "missing", "rejected")
+FAILED = (UpdateStatus.ERROR, UpdateStatus.MISSING, UpdateStatus.REJECTED)
 
 
 def _pyplot() -> Any:
@@ -47,7 +48,7 @@ def progress_figure(rounds: list[dict[str, Any]], title: str = "") -> Any:
     """Accuracy and loss per committed round (language models: validation loss in
     nats per token and perplexity)."""
     plt = _pyplot()
-    done = [r for r in rounds if r["status"] == "committed"]
+    done = [r for r in rounds if r["status"] == RoundStatus.COMMITTED]
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     perplexity = [r for r in done if r.get("perplexity") is not None]
     if perplexity:  # a language model: perplexity says more than next-byte accuracy

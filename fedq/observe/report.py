@@ -14,6 +14,10 @@ from typing import Any
 
 import yaml
 
+from fedq.status import RoundStatus, UpdateStatus
+
+#: Rows shown as failed.
+FAILED = (RoundStatus.FAILED, UpdateStatus.ERROR, UpdateStatus.MISSING)
 ROUND_COLUMNS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",
                  "finalize_seconds", "participants", "planned", "samples", "bytes_up",
                  "bytes_down", "tokens_per_second", "staleness_mean", "epsilon", "error")
@@ -45,7 +49,7 @@ def _cell(value: Any) -> str:
 def table(rows: list[dict[str, Any]], columns: tuple[str, ...], table_id: str) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     body = "".join(
-        f'<tr{" class=failed" if r.get("status") in ("failed", "error", "missing") else ""}>'
+        f'<tr{" class=failed" if r.get("status") in FAILED else ""}>'
         + "".join(_cell(r.get(c)) for c in columns) + "</tr>" for r in rows)
     return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 

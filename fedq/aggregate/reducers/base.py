@@ -8,6 +8,9 @@ Two kinds, by what the math needs to see:
   update at each coordinate, and reads them slice by slice through an
   :class:`UpdateSource` (on the coordinator, a disk-backed one), never whole.
 
+A reducer declares its hyperparameters in a nested ``Params`` (fedq/aggregate/plugin.py)
+and registers itself with ``@REDUCERS.register("name")`` (fedq/registry.py).
+
 A reducer states which counts of updates it can work with in :meth:`Reducer.problem`;
 the job spec calls it when a spec is parsed (against the round's quorum) and the
 reducer calls it again before it runs (against the updates it got): one place.
@@ -18,24 +21,16 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 
+from fedq.aggregate import plugin
 from fedq.aggregate.fedavg import Accumulator
 from fedq.aggregate.types import Weights
+from fedq.registry import Registry
 
 DEFAULT_CHUNK = 1 << 20  # elements per slice: 4 MB per update in float32
-
-
-@dataclass(frozen=True)
-class ReducerParams:
-    """The knobs a job spec may set; each reducer reads the ones it needs."""
-
-    beta: float = 0.1  # trimmed_mean: fraction cut at each end
-    f: int = 1  # krum, multi_krum, bulyan: Byzantine clients tolerated
-    m: int | None = None  # multi_krum: updates averaged (default n - f)
 
 
 class Contribution(NamedTuple):
@@ -59,16 +54,24 @@ class UpdateSource(Protocol):
 
 
 class Reducer(ABC):
-    """One aggregation rule. Subclasses set ``name`` and ``paper`` and are listed in
-    ``_BUILTIN`` in fedq/aggregate/reducers/__init__.py (the registry)."""
+    """One aggregation rule. Subclasses set ``paper``, declare their ``Params`` and
+    register with ``@REDUCERS.register("name")``, which sets ``name``."""
 
     name: ClassVar[str]
     paper: ClassVar[str]
     #: Whether updates are weighted (by samples); robust reducers treat all alike.
     weighted: ClassVar[bool] = False
 
-    def __init__(self, params: ReducerParams = ReducerParams()) -> None:
-        self.params = params
+    class Params(plugin.Params):
+        pass
+
+    def __init__(self, params: Reducer.Params | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def summary(self) -> str:
+        """``trimmed_mean (beta 0.2)``: the rule and its parameters, for one line."""
+        args = plugin.summary(self.params)
+        return f"{self.name} ({args})" if args else self.name
 
     def problem(self, n: int) -> str | None:
         """Why ``n`` updates are too few (or the params wrong) for this rule; None if fine."""
@@ -108,6 +111,10 @@ class MemorySource:
 
     def read(self, index: int, name: str, start: int, stop: int) -> torch.Tensor:
         return self.updates[index][name].reshape(-1)[start:stop].to(torch.float32)
+
+
+#: Every reducer, by name; the job spec's ``reducer.name`` is one of these.
+REDUCERS: Registry[type[Reducer]] = Registry("reducer")
 
 
 def chunks(shapes: dict[str, tuple[int, ...]], chunk: int) -> Iterator[tuple[str, int, int]]:

@@ -21,8 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from fedq.aggregate.reducers.base import DEFAULT_CHUNK, SourceReducer, UpdateSource, coordinatewise
-from fedq.aggregate.reducers.krum import krum_scores, pairwise_sq_distances
+from fedq.aggregate.reducers.base import (
+    DEFAULT_CHUNK,
+    REDUCERS,
+    SourceReducer,
+    UpdateSource,
+    coordinatewise,
+)
+from fedq.aggregate.reducers.krum import Krum, krum_scores, pairwise_sq_distances
 from fedq.aggregate.types import Weights
 
 
@@ -54,9 +60,12 @@ def bulyan(source: UpdateSource, f: int, chunk: int = DEFAULT_CHUNK) -> Weights:
     return coordinatewise(source, selected, chunk, reduce)
 
 
+@REDUCERS.register("bulyan")
 class Bulyan(SourceReducer):
-    name = "bulyan"
     paper = "El Mhamdi et al. 2018, arXiv:1802.07927"
+
+    Params = Krum.Params
+    params: Krum.Params
 
     def problem(self, n: int) -> str | None:
         f = self.params.f

@@ -18,12 +18,12 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from fedq.aggregate.fedavg import Accumulator, acc_dtype
-from fedq.aggregate.reducers.base import Contribution, StreamReducer
+from fedq.aggregate.reducers.base import REDUCERS, Contribution, StreamReducer
 from fedq.aggregate.types import Weights
 
 
+@REDUCERS.register("fednova")
 class FedNova(StreamReducer):
-    name = "fednova"
     paper = "Wang et al. 2020, arXiv:2007.07481"
     weighted = True
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pydantic import Field
 
 from fedq.aggregate.reducers.base import (
     DEFAULT_CHUNK,
+    REDUCERS,
     SourceReducer,
     UpdateSource,
     chunks,
@@ -62,9 +64,14 @@ def multi_krum(source: UpdateSource, f: int, m: int, chunk: int = DEFAULT_CHUNK)
     return mean_of(source, multi_krum_select(source, f, m, chunk), chunk)
 
 
+@REDUCERS.register("krum")
 class Krum(SourceReducer):
-    name = "krum"
     paper = "Blanchard et al. 2017, NeurIPS"
+
+    class Params(SourceReducer.Params):
+        f: int = Field(default=1, ge=0, description="Byzantine clients tolerated")
+
+    params: Params
 
     def problem(self, n: int) -> str | None:
         f = self.params.f
@@ -75,8 +82,13 @@ class Krum(SourceReducer):
         return krum(source, self.params.f, chunk)
 
 
+@REDUCERS.register("multi_krum")
 class MultiKrum(Krum):
-    name = "multi_krum"
+    class Params(Krum.Params):
+        m: int | None = Field(default=None, ge=1,
+                              description="updates averaged (unset: n - f)")
+
+    params: Params
 
     def problem(self, n: int) -> str | None:
         f, m = self.params.f, self.params.m

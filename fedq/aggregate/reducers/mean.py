@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fedq.aggregate.fedavg import Accumulator
-from fedq.aggregate.reducers.base import Contribution, StreamReducer
+from fedq.aggregate.reducers.base import REDUCERS, Contribution, StreamReducer
 from fedq.aggregate.types import Weights
 
 
+@REDUCERS.register("mean")
 class Mean(StreamReducer):
-    name = "mean"
     paper = "McMahan et al. 2017, arXiv:1602.05629"
     weighted = True
 

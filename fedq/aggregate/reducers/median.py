@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from fedq.aggregate.reducers.base import DEFAULT_CHUNK, SourceReducer, UpdateSource, coordinatewise
+from fedq.aggregate.reducers.base import (
+    DEFAULT_CHUNK,
+    REDUCERS,
+    SourceReducer,
+    UpdateSource,
+    coordinatewise,
+)
 from fedq.aggregate.types import Weights
 
 
@@ -19,8 +25,8 @@ def median(source: UpdateSource, chunk: int = DEFAULT_CHUNK) -> Weights:
     return coordinatewise(source, range(len(source)), chunk, reduce)
 
 
+@REDUCERS.register("median")
 class Median(SourceReducer):
-    name = "median"
     paper = "Yin et al. 2018, arXiv:1803.01498"
 
     def reduce(self, source: UpdateSource, chunk: int = DEFAULT_CHUNK) -> Weights:

@@ -6,8 +6,15 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 
-from fedq.aggregate.reducers.base import DEFAULT_CHUNK, SourceReducer, UpdateSource, coordinatewise
+from fedq.aggregate.reducers.base import (
+    DEFAULT_CHUNK,
+    REDUCERS,
+    SourceReducer,
+    UpdateSource,
+    coordinatewise,
+)
 from fedq.aggregate.types import Weights
 
 
@@ -24,9 +31,15 @@ def trimmed_mean(source: UpdateSource, beta: float, chunk: int = DEFAULT_CHUNK) 
     return coordinatewise(source, range(n), chunk, reduce)
 
 
+@REDUCERS.register("trimmed_mean")
 class TrimmedMean(SourceReducer):
-    name = "trimmed_mean"
     paper = "Yin et al. 2018, arXiv:1803.01498"
+
+    class Params(SourceReducer.Params):
+        beta: float = Field(default=0.1, ge=0, lt=0.5,
+                            description="fraction cut at each end, per coordinate")
+
+    params: Params
 
     def reduce(self, source: UpdateSource, chunk: int = DEFAULT_CHUNK) -> Weights:
         self.check(len(source))

@@ -1,32 +1,33 @@
 """Server optimizers as plug-ins: one per module, one registry.
 
 ``SERVER_OPTIMIZERS`` maps a name to its class; the job spec's allowed ``server.name``
-values come from it. ``make_server(name, lr=..., ...)`` fills unset options from the
-optimizer's own defaults.
+values and each optimizer's parameters (with its defaults) come from it. A new one is
+a module here with a :class:`ServerOptimizer` subclass declaring its ``Params`` and
+registered with ``@SERVER_OPTIMIZERS.register("name")``, imported below.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
+from typing import Any
 
-from fedq.aggregate.server.base import Adaptive, ServerOptimizer, ServerOpts
-from fedq.aggregate.server.diloco import DiLoCo
-from fedq.aggregate.server.fedadagrad import FedAdagrad
-from fedq.aggregate.server.fedadam import FedAdam
-from fedq.aggregate.server.fedavg import FedAvg
-from fedq.aggregate.server.fedavgm import FedAvgM
-from fedq.aggregate.server.fedyogi import FedYogi
+from fedq.aggregate import plugin
+from fedq.aggregate.server import (  # noqa: F401
+    diloco,
+    fedadagrad,
+    fedadam,
+    fedavg,
+    fedavgm,
+    fedyogi,
+)
+from fedq.aggregate.server.base import SERVER_OPTIMIZERS, Adaptive, ServerOptimizer
 
-_BUILTIN: tuple[type[ServerOptimizer], ...] = (FedAvg, FedAvgM, FedAdagrad, FedAdam, FedYogi,
-                                               DiLoCo)
-SERVER_OPTIMIZERS: dict[str, type[ServerOptimizer]] = {cls.name: cls for cls in _BUILTIN}
 
-
-def make_server(name: str, **overrides: float | None) -> ServerOptimizer:
-    """The optimizer registered as ``name``, its defaults replaced by the options that
-    are set; KeyError if there is none."""
+def make_server(name: str, params: Mapping[str, Any] | None = None) -> ServerOptimizer:
+    """The optimizer registered as ``name``; unset options take its own defaults
+    (:func:`fedq.aggregate.plugin.build`). KeyError if there is none."""
     cls = SERVER_OPTIMIZERS[name]
-    return cls(replace(cls.defaults, **{k: v for k, v in overrides.items() if v is not None}))
+    return cls(plugin.build(cls.Params, params or {}))
 
 
-__all__ = ["SERVER_OPTIMIZERS", "Adaptive", "ServerOptimizer", "ServerOpts", "make_server"]
+__all__ = ["SERVER_OPTIMIZERS", "Adaptive", "ServerOptimizer", "make_server"]

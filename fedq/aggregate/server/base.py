@@ -11,34 +11,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from pydantic import Field
 
+from fedq.aggregate import plugin
 from fedq.aggregate.fedavg import apply_delta
 from fedq.aggregate.types import Weights
-
-
-@dataclass(frozen=True)
-class ServerOpts:
-    """Hyper-parameters; each optimizer uses the ones it needs."""
-
-    lr: float = 1.0
-    momentum: float = 0.0  # fedavgm / diloco momentum; beta_1 for the adaptive ones
-    beta2: float = 0.99
-    tau: float = 1e-9
+from fedq.registry import Registry
 
 
 class ServerOptimizer(ABC):
-    """One server optimizer. Subclasses set ``name``, ``paper`` and ``defaults``."""
+    """One server optimizer. Subclasses set ``paper``, declare their ``Params`` (the
+    hyperparameters a spec's ``server:`` may set, with their defaults) and register
+    with ``@SERVER_OPTIMIZERS.register("name")``, which sets ``name``."""
 
     name: ClassVar[str]
     paper: ClassVar[str]
-    defaults: ClassVar[ServerOpts]
 
-    def __init__(self, opts: ServerOpts | None = None) -> None:
-        self.opts = opts or self.defaults
+    class Params(plugin.Params):
+        lr: float = Field(default=1.0, gt=0, description="server learning rate")
+
+    def __init__(self, opts: ServerOptimizer.Params | None = None) -> None:
+        self.opts = opts if opts is not None else self.Params()
 
     @abstractmethod
     def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
@@ -64,12 +60,23 @@ class ServerOptimizer(ABC):
         return apply_delta(weights, steps), new_state
 
 
+#: Every server optimizer, by name; the job spec's ``server.name`` is one of these.
+SERVER_OPTIMIZERS: Registry[type[ServerOptimizer]] = Registry("server optimizer")
+
+
 class Adaptive(ServerOptimizer):
     """Reddi et al. 2021, "Adaptive Federated Optimization" (arXiv:2003.00295),
     Algorithm 2: m = b1 m + (1 - b1) d; v from :meth:`second_moment`;
     step = lr * m / (sqrt(v) + tau)."""
 
     paper = "Reddi et al. 2021, arXiv:2003.00295"
+
+    class Params(ServerOptimizer.Params):  # defaults follow Flower's strategies
+        lr: float = Field(default=0.1, gt=0, description="server learning rate (eta)")
+        momentum: float = Field(default=0.9, ge=0, lt=1, description="beta_1")
+        tau: float = Field(default=1e-9, gt=0, description="adaptivity (epsilon)")
+
+    opts: Params
 
     @abstractmethod
     def second_moment(self, v: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:

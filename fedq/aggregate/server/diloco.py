@@ -9,14 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import Field
 
-from fedq.aggregate.server.base import ServerOptimizer, ServerOpts
+from fedq.aggregate.server.base import SERVER_OPTIMIZERS, ServerOptimizer
 
 
+@SERVER_OPTIMIZERS.register("diloco")
 class DiLoCo(ServerOptimizer):
-    name = "diloco"
     paper = "Douillard et al. 2023, arXiv:2311.08105"
-    defaults = ServerOpts(lr=0.7, momentum=0.9, beta2=0.0, tau=0.0)
+
+    class Params(ServerOptimizer.Params):
+        lr: float = Field(default=0.7, gt=0, description="outer learning rate")
+        momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum")
+
+    opts: Params
 
     def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

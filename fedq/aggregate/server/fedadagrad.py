@@ -4,13 +4,17 @@ Flower's strategy (eta 0.1, tau 1e-9)."""
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
-from fedq.aggregate.server.base import Adaptive, ServerOpts
+from fedq.aggregate.server.base import SERVER_OPTIMIZERS, Adaptive
 
 
+@SERVER_OPTIMIZERS.register("fedadagrad")
 class FedAdagrad(Adaptive):
-    name = "fedadagrad"
-    defaults = ServerOpts(lr=0.1, momentum=0.0, beta2=0.0, tau=1e-9)
+    class Params(Adaptive.Params):
+        momentum: float = Field(default=0.0, ge=0, lt=1, description="beta_1")
+
+    opts: Params
 
     def second_moment(self, v: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
         return v + sq

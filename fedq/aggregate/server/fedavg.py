@@ -7,13 +7,12 @@ from collections.abc import Mapping
 
 import torch
 
-from fedq.aggregate.server.base import ServerOptimizer, ServerOpts
+from fedq.aggregate.server.base import SERVER_OPTIMIZERS, ServerOptimizer
 
 
+@SERVER_OPTIMIZERS.register("fedavg")
 class FedAvg(ServerOptimizer):
-    name = "fedavg"
     paper = "McMahan et al. 2017, arXiv:1602.05629"
-    defaults = ServerOpts(lr=1.0, momentum=0.0, beta2=0.0, tau=0.0)
 
     def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

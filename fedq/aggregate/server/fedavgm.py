@@ -7,14 +7,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import Field
 
-from fedq.aggregate.server.base import ServerOptimizer, ServerOpts
+from fedq.aggregate.server.base import SERVER_OPTIMIZERS, ServerOptimizer
 
 
+@SERVER_OPTIMIZERS.register("fedavgm")
 class FedAvgM(ServerOptimizer):
-    name = "fedavgm"
     paper = "Hsu et al. 2019, arXiv:1909.06335"
-    defaults = ServerOpts(lr=1.0, momentum=0.9, beta2=0.0, tau=0.0)
+
+    class Params(ServerOptimizer.Params):
+        momentum: float = Field(default=0.9, ge=0, lt=1, description="server momentum beta")
+
+    opts: Params
 
     def update(self, d: torch.Tensor, state: Mapping[str, torch.Tensor]
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
