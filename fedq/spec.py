@@ -318,12 +318,13 @@ class JobSpec(_Strict):
             yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
                                         f"({self.num_clients})")
         if self.buffered:
-            if self.min_clients != 1 or self.min_fraction is not None:
-                yield ("min_clients", "not used by a buffered job: each model version "
-                                      "takes aggregation.buffer updates")
+            for name in sorted(self.model_fields_set & {"min_clients", "min_fraction"}):
+                yield (name, "not used by a buffered job: each model version takes "
+                             "aggregation.buffer updates")
         elif self.quorum > self.clients_per_round:
             yield ("min_clients", f"{self.quorum} exceeds clients_per_round "
                                   f"({self.clients_per_round})")
+        yield from self._unused()
         if self.streaming is not None and self.buffered:
             yield ("streaming", "needs synchronous rounds (aggregation.mode: sync): each "
                                 "round synchronises the next fragment")
@@ -360,6 +361,42 @@ class JobSpec(_Strict):
         except ValueError as exc:
             field, _, msg = str(exc).partition(": ")
             yield (field, msg)
+
+    def _unused(self) -> Iterator[tuple[str, str]]:
+        """(field, why) for each option set where it would do nothing: no option is
+        ignored in silence (tests/test_options.py holds every option x mode)."""
+        agg, comp, opt = self.aggregation, self.compression, self.optimizer
+        if not self.buffered:
+            for name in sorted(agg.model_fields_set - {"mode"}):
+                yield (f"aggregation.{name}", "only used by buffered jobs (aggregation.mode: "
+                                              "buffered)")
+        st = agg.staleness
+        used = {"constant": set(), "polynomial": {"a"}, "hinge": {"a", "b"}}[st.kind]
+        for name in sorted(st.model_fields_set - used - {"kind"}):
+            yield (f"aggregation.staleness.{name}", f"not used by kind {st.kind}")
+        if "chunk" in comp.model_fields_set and comp.codec in ("none", "fp16") \
+                and comp.downlink == "none":
+            yield ("compression.chunk", "only used by the int8 codecs (codec int8 or auto, "
+                                        "or downlink int8)")
+        if "slow_link_mbit" in comp.model_fields_set and comp.codec != "auto":
+            yield ("compression.slow_link_mbit", "only used by codec auto")
+        if "beta2" in opt.model_fields_set and opt.name == "sgd":
+            yield ("optimizer.beta2", "not used by sgd (adam and adamw)")
+        if "momentum" in opt.model_fields_set and opt.name != "sgd":
+            yield ("optimizer.momentum", f"not used by {opt.name} (its beta_1 is 0.9)")
+        if opt.schedule == "constant":
+            for name in sorted(opt.model_fields_set & {"schedule_steps", "final_lr_fraction"}):
+                yield (f"optimizer.{name}", "only used by schedule cosine")
+        from fedq.data.datasets import READS_DATA_DIR
+
+        if self.data_dir is not None and self.dataset not in READS_DATA_DIR:
+            yield ("data_dir", f"not used by dataset {self.dataset} (only by "
+                               f"{', '.join(sorted(READS_DATA_DIR))})")
+        weighted = _registries()[2][self.reducer.name].weighted
+        if "weight_by" in self.model_fields_set and self.weight_by != "samples" \
+                and (self.dp is not None or not weighted):
+            yield ("weight_by", "not used: " + ("DP weighs every update alike" if self.dp
+                                                 else f"{self.reducer.name} is unweighted"))
 
     @property
     def buffered(self) -> bool:

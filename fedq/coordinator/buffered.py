@@ -41,7 +41,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,7 +56,6 @@ from fedq.coordinator import commit, policy
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
-    reduce,
     step_of,
     update_weight,
 )
@@ -67,7 +66,7 @@ from fedq.db.rows import fill_row, row_ref
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
 from fedq.process import PROCESS
-from fedq.refs import StepRef, TrainRef
+from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import FAILED_UPDATES, JobStatus, RoundStatus, UpdateStatus
@@ -107,8 +106,7 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
         ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.TRAINING)))
     out = []
     for i, queue in enumerate(queues, start=top + 1):
-        order = np.random.default_rng([spec.seed, i]).permutation(spec.num_clients)
-        client = int(next((c for c in order if int(c) not in busy), order[0]))
+        client = pick_client(spec, i, busy)
         busy.add(client)
         s.add(ClientUpdate(job_id=job.id, round_number=0, client=client,
                            status=UpdateStatus.TRAINING,
@@ -118,13 +116,19 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
     return out
 
 
+def pick_client(spec: JobSpec, task: int, busy: set[int]) -> int:
+    """The client task number ``task`` trains: the first of a permutation seeded by
+    (seed, task) not training now (all busy: the first)."""
+    order = np.random.default_rng([spec.seed, task]).permutation(spec.num_clients)
+    return int(next((c for c in order if int(c) not in busy), order[0]))
+
+
 def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
     spec_json = spec.to_json()
     for t in tasks:
-        ref = TrainRef(job_id, t.index, t.client, t.queue, spec_json, t.model,
-                       attempt=t.attempt, gen=0, step=t.step)
-        app.send_task(TRAIN_TASK, args=(ref.to_json(),), queue=t.queue,
-                      task_id=task_id(job_id, t.index, t.attempt),
+        sent = Sent(job_id, t.index, t.client, t.attempt, 0, t.queue, buffered=True)
+        app.send_task(TRAIN_TASK, args=(sent.train_ref(spec_json, t.model, t.step).to_json(),),
+                      queue=t.queue, task_id=sent.task_id,
                       link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
                                          queue=CONTROL_QUEUE))
 
@@ -293,22 +297,18 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
         previous = s.scalar(select(Round.finished_at).where(
             Round.job_id == job_id, Round.number == version - 1)) or job.created_at
     log.info("applying job %s version %d (%d updates)", job_id, version, len(rows))
-    st = spec.aggregation.staleness
-    factors = {r.task_index: staleness_factor(st.kind, r.staleness or 0, a=st.a, b=st.b)
-               for r in rows}
-    refs = [row_ref(r) for r in rows]
+    factors = staleness_factors(spec, {r.task_index: r.staleness or 0 for r in rows})
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     current = commit.current_model(store, model)
     outcome = Outcome()
-    delta = reduce(spec, store, refs, current, outcome, settings.home / "scratch",
-                   PROCESS.accumulator, factors)
-    if delta is None:  # verification took the version below one usable update
-        _reject(settings, job_id, version, outcome)
-        return {"status": "rejected", "version": version, "rejected": outcome.rejected}
     if settings.finalize_delay:  # fault injection: widen the window for crash tests
         time.sleep(settings.finalize_delay)
-    new = commit.build(spec, store, job_id, version, current, model.sha256, delta, state,
-                       tag=secrets.token_hex(4))
+    new = commit.aggregate(spec, store, job_id, version, [row_ref(r) for r in rows], current,
+                           model.sha256, state, outcome, settings.home / "scratch",
+                           PROCESS.accumulator, factors, tag=secrets.token_hex(4))
+    if new is None:  # verification took the version below one usable update
+        _reject(settings, job_id, version, outcome)
+        return {"status": "rejected", "version": version, "rejected": outcome.rejected}
     records = {r.ref.round: r for r in outcome.records}
     weights = {r.task_index: update_weight(spec, row_ref(r)) * factors[r.task_index]
                for r in rows}
@@ -355,6 +355,13 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
              outcome.accepted, sorted(r.staleness or 0 for r in rows),
              time.perf_counter() - started)
     return {"status": "committed", "version": version, "accuracy": accuracy}
+
+
+def staleness_factors(spec: JobSpec, staleness: Mapping[int, int]) -> dict[int, float]:
+    """Each update's weight factor by task number, from its staleness
+    (``aggregation.staleness``, fedq/aggregate/staleness.py)."""
+    st = spec.aggregation.staleness
+    return {task: staleness_factor(st.kind, s, a=st.a, b=st.b) for task, s in staleness.items()}
 
 
 def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> None:

@@ -1,6 +1,7 @@
 """The one commit sequence, for a synchronous round and a buffered version alike.
 
-Both modes reduce their updates (fedq/coordinator/pipeline.py ``reduce``), then:
+Both modes call :func:`aggregate` (the updates reduced by fedq/coordinator/pipeline.py
+``reduce``; a buffered version weighs each by its staleness factor), which ends in
 
 1. :func:`build` — the server optimizer's step from the stored state, the evaluation
    when it is due, the new model, state and step written to the blob store, and the
@@ -18,19 +19,23 @@ mode (``JobSpec.problems``), never ignored.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 
 from fedq.aggregate.dp import epsilon
+from fedq.aggregate.fedavg import Accumulator
+from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, put_model, server_update, set_step
+from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, set_step
 from fedq.db import ClientUpdate, Job, session_scope
 from fedq.process import PROCESS
-from fedq.refs import StepRef
+from fedq.refs import StepRef, UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.weights import loads
@@ -56,6 +61,25 @@ def current_model(store: BlobStore, ref: BlobRef) -> Weights:
     """The global model: the one this process committed last, else read from the store."""
     kept = PROCESS.model(ref.sha256)
     return kept if kept is not None else loads(store.get(ref), what=f"blob {ref.key}")
+
+
+def aggregate(spec: JobSpec, store: BlobStore, job_id: str, number: int,
+              refs: Sequence[UpdateRef], current: Weights, current_sha256: str,
+              server_state: BlobRef | None, outcome: Outcome, scratch: Path,
+              acc: Accumulator, factors: Mapping[int, float] | None = None,
+              tag: str = "") -> NewModel | None:
+    """Round or version ``number``'s new model from ``refs``: verified and reduced
+    (each update's weight times its ``factors`` entry, by ``ref.round``: a buffered
+    version's staleness), then :func:`build`. With ``streaming``, the updates carry
+    this round's fragment only. None when fewer than the quorum pass verification
+    (nothing is written then)."""
+    reference = current if spec.streaming is None else \
+        {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
+    delta = reduce(spec, store, refs, reference, outcome, scratch, acc, factors)
+    if delta is None:
+        return None
+    return build(spec, store, job_id, number, current, current_sha256, delta, server_state,
+                 tag=tag)
 
 
 def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: Weights,

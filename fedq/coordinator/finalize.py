@@ -31,14 +31,12 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from fedq.aggregate.streaming import fragment_names
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
     UpdateRecord,
-    reduce,
 )
 from fedq.coordinator.policy import (
     Commit,
@@ -167,19 +165,16 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     current = commit.current_model(store, rnd.model)
-    reference = current if spec.streaming is None else \
-        {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
-    delta = reduce(spec, store, list(chosen.values()), reference, outcome,
-                   settings.home / "scratch", PROCESS.accumulator)
-    if delta is None:
+    new = commit.aggregate(spec, store, job_id, number, list(chosen.values()), current,
+                           rnd.model.sha256, rnd.server_state, outcome,
+                           settings.home / "scratch", PROCESS.accumulator)
+    if new is None:
         return None
     rows = _rows(job_id, outcome.records)
     rows += [ClientUpdate(job_id=job_id, round_number=number, client=c, status=UpdateStatus.MISSING,
                           queue=rnd.queues[c],
                           error=f"no result by the deadline (attempt {rnd.state.attempt})")
              for c in decision.missing]
-    new = commit.build(spec, store, job_id, number, current, rnd.model.sha256, delta,
-                       rnd.server_state)
     seconds = (utcnow() - rnd.started_at).total_seconds()
     metrics = commit.metrics(new, outcome, sum(r.bytes_up or 0 for r in rows),
                              sum(r.bytes_down or 0 for r in rows), seconds,

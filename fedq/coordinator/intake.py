@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from fedq.blobs.base import BlobRef
 from fedq.blobs.keys import update_key
 from fedq.errors import FedqError
 from fedq.redaction import redact_text
-from fedq.refs import TrainStats, UpdateRef
+from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, FormatError, parse_result
@@ -71,6 +72,12 @@ class Sent:
     def update_key(self) -> str:
         """The one key this task's update may be stored under."""
         return update_key(self.job, self.round, self.client, self.attempt)
+
+    def train_ref(self, spec: dict[str, Any], model: BlobRef,
+                  step: StepRef | None = None) -> TrainRef:
+        """The task's message, as both modes send it (the spec travels whole)."""
+        return TrainRef(self.job, self.round, self.client, self.queue, spec, model,
+                        attempt=self.attempt, gen=self.gen, step=step)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,14 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
-from fedq.coordinator.intake import task_id
+from fedq.coordinator.intake import Sent, task_id
 from fedq.coordinator.pipeline import step_of
 from fedq.coordinator.roster import live_throughput
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
-from fedq.refs import StepRef, TrainRef
+from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus
@@ -126,12 +126,10 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
     """Send the chord: one ``train`` per assignment on its queue, ``finalize_round`` after."""
     spec_json = spec.to_json()
     header = [
-        app.signature(TRAIN_TASK,
-                      args=(TrainRef(job_id, round_number, a.client, a.queue, spec_json, model,
-                                     attempt=attempt, gen=gen, step=step).to_json(),),
-                      queue=a.queue, task_id=task_id(job_id, round_number, attempt, a.client,
-                                                     gen))
+        app.signature(TRAIN_TASK, args=(sent.train_ref(spec_json, model, step).to_json(),),
+                      queue=a.queue, task_id=sent.task_id)
         for a in plan
+        for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]
     ]
     body = app.signature(FINALIZE_ROUND_TASK, args=(job_id, round_number), queue=CONTROL_QUEUE)
     chord(header)(body)

@@ -60,6 +60,8 @@ def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, tor
 
 #: Name -> loader (data_dir, **dataset_args) -> Dataset; a job spec's ``dataset``.
 DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
+#: The data sets whose loader reads the spec's ``data_dir`` (the others are built in).
+READS_DATA_DIR = frozenset({"cifar10"})
 
 
 @DATASETS.register("digits")
