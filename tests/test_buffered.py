@@ -20,11 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedq.aggregate.staleness import staleness_factor
+from fedq.cli.output import describe
 from fedq.coordinator.roster import list_workers
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
 from fedq.errors import SpecError
 from fedq.observe.plots import close, figures
-from fedq.spec import describe, parse_spec
+from fedq.spec import parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from fedq.testing.procs import WorkerProcess
 from tests.test_faults import _migrated_cluster, private_redis

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from fedq.blobs import global_key, open_store
 from fedq.coordinator.evaluation import initial_weights
 from fedq.coordinator.intake import task_id
-from fedq.coordinator.rounds import plan_round
+from fedq.coordinator.planning import plan_round
 from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
 from fedq.engine.names import FINALIZE_ROUND_TASK
 from fedq.refs import TrainRef

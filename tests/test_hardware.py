@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedq.spec import split_by_throughput
+from fedq.coordinator.planning import split_by_throughput
 from fedq.worker.hardware import (
     Gpu,
     HardwareReport,

@@ -39,7 +39,7 @@ from fedq.coordinator import buffered, commit, policy
 from fedq.coordinator.evaluation import initial_weights
 from fedq.coordinator.intake import Sent
 from fedq.coordinator.pipeline import Outcome
-from fedq.coordinator.rounds import plan_round
+from fedq.coordinator.planning import plan_round, queue_counts
 from fedq.errors import SpecError
 from fedq.process import PROCESS
 from fedq.refs import TrainStats, UpdateRef
@@ -154,7 +154,7 @@ def _one(spec: JobSpec, mode: str, store: BlobStore, number: int, current: Any, 
 def _plan(spec: JobSpec, mode: str) -> Any:
     if mode == "sync":
         return plan_round(spec, 1)
-    return [buffered.pick_client(spec, t, set()) for t in range(1, 9)], spec.queue_counts()
+    return [buffered.pick_client(spec, t, set()) for t in range(1, 9)], queue_counts(spec)
 
 
 def _decide(spec: JobSpec, mode: str) -> Any:

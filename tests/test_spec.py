@@ -59,7 +59,8 @@ BASE = {"model": "small_cnn", "dataset": "digits", "num_clients": 4, "clients_pe
         ({"queues": {"cpu": 1, "gpu_new": 2}}, "queues: counts sum to 3"),
         ({"model": "gpt5"}, "spec: model: unknown model 'gpt5'"),
         ({"dataset": "imagenet"}, "spec: dataset: unknown dataset 'imagenet'"),
-        ({"data_dir": "/nonexistent/cifar"}, "data_dir: folder /nonexistent/cifar does not exist"),
+        ({"dataset": "cifar10", "data_dir": "/nonexistent/cifar"},
+         "data_dir: folder /nonexistent/cifar does not exist"),
         # DP's accountant assumes uniformly sampled rounds: a buffered job is refused
         ({"dp": {"noise_multiplier": 1.0, "clip_norm": 1.0},
           "aggregation": {"mode": "buffered", "buffer": 2}},
@@ -76,7 +77,7 @@ def test_invalid_spec_names_the_field(change: dict, message: str) -> None:
 def test_queue_mix_with_rest() -> None:
     spec = parse_spec({**BASE, "num_clients": 10, "clients_per_round": 6,
                        "queues": {"gpu_new": 2, "cpu": -1, "gpu_sm61": 1}})
-    assert spec.queue_counts() == {"gpu_new": 2, "gpu_sm61": 1, "cpu": 3}
+    assert spec.fixed_queue_counts() == {"gpu_new": 2, "gpu_sm61": 1, "cpu": 3}
 
 
 def test_local_steps_replace_epochs() -> None:

@@ -16,11 +16,12 @@ from fedq.aggregate.downlink import apply_step, compress_step, content_sha256
 from fedq.aggregate.server import make_server
 from fedq.aggregate.streaming import fragment_names, fragments, synced_between
 from fedq.blobs import global_key, open_store
+from fedq.cli.output import describe
 from fedq.db import ClientUpdate, Round, session_scope
 from fedq.errors import UpdateRejected
 from fedq.models import build_model
 from fedq.refs import TrainRef, UpdateRef
-from fedq.spec import SpecError, describe, parse_spec
+from fedq.spec import SpecError, parse_spec
 from fedq.testing.cluster import Cluster, base_env
 from fedq.weights import dumps, loads, loads_with_meta, raw_size
 from fedq.worker import replica

@@ -247,10 +247,11 @@ _SIZE = {"num_clients": 2, "clients_per_round": 2, "rounds": 1}
 
 
 def test_codec_auto_follows_the_declared_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedq.cli.output import describe
     from fedq.errors import SpecError
     from fedq.process import PROCESS
     from fedq.settings import get_settings
-    from fedq.spec import describe, parse_spec
+    from fedq.spec import parse_spec
     from fedq.worker.update import pick_codec
 
     spec = parse_spec({"name": "t", "model": "mlp", "dataset": "digits", **_SIZE,

@@ -20,6 +20,7 @@ from fedq.cli.output import (
     err,
     fmt,
     follow,
+    job_json,
     out,
     results_table,
     status_style,
@@ -85,7 +86,9 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
     except Exception:  # the jobs are submitted; a failed inspect only loses the warning
         live = None
     if live is not None:
-        wanted = sorted({q for spec in specs for q in spec.queue_counts(live_throughput={})})
+        from fedq.coordinator.planning import queue_counts
+
+        wanted = sorted({q for spec in specs for q in queue_counts(spec, {})})
         for queue in ["control", *wanted]:
             if queue not in live:
                 err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
@@ -104,7 +107,7 @@ def status(job_id: str | None, as_json: bool) -> None:
     settings = _settings()
     jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
     if as_json:
-        click.echo(json.dumps([j.to_json() for j in jobs], indent=2))
+        click.echo(json.dumps([job_json(j) for j in jobs], indent=2))
         return
     if not jobs:
         out.print("no jobs yet (fedq submit examples/digits.yaml)")
@@ -186,7 +189,7 @@ def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
     view = get_job(settings, job_id)
     rows = round_results(settings, job_id)
     if as_json:
-        click.echo(json.dumps({"job": view.to_json(), "rounds": rows,
+        click.echo(json.dumps({"job": job_json(view), "rounds": rows,
                                "clients": client_results(settings, job_id)}, indent=2))
     elif as_csv:
         writer = csv.DictWriter(sys.stdout, fieldnames=ROUND_FIELDS, lineterminator="\n")

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from fedq.errors import WatchTimeout
+from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus, UpdateStatus
 
 # Piped output (CI logs, `| tee`) gets a fixed width wide enough for the results table.
@@ -72,7 +73,8 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
 
 def results_table(view: Any, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"job {view.id} ({view.name}): {view.status}, "
-                        f"{view.committed_round}/{view.total_rounds} rounds\n{view.strategy}")
+                        f"{view.committed_round}/{view.total_rounds} rounds\n"
+                        f"{describe(JobSpec.stored(view.spec))}")
     compressed = any((r["compression_ratio"] or 1) > 1.001 for r in rows)
     private = any(r["epsilon"] is not None for r in rows)
     text = any(r["tokens"] for r in rows)
@@ -164,6 +166,46 @@ STATUS_COLORS: dict[str, str] = {
     UpdateStatus.MISSING: "yellow", UpdateStatus.LATE: "yellow",
     UpdateStatus.TRAINING: "cyan", UpdateStatus.BUFFERED: "cyan", UpdateStatus.STALE: "yellow",
 }
+
+
+def describe(spec: JobSpec) -> str:
+    """One line naming the strategy, for `fedq results`."""
+    parts = [f"server {spec.server.summary()}", f"reducer {spec.reducer.summary()}"]
+    if spec.buffered:
+        a = spec.aggregation
+        st = a.staleness
+        weight = {"constant": "constant", "polynomial": f"(1+s)^-{st.a:g}",
+                  "hinge": f"hinge a={st.a:g} b={st.b}"}[st.kind]
+        lr = a.server_lr(spec.server, spec.clients_per_round)
+        parts.insert(0, f"buffered K={a.buffer} C={spec.clients_per_round} "
+                        f"staleness {weight}"
+                     + (f" max {a.max_staleness}" if a.max_staleness is not None else ""))
+        if lr is not None and "lr" not in spec.server.params():
+            parts[1] += f" (lr {lr:g} = K/C)"
+    if spec.clip_norm:
+        parts.append(f"clip {spec.clip_norm}")
+    if spec.dp:
+        parts.append(f"DP z={spec.dp.noise_multiplier} C={spec.dp.clip_norm} "
+                     f"delta={spec.dp.delta}")
+    codec = spec.compression.codec + ("+zstd" if spec.compression.zstd else "")
+    if spec.compression.codec == "auto":
+        codec += f" (int8 below {spec.compression.slow_link_mbit:g} Mbit/s uplink)"
+    parts.append(f"updates {codec}")
+    if spec.compression.downlink != "none":
+        parts.append(f"model down as {spec.compression.downlink} steps")
+    if spec.streaming:
+        parts.append(f"streaming: 1 of {spec.streaming.fragments} fragments per round"
+                     + (f", mixing {spec.streaming.mixing:g}" if spec.streaming.mixing else ""))
+    if spec.prox_mu:
+        parts.append(f"FedProx mu {spec.prox_mu}")
+    if spec.byzantine:
+        parts.append(f"byzantine clients {spec.byzantine.clients} x{spec.byzantine.scale}")
+    return ", ".join(parts)
+
+
+def job_json(view: Any) -> dict[str, Any]:
+    """A job's JSON for `fedq status --json` and `fedq results --json`."""
+    return {**view.to_json(), "strategy": describe(JobSpec.stored(view.spec))}
 
 
 def status_style(status: str) -> str:

@@ -59,6 +59,7 @@ from fedq.coordinator.pipeline import (
     step_of,
     update_weight,
 )
+from fedq.coordinator.planning import queue_counts
 from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
@@ -152,7 +153,7 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
             return {"status": "skipped", "reason": "job not running"}
         spec = JobSpec.stored(job.spec)
         live = live_throughput(settings) if spec.queues == "auto" else None
-        wanted = Counter(q for q, n in spec.queue_counts(live).items() for _ in range(n))
+        wanted = Counter(q for q, n in queue_counts(spec, live).items() for _ in range(n))
         wanted.subtract(s.scalars(select(ClientUpdate.queue).where(
             ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)))
         full = _filling(s, job, spec) > spec.rounds

@@ -23,7 +23,7 @@ from fedq.engine.app import app
 from fedq.engine.broker import check_broker
 from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
 from fedq.settings import Settings
-from fedq.spec import JobSpec, describe
+from fedq.spec import JobSpec
 from fedq.status import FINISHED, RESUMABLE, JobStatus, RoundStatus, UpdateStatus
 
 
@@ -158,10 +158,10 @@ class JobView:
     accuracy: float | None
     error: str | None
     created_at: str
-    strategy: str
+    spec: dict[str, Any]  # as stored
 
     def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        return {k: v for k, v in self.__dict__.items() if k != "spec"}
 
 
 def get_job(settings: Settings, job_id: str) -> JobView:
@@ -185,7 +185,7 @@ def _view(s: Any, job: Job) -> JobView:
                                                 Round.number == job.committed_round))
     return JobView(job.id, job.name, job.status, job.committed_round, job.total_rounds,
                    acc, job.error, job.created_at.isoformat(timespec="seconds"),
-                   describe(JobSpec.stored(job.spec)))
+                   job.spec)
 
 
 ROUND_FIELDS = ("round", "status", "accuracy", "eval_loss", "train_loss", "seconds",

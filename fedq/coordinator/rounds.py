@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 from celery import chord
 from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from fedq.blobs import BlobRef
 from fedq.coordinator.intake import Sent, task_id
 from fedq.coordinator.pipeline import step_of
+from fedq.coordinator.planning import Assignment, plan_round
 from fedq.coordinator.roster import live_throughput
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
@@ -33,23 +32,6 @@ from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    client: int
-    queue: str
-
-
-def plan_round(spec: JobSpec, round_number: int,
-               live_throughput: dict[str, float] | None = None) -> list[Assignment]:
-    """Which clients train in ``round_number`` and on which queue; a pure function of
-    (spec, round, live throughput), so a re-planned round picks the same clients."""
-    rng = np.random.default_rng([spec.seed, round_number])
-    clients = sorted(int(c) for c in rng.choice(spec.num_clients, spec.clients_per_round,
-                                                replace=False))
-    queues = [q for q, n in spec.queue_counts(live_throughput).items() for _ in range(n)]
-    return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
 
 
 def round_task_ids(job_id: str, rnd: Round) -> dict[int, list[str]]:

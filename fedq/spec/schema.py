@@ -1,46 +1,39 @@
-"""The job spec: what a person writes in ``job.yaml`` and ``fedq submit`` validates.
+"""The job spec's schema: what a person writes in ``job.yaml``, every field with its
+bounds and a comment-sized description, and the rules that involve more than one field
+(:meth:`JobSpec.problems`), among them every option a mode would ignore, refused.
 
-Every mistake is reported, one line each, with the file, line and column, the field
-and, for a misspelt name, a suggestion, e.g.::
-
-    job.yaml:4:3: model_args.widht: unknown argument of small_cnn (did you mean 'width'?)
-    job.yaml:9:1: partition.alpha: Input should be greater than 0
-
-The allowed names of models, datasets, reducers and server optimizers come from their
-registries (fedq/models, fedq/data, fedq/aggregate/reducers, fedq/aggregate/server);
-``model_args`` and ``dataset_args`` are checked against the constructor's signature.
+The allowed names of models, datasets, reducers and server optimizers, and the
+reducers' and server optimizers' parameters, come from their registries
+(fedq/registry.py); ``model_args`` and ``dataset_args`` are checked against the
+constructor's signature. Reading a file and reporting mistakes by line is
+fedq/spec/load.py.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from fedq.data.partition import ByGroupPartition, DirichletPartition, IIDPartition, Partition
+from fedq.data.partition import IIDPartition, Partition
 from fedq.engine.names import TRAINING_QUEUES
-from fedq.errors import SpecError
 
 # The registries (models, data sets, reducers, server optimizers) import torch, which
 # takes seconds. They are imported inside the checks below, which a stored spec (one
 # validated at submit, read back by `fedq status`, a worker or finalize) skips: see
 # JobSpec.stored.
-
 
 def _registries() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(MODELS, DATASETS, REDUCERS, SERVER_OPTIMIZERS)."""
@@ -55,8 +48,6 @@ def _registries() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[
 def _stored(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get("stored"))
 
-__all__ = ["ByGroupPartition", "DirichletPartition", "IIDPartition", "JobSpec", "load_spec",
-           "parse_spec"]
 
 
 class _Strict(BaseModel):
@@ -308,6 +299,7 @@ class JobSpec(_Strict):
         """(field, message) for every rule that involves more than one field."""
         from fedq.aggregate import plugin
         from fedq.aggregate.reducers import make_reducer
+        from fedq.data.datasets import READS_DATA_DIR
 
         models, datasets, reducers, servers = _registries()
         for field, table, section in (("reducer", reducers, self.reducer),
@@ -354,10 +346,11 @@ class JobSpec(_Strict):
                                     skip=2, owner=self.model)
         yield from _kwargs_problems("dataset_args", datasets[self.dataset], self.dataset_args,
                                     skip=1, owner=self.dataset)
-        if self.data_dir is not None and not Path(self.data_dir).expanduser().is_dir():
+        if self.data_dir is not None and self.dataset in READS_DATA_DIR \
+                and not Path(self.data_dir).expanduser().is_dir():
             yield ("data_dir", f"folder {self.data_dir} does not exist")
         try:
-            self.queue_counts()
+            self.fixed_queue_counts()
         except ValueError as exc:
             field, _, msg = str(exc).partition(": ")
             yield (field, msg)
@@ -365,6 +358,8 @@ class JobSpec(_Strict):
     def _unused(self) -> Iterator[tuple[str, str]]:
         """(field, why) for each option set where it would do nothing: no option is
         ignored in silence (tests/test_options.py holds every option x mode)."""
+        from fedq.data.datasets import READS_DATA_DIR
+
         agg, comp, opt = self.aggregation, self.compression, self.optimizer
         if not self.buffered:
             for name in sorted(agg.model_fields_set - {"mode"}):
@@ -387,8 +382,6 @@ class JobSpec(_Strict):
         if opt.schedule == "constant":
             for name in sorted(opt.model_fields_set & {"schedule_steps", "final_lr_fraction"}):
                 yield (f"optimizer.{name}", "only used by schedule cosine")
-        from fedq.data.datasets import READS_DATA_DIR
-
         if self.data_dir is not None and self.dataset not in READS_DATA_DIR:
             yield ("data_dir", f"not used by dataset {self.dataset} (only by "
                                f"{', '.join(sorted(READS_DATA_DIR))})")
@@ -413,13 +406,12 @@ class JobSpec(_Strict):
             need = max(need, math.ceil(self.min_fraction * self.clients_per_round - 1e-9))
         return need
 
-    def queue_counts(self, live_throughput: dict[str, float] | None = None) -> dict[str, int]:
-        """How many tasks go to each training queue per round (sums to clients_per_round).
-
-        With ``queues: auto`` the split follows ``live_throughput`` (queue -> summed
-        samples/s of its live workers); with none known, every task goes to ``cpu``."""
+    def fixed_queue_counts(self) -> dict[str, int]:
+        """The tasks per training queue a spec's ``queues`` mapping asks for (sums to
+        clients_per_round); ValueError naming the mistake. ``queues: auto`` is planned
+        from the live workers (fedq/coordinator/planning.py): {}."""
         if self.queues == "auto":
-            return split_by_throughput(self.clients_per_round, live_throughput or {})
+            return {}
         unknown = sorted(set(self.queues) - set(TRAINING_QUEUES))
         if unknown:
             raise ValueError(
@@ -468,58 +460,6 @@ def round_window(round_: int, rounds: int) -> tuple[float, float]:
     runs from and to; a round past the last stays at the end (lr_at clamps to 1)."""
     return (round_ - 1) / rounds, min(round_, rounds) / rounds
 
-
-def describe(spec: JobSpec) -> str:
-    """One line naming the strategy, for `fedq results`."""
-    parts = [f"server {spec.server.summary()}", f"reducer {spec.reducer.summary()}"]
-    if spec.buffered:
-        a = spec.aggregation
-        st = a.staleness
-        weight = {"constant": "constant", "polynomial": f"(1+s)^-{st.a:g}",
-                  "hinge": f"hinge a={st.a:g} b={st.b}"}[st.kind]
-        lr = a.server_lr(spec.server, spec.clients_per_round)
-        parts.insert(0, f"buffered K={a.buffer} C={spec.clients_per_round} "
-                        f"staleness {weight}"
-                     + (f" max {a.max_staleness}" if a.max_staleness is not None else ""))
-        if lr is not None and "lr" not in spec.server.params():
-            parts[1] += f" (lr {lr:g} = K/C)"
-    if spec.clip_norm:
-        parts.append(f"clip {spec.clip_norm}")
-    if spec.dp:
-        parts.append(f"DP z={spec.dp.noise_multiplier} C={spec.dp.clip_norm} "
-                     f"delta={spec.dp.delta}")
-    codec = spec.compression.codec + ("+zstd" if spec.compression.zstd else "")
-    if spec.compression.codec == "auto":
-        codec += f" (int8 below {spec.compression.slow_link_mbit:g} Mbit/s uplink)"
-    parts.append(f"updates {codec}")
-    if spec.compression.downlink != "none":
-        parts.append(f"model down as {spec.compression.downlink} steps")
-    if spec.streaming:
-        parts.append(f"streaming: 1 of {spec.streaming.fragments} fragments per round"
-                     + (f", mixing {spec.streaming.mixing:g}" if spec.streaming.mixing else ""))
-    if spec.prox_mu:
-        parts.append(f"FedProx mu {spec.prox_mu}")
-    if spec.byzantine:
-        parts.append(f"byzantine clients {spec.byzantine.clients} x{spec.byzantine.scale}")
-    return ", ".join(parts)
-
-
-def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, int]:
-    """Largest-remainder split of ``tasks`` across training queues in proportion to their
-    throughput; queues in TRAINING_QUEUES order break ties. Pure, for tests."""
-    usable = {q: throughput[q] for q in TRAINING_QUEUES if throughput.get(q, 0) > 0}
-    if not usable:
-        return {"cpu": tasks}
-    total = sum(usable.values())
-    exact = {q: tasks * v / total for q, v in usable.items()}
-    counts = {q: int(e) for q, e in exact.items()}
-    by_remainder = sorted(usable, key=lambda q: (-(exact[q] - counts[q]),
-                                                 TRAINING_QUEUES.index(q)))
-    for q in by_remainder[:tasks - sum(counts.values())]:
-        counts[q] += 1
-    return {q: n for q, n in counts.items() if n > 0}
-
-
 def _did_you_mean(word: str, known: list[str]) -> str:
     close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -560,119 +500,3 @@ def _same_kind(value: Any, default: Any) -> bool:
 def _kind(default: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", tuple: "a list",
             list: "a list", str: "a string"}.get(type(default), type(default).__name__)
-
-
-def _fields_at(path: tuple[str | int, ...]) -> list[str]:
-    """The field names the schema allows at ``path`` (for suggestions)."""
-    model: Any = JobSpec
-    for part in path:
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
-            return []
-        model = _model_of(fields[part].annotation)
-    return list(getattr(model, "model_fields", {}))
-
-
-def _model_of(annotation: Any) -> Any:
-    """The BaseModel inside ``Optional[M]``; for a union of several, the first."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _error_lines(source: str, exc: ValidationError,
-                 positions: dict[tuple[str | int, ...], tuple[int, int]]) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(p for p in err["loc"] if p not in ("iid", "dirichlet", "by_group"))
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown field{_did_you_mean(str(loc[-1]), _fields_at(loc[:-1]))}"
-        if not loc:
-            for part in msg.splitlines():  # the cross-field rules: "field: message" each
-                field, _, text = part.partition(": ")
-                key = tuple(field.split("."))
-                lines.append(f"{_where(source, positions, key)}: {field}: {text}")
-            continue
-        field = ".".join(str(p) for p in loc)
-        lines.append(f"{_where(source, positions, loc)}: {field}: {msg}" if field
-                     else f"{_where(source, positions, ())}: {msg}")
-    return lines
-
-
-def _where(source: str, positions: dict[tuple[str | int, ...], tuple[int, int]],
-           loc: tuple[str | int, ...]) -> str:
-    """``source:line:col`` of the deepest part of ``loc`` the file has, else ``source``."""
-    for end in range(len(loc), 0, -1):
-        if loc[:end] in positions:
-            line, col = positions[loc[:end]]
-            return f"{source}:{line}:{col}"
-    return source
-
-
-def parse_spec(data: Any, source: str = "spec",
-               positions: dict[tuple[str | int, ...], tuple[int, int]] | None = None) -> JobSpec:
-    """Validate a mapping as a :class:`JobSpec`; raise :class:`SpecError` with one line
-    per mistake. ``positions``: (line, column) of each key path, from :func:`load_spec`."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as exc:
-        lines = _error_lines(source, exc, positions or {})
-    # The fields failed, so the cross-field rules did not run; the constructor arguments
-    # need only their own fields: report those mistakes too.
-    models, datasets, _, _ = _registries()
-    for field, owner, table, skip in (("model_args", "model", models, 2),
-                                      ("dataset_args", "dataset", datasets, 1)):
-        name, args = data.get(owner), data.get(field)
-        if isinstance(name, str) and name in table and isinstance(args, dict):
-            for key, msg in _kwargs_problems(field, table[name], args, skip=skip, owner=name):
-                line = f"{_where(source, positions or {}, tuple(key.split('.')))}: {key}: {msg}"
-                if line not in lines:
-                    lines.append(line)
-    raise SpecError("\n".join(lines))
-
-
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a YAML or JSON job spec file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
-    positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-            positions = _yaml_positions(yaml.compose(text, Loader=yaml.SafeLoader))
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{where}: not valid YAML: {problem}") from None
-    return parse_spec(data, str(path), positions)
-
-
-def _yaml_positions(node: Any, path: tuple[str | int, ...] = ()
-                    ) -> dict[tuple[str | int, ...], tuple[int, int]]:
-    """(line, column), 1-based, of every mapping key in a composed YAML document."""
-    out: dict[tuple[str | int, ...], tuple[int, int]] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            here = (*path, key.value)
-            out[here] = (key.start_mark.line + 1, key.start_mark.column + 1)
-            out.update(_yaml_positions(value, here))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out[(*path, i)] = (item.start_mark.line + 1, item.start_mark.column + 1)
-            out.update(_yaml_positions(item, (*path, i)))
-    return out

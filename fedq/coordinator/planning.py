@@ -1,0 +1,57 @@
+"""Who trains, and on which queue: the plan of a round's tasks (synchronous rounds)
+and the split of a job's tasks over the training queues (both modes). Pure functions
+of the spec, the round and the live workers' measured throughput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedq.engine.names import TRAINING_QUEUES
+from fedq.spec import JobSpec
+
+
+def queue_counts(spec: JobSpec, live_throughput: dict[str, float] | None = None
+                 ) -> dict[str, int]:
+    """How many tasks go to each training queue per round (sums to clients_per_round):
+    the spec's ``queues``, or with ``queues: auto`` a split following
+    ``live_throughput`` (queue -> summed samples/s of its live workers; with none
+    known, every task goes to ``cpu``)."""
+    if spec.queues == "auto":
+        return split_by_throughput(spec.clients_per_round, live_throughput or {})
+    return spec.fixed_queue_counts()
+
+
+def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, int]:
+    """Largest-remainder split of ``tasks`` across training queues in proportion to their
+    throughput; queues in TRAINING_QUEUES order break ties. Pure, for tests."""
+    usable = {q: throughput[q] for q in TRAINING_QUEUES if throughput.get(q, 0) > 0}
+    if not usable:
+        return {"cpu": tasks}
+    total = sum(usable.values())
+    exact = {q: tasks * v / total for q, v in usable.items()}
+    counts = {q: int(e) for q, e in exact.items()}
+    by_remainder = sorted(usable, key=lambda q: (-(exact[q] - counts[q]),
+                                                 TRAINING_QUEUES.index(q)))
+    for q in by_remainder[:tasks - sum(counts.values())]:
+        counts[q] += 1
+    return {q: n for q, n in counts.items() if n > 0}
+
+
+@dataclass(frozen=True)
+class Assignment:
+    client: int
+    queue: str
+
+
+def plan_round(spec: JobSpec, round_number: int,
+               live_throughput: dict[str, float] | None = None) -> list[Assignment]:
+    """Which clients train in ``round_number`` and on which queue; a pure function of
+    (spec, round, live throughput), so a re-planned round picks the same clients."""
+    rng = np.random.default_rng([spec.seed, round_number])
+    clients = sorted(int(c) for c in rng.choice(spec.num_clients, spec.clients_per_round,
+                                                replace=False))
+    queues = [q for q, n in queue_counts(spec, live_throughput).items()
+              for _ in range(n)]
+    return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
