@@ -238,48 +238,28 @@ def _ago(iso: str | None) -> str:
 def workers(timeout: float) -> None:
     """Workers: live status (Celery inspect), hardware, torch build, measured throughput,
     tasks done and failed, GPU memory and utilisation of the last task, last heartbeat."""
-    from fedq.coordinator.roster import list_workers
-    from fedq.engine.app import app
-    from fedq.engine.broker import check_broker
+    from fedq.coordinator.roster import roster
 
-    check_broker()
-    insp = app.control.inspect(timeout=timeout)
-    queues = insp.active_queues() or {}
-    active = insp.active() or {}
-    known = {w["hostname"]: w for w in list_workers(_settings().database_url)}
-    if not queues and not known:
+    rows = roster(_settings(), timeout=timeout)
+    if not rows:
         out.print("no workers (start one: celery -A fedq worker -Q cpu)")
         return
     table = Table("worker", "status", "queues", "running", "hardware", "torch", "samples/s",
                   "done", "failed", "GPU MB / %", "uplink", "last task", "last seen")
-    for host in sorted(set(queues) | set(known)):
-        info = known.get(host, {})
-        hw = info.get("hardware") or {}
-        gpus = hw.get("gpus") or []
-        hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
-                             for g in gpus) or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
-        live = host in queues
-        names = ",".join(q["name"] for q in queues[host]) if live else ",".join(
-            info.get("queues") or [])
-        gpu = (f"{fmt(info.get('gpu_peak_mb'), '.0f')} / {fmt(info.get('gpu_util'), '.0f')}"
-               if info.get("gpu_peak_mb") is not None else "-")
-        failed = info.get("tasks_failed", 0)
-        uplink = " ".join(x for x in (
-            f"{info['uplink_mbit']:.0f} Mbit/s" if info.get("uplink_mbit") else "",
-            info.get("codec") or "") if x) or "-"
-        status = "[green]live[/]" if live else "[dim]gone[/]"
-        if info.get("problem"):
-            status = "[red]incompatible[/]"
-        table.add_row(host, status, names,
-                      str(len(active.get(host, []))) if live else "-", hardware,
-                      str(hw.get("torch", "-")), fmt(info.get("samples_per_second"), ".0f"),
-                      str(info.get("tasks_done", 0)),
-                      f"[red]{failed}[/]" if failed else "0", gpu, uplink,
-                      _ago(info.get("last_task")), _ago(info.get("last_seen")))
+    for w in rows:
+        status = "[red]incompatible[/]" if w.problem else \
+            "[green]live[/]" if w.live else "[dim]gone[/]"
+        gpu = f"{fmt(w.gpu_peak_mb, '.0f')} / {fmt(w.gpu_util, '.0f')}" \
+            if w.gpu_peak_mb is not None else "-"
+        table.add_row(w.host, status, ",".join(w.queues),
+                      "-" if w.running is None else str(w.running), w.hardware, w.torch,
+                      fmt(w.samples_per_second, ".0f"), str(w.tasks_done),
+                      f"[red]{w.tasks_failed}[/]" if w.tasks_failed else "0", gpu, w.uplink,
+                      _ago(w.last_task), _ago(w.last_seen))
     out.print(table)
-    for host, info in sorted(known.items()):
-        if info.get("problem"):
-            out.print(f"{host}: {info['problem']}")
+    for w in rows:
+        if w.problem:
+            out.print(f"{w.host}: {w.problem}")
 
 
 @main.command()
@@ -302,36 +282,20 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
 
     Exits 1 when the installed torch cannot drive a GPU here, with the fix, or when a
     service cannot be reached."""
-    from fedq.worker.hardware import (
-        amp_mode,
-        arch_covers,
-        diagnose,
-        image_for,
-        image_problems,
-        pins,
-        probe,
-    )
+    from fedq.worker.doctor import checkup
+    from fedq.worker.hardware import amp_mode, arch_covers, image_for
 
-    report = probe()
-    problems = diagnose(report)
+    if as_json or not services:
+        found = checkup(_settings(), services=services)
+    else:
+        with out.status("connecting to the broker; a 10 MB blob to and from the store"):
+            found = checkup(_settings(), services=services)
+    report, problems, image, links = found.report, found.problems, found.image, found.links
     cls = report.hardware_class
-    image: dict[str, Any] | None = None
-    image_cls = _settings().image_class
-    if image_cls:  # inside a fedq image: its torch vs the pins
-        image = {"class": image_cls, "pins": pins().get(image_cls),
-                 "problems": image_problems(report, image_cls)}
-        problems += [f"image {image_cls}: {p}" for p in image["problems"]]
-    links: dict[str, Any] | None = None
     if services:
-        from fedq.worker.links import check_services
+        from fedq.coordinator.roster import incompatible_workers
 
-        if as_json:
-            links = check_services(_settings())
-        else:
-            with out.status("connecting to the broker; a 10 MB blob to and from the store"):
-                links = check_services(_settings())
-        problems += links["problems"]
-        problems += _incompatible_workers()
+        problems += incompatible_workers(_settings())
     if as_json and not smoke:
         click.echo(json.dumps({**report.to_json(), "image": image, "services": links,
                                "fedq": {"version": FEDQ_VERSION,
@@ -395,18 +359,6 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
                       fmt(m["gpu_peak_mb"], ".0f"), fmt(m["gpu_util_percent"], ".0f"),
                       fmt(m["round_seconds"], ".2f"))
         out.print(table)
-
-
-def _incompatible_workers() -> list[str]:
-    """On a host that reaches the coordinator's database: one line per registered
-    worker of another message format (the version handshake); elsewhere nothing."""
-    from fedq.coordinator.roster import list_workers
-
-    try:
-        rows = list_workers(_settings().database_url)
-    except Exception:  # noqa: BLE001 - a worker machine has no database: nothing to say
-        return []
-    return [f"worker {w['hostname']}: {w['problem']}" for w in rows if w.get("problem")]
 
 
 @main.group()

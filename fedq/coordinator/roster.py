@@ -1,10 +1,12 @@
-"""The worker registry: hardware each worker reported, and its measured throughput."""
+"""The worker registry: hardware each worker reported, its measured throughput, and the
+roster `fedq workers` prints (:func:`roster`: inspect merged with the registry)."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -144,3 +146,69 @@ def live_throughput(settings: Settings) -> dict[str, float]:
     except Exception:  # no answer: plan as if nothing is measured
         return {}
     return queue_throughput(settings.database_url, live)
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One worker as `fedq workers` shows it: what Celery's inspect says now, merged
+    with what it registered and what its tasks measured."""
+
+    host: str
+    live: bool  # answered inspect now
+    problem: str | None  # why it cannot work with this coordinator (version handshake)
+    queues: list[str]
+    running: int | None  # tasks running now (None: not live)
+    hardware: str  # its GPUs with their capability, or its CPU count
+    torch: str
+    samples_per_second: float | None
+    tasks_done: int
+    tasks_failed: int
+    gpu_peak_mb: float | None
+    gpu_util: float | None
+    uplink: str  # measured uplink and the codec it chose
+    last_task: str | None  # ISO time
+    last_seen: str | None
+
+
+def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
+    """Every worker live now or registered, by host name (asks the broker: raises
+    ServiceUnavailable when it cannot be reached)."""
+    from fedq.engine.app import app
+    from fedq.engine.broker import check_broker
+
+    check_broker()
+    insp = app.control.inspect(timeout=timeout)
+    queues = insp.active_queues() or {}
+    active = insp.active() or {}
+    known = {w["hostname"]: w for w in list_workers(settings.database_url)}
+    rows = []
+    for host in sorted(set(queues) | set(known)):
+        info = known.get(host, {})
+        hw = info.get("hardware") or {}
+        hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
+                             for g in hw.get("gpus") or []) \
+            or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
+        live = host in queues
+        rows.append(WorkerRow(
+            host=host, live=live, problem=info.get("problem"),
+            queues=[q["name"] for q in queues[host]] if live else list(info.get("queues") or []),
+            running=len(active.get(host, [])) if live else None, hardware=hardware,
+            torch=str(hw.get("torch", "-")), samples_per_second=info.get("samples_per_second"),
+            tasks_done=info.get("tasks_done", 0), tasks_failed=info.get("tasks_failed", 0),
+            gpu_peak_mb=info.get("gpu_peak_mb"), gpu_util=info.get("gpu_util"),
+            uplink=" ".join(x for x in (
+                f"{info['uplink_mbit']:.0f} Mbit/s" if info.get("uplink_mbit") else "",
+                info.get("codec") or "") if x) or "-",
+            last_task=info.get("last_task"), last_seen=info.get("last_seen")))
+    return rows
+
+
+def incompatible_workers(settings: Settings) -> list[str]:
+    """One line per registered worker of another message format (the version
+    handshake), for `fedq doctor --services` on the coordinator's host; nothing where
+    the database cannot be reached (a worker machine has none)."""
+    try:
+        rows = list_workers(settings.database_url)
+    except Exception:  # noqa: BLE001 - a worker machine has no database: nothing to say
+        return []
+    return [f"worker {w['hostname']}: {w['problem']}" for w in rows if w.get("problem")]

@@ -310,7 +310,7 @@ class JobSpec(_Strict):
             yield ("clients_per_round", f"{self.clients_per_round} exceeds num_clients "
                                         f"({self.num_clients})")
         if self.buffered:
-            for name in sorted(self.model_fields_set & {"min_clients", "min_fraction"}):
+            for name in sorted(_changed(self) & {"min_clients", "min_fraction"}):
                 yield (name, "not used by a buffered job: each model version takes "
                              "aggregation.buffer updates")
         elif self.quorum > self.clients_per_round:
@@ -362,32 +362,31 @@ class JobSpec(_Strict):
 
         agg, comp, opt = self.aggregation, self.compression, self.optimizer
         if not self.buffered:
-            for name in sorted(agg.model_fields_set - {"mode"}):
+            for name in sorted(_changed(agg) - {"mode"}):
                 yield (f"aggregation.{name}", "only used by buffered jobs (aggregation.mode: "
                                               "buffered)")
         st = agg.staleness
         used = {"constant": set(), "polynomial": {"a"}, "hinge": {"a", "b"}}[st.kind]
-        for name in sorted(st.model_fields_set - used - {"kind"}):
+        for name in sorted(_changed(st) - used - {"kind"}):
             yield (f"aggregation.staleness.{name}", f"not used by kind {st.kind}")
-        if "chunk" in comp.model_fields_set and comp.codec in ("none", "fp16") \
+        if "chunk" in _changed(comp) and comp.codec in ("none", "fp16") \
                 and comp.downlink == "none":
             yield ("compression.chunk", "only used by the int8 codecs (codec int8 or auto, "
                                         "or downlink int8)")
-        if "slow_link_mbit" in comp.model_fields_set and comp.codec != "auto":
+        if "slow_link_mbit" in _changed(comp) and comp.codec != "auto":
             yield ("compression.slow_link_mbit", "only used by codec auto")
-        if "beta2" in opt.model_fields_set and opt.name == "sgd":
+        if "beta2" in _changed(opt) and opt.name == "sgd":
             yield ("optimizer.beta2", "not used by sgd (adam and adamw)")
-        if "momentum" in opt.model_fields_set and opt.name != "sgd":
+        if "momentum" in _changed(opt) and opt.name != "sgd":
             yield ("optimizer.momentum", f"not used by {opt.name} (its beta_1 is 0.9)")
         if opt.schedule == "constant":
-            for name in sorted(opt.model_fields_set & {"schedule_steps", "final_lr_fraction"}):
+            for name in sorted(_changed(opt) & {"schedule_steps", "final_lr_fraction"}):
                 yield (f"optimizer.{name}", "only used by schedule cosine")
         if self.data_dir is not None and self.dataset not in READS_DATA_DIR:
             yield ("data_dir", f"not used by dataset {self.dataset} (only by "
                                f"{', '.join(sorted(READS_DATA_DIR))})")
         weighted = _registries()[2][self.reducer.name].weighted
-        if "weight_by" in self.model_fields_set and self.weight_by != "samples" \
-                and (self.dp is not None or not weighted):
+        if self.weight_by != "samples" and (self.dp is not None or not weighted):
             yield ("weight_by", "not used: " + ("DP weighs every update alike" if self.dp
                                                  else f"{self.reducer.name} is unweighted"))
 
@@ -459,6 +458,13 @@ def round_window(round_: int, rounds: int) -> tuple[float, float]:
     """The fractions of a schedule over ``rounds`` rounds that round ``round_`` (1-based)
     runs from and to; a round past the last stays at the end (lr_at clamps to 1)."""
     return (round_ - 1) / rounds, min(round_, rounds) / rounds
+
+def _changed(model: BaseModel) -> set[str]:
+    """The fields of ``model`` whose value is not their default (a spec written out
+    whole, defaults included, sets nothing by that)."""
+    return {name for name, field in type(model).model_fields.items()
+            if getattr(model, name) != field.get_default(call_default_factory=True)}
+
 
 def _did_you_mean(word: str, known: list[str]) -> str:
     close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
