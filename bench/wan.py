@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.wan              # ~20 minutes on 2 cores; needs root
     .venv/bin/python -m bench.wan --smoke --presets lan   # a few minutes (CI)
 
-Every training worker runs in a network namespace of its own (fedq/testing/wan.py):
+Every training worker runs in a network namespace of its own (fedq/testing/wan/):
 the link's rate is capped by tbf, its latency made by a relay in user space. The
 control worker, Redis and PostgreSQL stay on this host, as on a coordinator. Tables:
 
@@ -308,7 +308,7 @@ def write(path: Path, emu: list[dict[str, Any]], rows: list[Row],
         f"{platform.python_version()}); {elapsed / 60:.1f} minutes. Each training worker "
         "is a host of its own: a network namespace whose only way to Redis is a veth "
         "link, rate-capped by tbf, latency from a user-space relay "
-        "(fedq/testing/wan.py).",
+        "(fedq/testing/wan/).",
         "",
         "## The presets and the emulator",
         "",

@@ -1,4 +1,4 @@
-"""Machines with their own addresses over emulated WAN links (fedq/testing/wan.py).
+"""Machines with their own addresses over emulated WAN links (fedq/testing/wan/).
 
 Each host is a network namespace on a veth pair, rate-capped by tbf, its latency made
 by a relay; the workers in it reach Redis only over that link. The fault test cuts
