@@ -66,9 +66,20 @@ DOC = ROOT / "docs" / "lm.md"
 GPU_BEGIN, GPU_END = "<!-- begin gpu table -->", "<!-- end gpu table -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
 LR, WARMUP = 2e-3, 50
-DEVICE = torch.device("cpu")  # --device
-WARM, WARM_LOSS = 0, math.nan  # --warm: steps of data parallel every run starts from
-INIT: Path | None = None  # the warm start's model, in a --one process
+
+
+@dataclass
+class Config:
+    """What this run's command line set (main) and a --one process was handed (run_one);
+    read through :data:`CONFIG`."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # --device
+    warm: int = 0  # --warm: steps of data parallel every run starts from
+    warm_loss: float = math.nan  # the warm start's validation loss
+    init: Path | None = None  # the warm start's model, in a --one process
+
+
+CONFIG = Config()
 # the slow-worker table's fixed-H run takes SLOW_SPAN x the steps baseline 2 does (DiLoCo
 # needs more tokens than data parallel to reach its loss: at the same tokens it ends above)
 SLOW_SPAN = 2
@@ -79,7 +90,7 @@ STARTED = time.perf_counter()
 def markers(table: str) -> tuple[str, str]:
     """The begin and end markers of one generated table of docs/lm.md ("generated
     tables", "downlink table", "streaming table"); a --warm run writes its own."""
-    name = ("warm-start " if WARM else "") + table
+    name = ("warm-start " if CONFIG.warm else "") + table
     return f"<!-- begin {name} -->", f"<!-- end {name} -->"
 
 
@@ -112,13 +123,13 @@ def fresh_model(ds: Dataset) -> torch.nn.Module:
     """The seed's model or, with --warm, the shared warm start's."""
     torch.manual_seed(SEED)
     model = build_model("gpt", ds.input_shape, ds.num_classes)
-    if INIT is not None:
-        model.load_state_dict(loads(INIT.read_bytes(), "the warm start"))
+    if CONFIG.init is not None:
+        model.load_state_dict(loads(CONFIG.init.read_bytes(), "the warm start"))
     return model
 
 
 def val_loss(model: torch.nn.Module, ds: Dataset) -> float:
-    return evaluate(model, ds.x_test, ds.y_test, device=DEVICE, batch_size=256)[1]
+    return evaluate(model, ds.x_test, ds.y_test, device=CONFIG.device, batch_size=256)[1]
 
 
 def shards(ds: Dataset, partition: dict[str, Any]) -> list[torch.Tensor]:
@@ -135,7 +146,7 @@ def single(ds: Dataset, steps: int, scratch: Path) -> Run:
     model = fresh_model(ds)
     local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(WORKERS * steps),
                 batch_size=BATCH, epochs=None, steps=WORKERS * steps, seed=SEED,
-                device=DEVICE, schedule_steps=WORKERS * steps,
+                device=CONFIG.device, schedule_steps=WORKERS * steps,
                 state_path=scratch / "single.safetensors")
     return Run("1. one worker alone, all data", val_loss(model, ds), 0)
 
@@ -145,7 +156,7 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int,
     """Baseline 2: synchronous data parallel: every step the 4 workers' gradients are
     averaged and one AdamW step is taken. ``save``: write the trained model there (the
     --warm start)."""
-    model = fresh_model(ds).to(DEVICE)
+    model = fresh_model(ds).to(CONFIG.device)
     spec = optimizer(steps)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     gens = [torch.Generator().manual_seed(SEED + c) for c in range(WORKERS)]
@@ -156,7 +167,7 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int,
         opt.zero_grad(set_to_none=True)
         for c, idx in enumerate(parts):
             pick = idx[torch.randint(len(idx), (BATCH,), generator=gens[c])]
-            xb, yb = ds.x_train[pick].to(DEVICE), ds.y_train[pick].to(DEVICE)
+            xb, yb = ds.x_train[pick].to(CONFIG.device), ds.y_train[pick].to(CONFIG.device)
             (task_loss(model(xb), yb) / WORKERS).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -193,7 +204,8 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
     weights = state_of(fresh_model(ds))
     # round 0's model is fresh_model's, which every worker rebuilds from the seed instead
     # of downloading it (fedq/worker/update.py, rebuild_initial); a warm start it downloads
-    down_bytes, residual = (0 if INIT is None else raw_size(weights)), dict[str, torch.Tensor]()
+    down_bytes = 0 if CONFIG.init is None else raw_size(weights)
+    residual = dict[str, torch.Tensor]()
     model = fresh_model(ds)
     server, server_state = make_server("diloco"), dict[str, torch.Tensor]()
     reducer = make_reducer("fednova" if budget else "mean")
@@ -218,7 +230,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
                                   replica.start_from(weights, kept, rnd, fragments, mixing)[0])
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
                                 batch_size=BATCH, epochs=None, steps=take,
-                                seed=SEED * 1000 + rnd * 10 + c, device=DEVICE,
+                                seed=SEED * 1000 + rnd * 10 + c, device=CONFIG.device,
                                 schedule_steps=steps, first_step=done[c],
                                 schedule_window=round_window(rnd, rounds)
                                 if budget and rounds else None,
@@ -267,13 +279,13 @@ def gpu_row(steps: int = 300, batch: int = 64, block: int = 256) -> dict[str, An
     model = build_model("gpt", ds.input_shape, ds.num_classes, n_layer=6, n_head=6, n_embd=384)
     params = sum(p.numel() for p in model.parameters())
     local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(20), batch_size=batch,
-                epochs=None, steps=20, seed=SEED, device=DEVICE)  # warm-up: kernels, caches
+                epochs=None, steps=20, seed=SEED, device=CONFIG.device)  # warm-up: kernels, caches
     stats = local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(steps),
-                        batch_size=batch, epochs=None, steps=steps, seed=SEED, device=DEVICE)
+                        batch_size=batch, epochs=None, steps=steps, seed=SEED, device=CONFIG.device)
     return {"params": params, "tokens_per_s": stats.seen * block / stats.seconds,
             "amp": stats.amp, "gpu_peak_mb": stats.gpu_peak_mb, "gpu_util": stats.gpu_util,
             "steps": steps, "batch": batch, "block": block,
-            "device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(CONFIG.device), "torch": torch.__version__,
             "val_loss": val_loss(model, ds)}
 
 
@@ -283,15 +295,14 @@ def step_seconds(ds: Dataset) -> float:
     for _ in range(3):
         t = time.perf_counter()
         local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(10), batch_size=BATCH,
-                    epochs=None, steps=10, seed=SEED, device=DEVICE)
+                    epochs=None, steps=10, seed=SEED, device=CONFIG.device)
         times.append((time.perf_counter() - t) / 10)
     return statistics.median(times)
 
 
 def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
     """One run of the table, by name (in a process of its own: see main)."""
-    global INIT
-    INIT = Path(job["init"]) if job.get("init") else None
+    CONFIG.init = Path(job["init"]) if job.get("init") else None
     steps, h = job["steps"], job.get("h", 0)
     if job["kind"] == "gpu":
         return gpu_row()
@@ -382,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warm must be 0 or more steps, not {args.warm}")
     if not set(args.codecs.split(",")) <= set(CODECS):
         parser.error(f"--codecs takes fp32 and/or int8, comma-separated, not {args.codecs!r}")
-    global DEVICE, WARM
-    DEVICE, WARM, args.init = torch.device(args.device), args.warm, None
+    CONFIG.device, CONFIG.warm, args.init = torch.device(args.device), args.warm, None
     # the cores shared among the runs at a time (a --one process is told --jobs too;
     # before it was, each run took two threads: four busy threads on a 2-core machine)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
@@ -399,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm:
             start = Path(tmp) / "warm.safetensors"
             [warm] = run_all([{"kind": "warm", "steps": args.warm, "out": str(start)}], args)
-            global WARM_LOSS
-            WARM_LOSS, args.init = warm["val_loss"], str(start)
+            CONFIG.warm_loss, args.init = warm["val_loss"], str(start)
         return _tables(args, steps, hs, h_mid, started)
 
 
@@ -445,7 +454,7 @@ def _tables(args: argparse.Namespace, steps: int, hs: list[int], h_mid: int,
     base1, base2, *runs = [_run(r) for r in first]
     runs, non_iid, fixed = runs[:-2], runs[-2], runs[-1]
     second = run_all([_timed_job(steps, h_mid, t, base2, fixed),
-                      *([{"kind": "gpu", "steps": steps}] if DEVICE.type == "cuda" else [])],
+                      *([{"kind": "gpu", "steps": steps}] if CONFIG.device.type == "cuda" else [])],
                      args)
     timed, big = _run(second[0]), (second[1] if len(second) > 1 else None)
     iid_mid = next(r for r in runs if r.name == f"3. DiLoCo H = {h_mid}, fp32")
@@ -498,8 +507,8 @@ def _command(only: str | None, steps: int, smoke: bool, *extra: str) -> str:
     return " ".join(["python -m bench.lm", *([f"--only {only}"] if only else []),
                      *(["--smoke"] if smoke else [] if steps == 1000 else [f"--steps {steps}"]),
                      *(e for e in extra if e),
-                     *([] if DEVICE.type == "cpu" else [f"--device {DEVICE.type}"]),
-                     *([f"--warm {WARM}"] if WARM else [])])
+                     *([] if CONFIG.device.type == "cpu" else [f"--device {CONFIG.device.type}"]),
+                     *([f"--warm {CONFIG.warm}"] if CONFIG.warm else [])])
 
 
 def parity_runs(steps: int, hs: list[int], args: argparse.Namespace) -> list[Run]:
@@ -522,7 +531,7 @@ def write_parity(out: Path, steps: int, runs: list[Run], elapsed: float, smoke: 
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min. {WORKERS} "
+             f"{torch.__version__}, on {CONFIG.device.type}, in {elapsed / 60:.1f} min. {WORKERS} "
              f"workers x {steps} inner steps x batch {BATCH} x {BLOCK} bytes = "
              f"{WORKERS * steps * BATCH * BLOCK:,} tokens per run, seed {SEED}."
              + _warm_note(), "",
@@ -557,7 +566,7 @@ def write_downlink(out: Path, steps: int, runs: list[Run], elapsed: float,
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
              f"(or the full run) on {platform.machine()}, {os.cpu_count()} cores, torch "
-             f"{torch.__version__}, on {DEVICE.type}, in {elapsed / 60:.1f} min; the same "
+             f"{torch.__version__}, on {CONFIG.device.type}, in {elapsed / 60:.1f} min; the same "
              f"{WORKERS} workers x {steps} inner steps as above. Baseline 2's bytes are "
              f"counted as above: {dp_bytes / 1e6:,.1f} MB." + _warm_note(), "",
              "| run | validation loss | vs fp32 down | MB moved | fewer bytes than "
@@ -596,11 +605,11 @@ def write_streaming(out: Path, steps: int, h: int, runs: list[Run], elapsed: flo
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` "
              f"on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"on {DEVICE.type}, in {elapsed / 60:.1f} min; {WORKERS} workers x {steps} "
+             f"on {CONFIG.device.type}, in {elapsed / 60:.1f} min; {WORKERS} workers x {steps} "
              f"inner steps, every fragment synchronised every H = {h} inner steps. MB up: "
              "all update blobs; peak: the largest one worker sent in one round (what the "
              "uplink must carry at once). MB moved adds each worker's downloads: "
-             + ("none in round 1 (round 0's model is rebuilt from the seed)" if not WARM
+             + ("none in round 1 (round 0's model is rebuilt from the seed)" if not CONFIG.warm
                 else "the warm start's model in round 1") +
              ", then each round's new model (DiLoCo: the whole model in fp32; streaming: "
              "the synchronised fragment, in fp32 or as an int8 step)." + _warm_note(), "",
@@ -628,15 +637,15 @@ def _write_section(out: Path, begin: str, end: str, lines: list[str]) -> None:
 
 
 def _warm_flag() -> str:
-    return f" --warm {WARM}" if WARM else ""
+    return f" --warm {CONFIG.warm}" if CONFIG.warm else ""
 
 
 def _warm_note() -> str:
     """How the runs start, for the tables' headers."""
-    if not WARM:
+    if not CONFIG.warm:
         return ""
-    return (f" Every run starts from one model trained {WARM} steps by synchronous data "
-            f"parallel from the seed (validation loss {WARM_LOSS:.4f}; those steps and "
+    return (f" Every run starts from one model trained {CONFIG.warm} steps by synchronous data "
+            f"parallel from the seed (validation loss {CONFIG.warm_loss:.4f}; those steps and "
             "their bytes are not counted, but each DiLoCo worker's download of that model "
             "is).")
 
@@ -658,8 +667,9 @@ def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mi
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores"
-             + (f", {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else "")
-             + f", torch {torch.__version__}, on {DEVICE.type}, in "
+             + (f", {torch.cuda.get_device_name(CONFIG.device)}"
+                if CONFIG.device.type == "cuda" else "")
+             + f", torch {torch.__version__}, on {CONFIG.device.type}, in "
              f"{elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner steps x batch "
              f"{BATCH} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}."
              + _warm_note(), "",
@@ -688,7 +698,7 @@ def write_slow(out: Path, steps: int, base2: Run, fixed: Run, timed: Run, step_t
     lines = [begin, "",
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, on "
-             f"{DEVICE.type}, in {elapsed / 60:.1f} min. Baseline 2: {WORKERS} workers x "
+             f"{CONFIG.device.type}, in {elapsed / 60:.1f} min. Baseline 2: {WORKERS} workers x "
              f"{steps} steps; fixed H: {WORKERS} workers x {SLOW_SPAN * steps} inner steps "
              f"(DiLoCo needs more tokens to reach data parallel's loss), one of them 4x "
              f"slower (simulated time; one step measured at "

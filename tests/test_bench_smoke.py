@@ -134,11 +134,11 @@ def test_lm_downlink_smoke_run_from_a_warm_start_writes_its_table(
     from fedq.aggregate.compression import encode
     from fedq.weights import dumps, raw_size, state_of
 
-    # fresh_model is the warm start's model once a --one process has set INIT
+    # fresh_model is the warm start's model once a --one process has set CONFIG.init
     model = lm.fresh_model_shapes()
     moved = {k: v + 1 for k, v in state_of(model).items()}
     (tmp_path / "start.safetensors").write_bytes(dumps(moved))
-    monkeypatch.setattr(lm, "INIT", tmp_path / "start.safetensors")
+    monkeypatch.setattr(lm.CONFIG, "init", tmp_path / "start.safetensors")
     shapes = SimpleNamespace(input_shape=(lm.BLOCK,), num_classes=256)
     got = state_of(lm.fresh_model(shapes))  # type: ignore[arg-type]
     assert all(torch.equal(got[k], moved[k]) for k in moved)
