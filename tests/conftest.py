@@ -14,12 +14,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from fedq.testing.cluster import Cluster, base_env
 from fedq.testing.services import fresh_pg_database
 
 PG_ADMIN_URL = os.environ.get("FEDQ_TEST_PG_URL",
@@ -189,3 +190,64 @@ def worker_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
         monkeypatch.undo()
         get_settings.cache_clear()
         PROCESS.clear()
+
+
+# -- test clusters: real celery workers, control, beat (fedq/testing/cluster.py) --------
+
+#: A 1 s watchdog: fault tests wait on its repairs.
+FAST_ENV = {"FEDQ_WATCHDOG_INTERVAL": "1"}
+
+
+def migrated_cluster(tmp_path: Path, broker: str, backend: str, pg_url: str) -> Cluster:
+    """A cluster (no processes yet) on these URLs, local blobs, a 1 s watchdog."""
+    env = base_env(tmp_path, FEDQ_BROKER_URL=broker, FEDQ_RESULT_BACKEND=backend,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
+    cluster = Cluster(tmp_path, env)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    cluster.fedq("db", "upgrade")
+    return cluster
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
+    cluster = migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
+    yield cluster
+    cluster.stop()
+
+
+@contextmanager
+def private_redis() -> Iterator[tuple[str, Callable[[], None]]]:
+    """A redis-server of this test's own, without persistence: (url, restart), where
+    restart() SIGKILLs it and starts it again empty."""
+    server = shutil.which("redis-server")
+    if server is None:
+        missing("redis-server", "binary not found")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no"]
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        for _ in range(100):
+            try:
+                redis.Redis.from_url(url).ping()
+                return proc
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise AssertionError("private redis-server did not start")
+
+    procs = [start()]
+
+    def restart() -> None:
+        procs[-1].kill()  # SIGKILL: queued tasks, results and chord counters are gone
+        procs[-1].wait()
+        time.sleep(1.0)
+        procs.append(start())
+
+    try:
+        yield url, restart
+    finally:
+        procs[-1].kill()

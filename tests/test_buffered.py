@@ -28,7 +28,8 @@ from fedq.observe.plots import close, figures
 from fedq.spec import parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from fedq.testing.procs import WorkerProcess
-from tests.test_faults import _migrated_cluster, private_redis
+from fedq.testing.wait import wait_until
+from tests.conftest import migrated_cluster, private_redis
 
 K, C = 2, 4
 BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
@@ -175,13 +176,6 @@ def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
         [(u.task_index, u.status, u.round_number) for u in rows]
 
 
-@pytest.fixture
-def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    cluster = _migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
-    yield cluster
-    cluster.stop()
-
-
 @pytest.mark.slow
 def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: Cluster) -> None:
     """max_staleness 0: only updates trained from the newest model are used, the rest
@@ -231,15 +225,14 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     # (never the job completing first) can settle that task's row.
     job = cluster.submit({**SLOW, "rounds": 10})
     victim = cluster.by_name("w1")
-    deadline = time.monotonic() + 60
-    while True:  # a task w1 holds (received, not finished) and still holds 0.5 s later
-        assert time.monotonic() < deadline, victim.tail()
+    def held() -> int | None:  # a task w1 holds (received, not finished), 0.5 s later too
         killed = _task_in_hand(victim, job)
-        if killed is not None:
-            time.sleep(0.5)  # inside its 1.5 s of training
-            if _task_in_hand(victim, job) == killed:
-                break
-        time.sleep(0.05)
+        if killed is None:
+            return None
+        time.sleep(0.5)  # inside its 1.5 s of training
+        return killed if _task_in_hand(victim, job) == killed else None
+
+    killed = wait_until(held, 60, what=victim.tail)
     victim.kill()
     cluster.replace("w1")
     view = cluster.wait(job, timeout=240)
@@ -263,10 +256,8 @@ def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
     cluster.start_beat()
     job = cluster.submit({**SLOW, "time_budget_s": 0.5, "rounds": 3, "round_timeout_s": 60})
     marker = f"applying job {job} version 2".encode()
-    deadline = time.monotonic() + 120
-    while marker not in control.log_path.read_bytes():
-        assert time.monotonic() < deadline, control.tail()
-        time.sleep(0.05)
+    wait_until(lambda: marker in control.log_path.read_bytes(), 120,
+               what=lambda: f"the control worker to apply\n{control.tail()}")
     control.kill()  # mid-apply: the version aggregated or not, nothing committed yet
     assert [r.status for r in cluster.rounds(job)][:2] == ["committed", "training"]
     time.sleep(1.0)
@@ -288,7 +279,7 @@ def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     results and absorb callbacks are gone; the watchdog re-sends the tasks still
     training at their deadline and the job completes, each version once."""
     with private_redis() as (url, restart):
-        cluster = _migrated_cluster(tmp_path, url, url, pg_url)
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
             cluster.start_beat()

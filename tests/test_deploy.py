@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.wait import wait_until
 from tests.conftest import free_port, missing
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -77,18 +78,15 @@ class Stack:
         return self.compose_run("ps", "-q", service).strip()
 
     def wait_healthy(self, service: str, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        state = "?"
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             cid = self.container(service)
-            if cid:
-                state = self.run("docker", "inspect", "-f", "{{.State.Health.Status}}",
-                                 cid, check=False).strip()
-                if state == "healthy":
-                    return
-            time.sleep(2)
-        raise AssertionError(f"{service} not healthy after {timeout}s ({state}):\n"
-                             f"{self.compose_run('logs', '--tail', '40', service)}")
+            return bool(cid) and self.run("docker", "inspect", "-f",
+                                          "{{.State.Health.Status}}", cid,
+                                          check=False).strip() == "healthy"
+
+        wait_until(healthy, timeout, interval=2, what=lambda: (
+            f"{service} to be healthy:\n"
+            f"{self.compose_run('logs', '--tail', '40', service)}"))
 
     def start_worker(self, name: str) -> str:
         """A worker container on the cpu queue that reaches the coordinator over the
@@ -98,10 +96,8 @@ class Stack:
                  "--env-file", str(self.worker_env), "fedq-worker:cpu",
                  "celery", "-A", "fedq", "worker", "-Q", "cpu", "-c", "1",
                  "-n", f"{name}@%h", "-l", "INFO")
-        deadline = time.monotonic() + 120
-        while "ready." not in self.logs(container):
-            assert time.monotonic() < deadline, self.logs(container)[-3000:]
-            time.sleep(1)
+        wait_until(lambda: "ready." in self.logs(container), 120, interval=1,
+                   what=lambda: f"{container} to be ready:\n{self.logs(container)[-3000:]}")
         return container
 
     def logs(self, container: str) -> str:
@@ -191,18 +187,16 @@ def _mid_task(stack: Stack, container: str, job: str, number: int,
               timeout: float = 120) -> int:
     """Wait until the container's log shows a round-``number`` task received and not
     finished; returns its client."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def open_tasks() -> list[int]:
         log = stack.logs(container)
         got = re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] received",
                          log)
         done = set(re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r{number}-c(\d+)-a\d+\] "
                               r"succeeded", log))
-        open_ = [int(c) for c in got if c not in done]
-        if open_:
-            return open_[-1]
-        time.sleep(0.2)
-    raise AssertionError(f"{container} got no task of round {number}:\n{log[-3000:]}")
+        return [int(c) for c in got if c not in done]
+
+    return wait_until(open_tasks, timeout, interval=0.2, what=lambda: (
+        f"a task of round {number} in {container}:\n{stack.logs(container)[-3000:]}"))[-1]
 
 
 def test_stack_is_healthy_and_keeps_passwords_off_command_lines(stack: Stack) -> None:
@@ -291,10 +285,8 @@ def test_down_and_up_keeps_jobs_rounds_and_blobs_and_resume_continues(
     _wait(stack, done)
     before = stack.cli.results_json(done)
     job = _submit(stack, rounds=4)
-    deadline = time.monotonic() + 240
-    while stack.cli.rounds(job)[:1] == [] or stack.cli.rounds(job)[0].status != "committed":
-        assert time.monotonic() < deadline
-        time.sleep(1)
+    wait_until(lambda: [r.status for r in stack.cli.rounds(job)][:1] == ["committed"], 240,
+               interval=1, what=f"round 1 of {job} to commit")
     stack.cli.fedq("cancel", job)
     stack.compose_run("down", timeout=300)  # volumes kept
     assert stack.container("control") == ""

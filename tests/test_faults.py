@@ -11,21 +11,21 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.db import ClientUpdate
+from fedq.testing.cluster import DIGITS, Cluster, record_outcome
 from fedq.testing.procs import WorkerProcess
-from tests.conftest import free_port, missing
+from fedq.testing.wait import wait_until
+from tests.conftest import migrated_cluster, missing, private_redis
 
 # Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
 SLOW_TASKS = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "local_epochs": 1000,
               "time_budget_s": 1.5, "min_clients": 3, "round_timeout_s": 6,
               "max_redispatch": 3, "queues": {"cpu": 3}}
-FAST_ENV = {"FEDQ_WATCHDOG_INTERVAL": "1"}
 
 
 def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: int) -> int:
@@ -58,14 +58,11 @@ def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str) -> int
     cluster.wait_for_round(job, number)
     names = [victim] + sorted({w.name.split("@")[0] for w in cluster.workers
                                if w.name.startswith("w")} - {victim})
-    deadline = time.monotonic() + 30
-    while True:
-        held = [(name, client) for name in names
-                if (client := _task_in_hand(cluster.by_name(name), job, number)) is not None]
-        if held:
-            break
-        assert time.monotonic() < deadline, "\n".join(cluster.by_name(n).tail() for n in names)
-        time.sleep(0.05)
+    held = wait_until(lambda: [
+        (name, client) for name in names
+        if (client := _task_in_hand(cluster.by_name(name), job, number)) is not None], 30,
+        what=lambda: "a worker mid-task\n" + "\n".join(cluster.by_name(n).tail()
+                                                       for n in names))
     name, client = held[0]
     worker = cluster.by_name(name)
     time.sleep(0.5)  # well inside its 1.5 s of training
@@ -102,23 +99,6 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
                    "completed", len(cluster.rounds(job)), lost)
 
 
-def _migrated_cluster(tmp_path: Path, broker: str, backend: str, pg_url: str) -> Cluster:
-    """A cluster (no processes yet) on these URLs, local blobs, a 1 s watchdog."""
-    env = base_env(tmp_path, FEDQ_BROKER_URL=broker, FEDQ_RESULT_BACKEND=backend,
-                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(tmp_path / "blobs"), **FAST_ENV)
-    cluster = Cluster(tmp_path, env)
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    cluster.fedq("db", "upgrade")
-    return cluster
-
-
-@pytest.fixture
-def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    cluster = _migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
-    yield cluster
-    cluster.stop()
-
-
 @pytest.mark.slow
 def test_worker_killed_mid_task_in_rounds_2_and_4_on_redis(redis_cluster: Cluster) -> None:
     _worker_kill_scenario(redis_cluster, "Redis", rounds=6, kills={2: "w1", 4: "w2"})
@@ -144,7 +124,7 @@ def rabbit_vhost() -> Iterator[str]:
 @pytest.mark.slow
 def test_worker_killed_mid_task_on_rabbitmq(tmp_path: Path, rabbit_vhost: str, redis_db: str,
                                             pg_url: str) -> None:
-    cluster = _migrated_cluster(tmp_path, rabbit_vhost, redis_db, pg_url)
+    cluster = migrated_cluster(tmp_path, rabbit_vhost, redis_db, pg_url)
     try:
         # RabbitMQ re-queues a dead consumer's task at once: no deadline to wait for
         _worker_kill_scenario(cluster, "RabbitMQ", rounds=4, kills={2: "w1"})
@@ -163,10 +143,8 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
     job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5,
                           "round_timeout_s": 60})
     marker = f"finalizing job {job} round 2".encode()
-    deadline = time.monotonic() + 120
-    while marker not in control.log_path.read_bytes():
-        assert time.monotonic() < deadline, control.tail()
-        time.sleep(0.05)
+    wait_until(lambda: marker in control.log_path.read_bytes(), 120,
+               what=lambda: f"the control worker to aggregate\n{control.tail()}")
     control.kill()  # mid-finalize: aggregated or not, nothing committed yet
     assert [r.status for r in cluster.rounds(job)] == ["committed", "training"]
     time.sleep(1.0)
@@ -183,48 +161,10 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
                    len(cluster.rounds(job)), lost)
 
 
-@contextmanager
-def private_redis() -> Iterator[tuple[str, Callable[[], None]]]:
-    """A redis-server of this test's own, without persistence: (url, restart), where
-    restart() SIGKILLs it and starts it again empty."""
-    server = shutil.which("redis-server")
-    if server is None:
-        missing("redis-server", "binary not found")
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no"]
-
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        for _ in range(100):
-            try:
-                redis.Redis.from_url(url).ping()
-                return proc
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise AssertionError("private redis-server did not start")
-
-    procs = [start()]
-
-    def restart() -> None:
-        procs[-1].kill()  # SIGKILL: queued tasks, results and chord counters are gone
-        procs[-1].wait()
-        time.sleep(1.0)
-        procs.append(start())
-
-    try:
-        yield url, restart
-    finally:
-        procs[-1].kill()
-
-
 @pytest.mark.slow
 def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     with private_redis() as (url, restart):
-        cluster = _migrated_cluster(tmp_path, url, url, pg_url)
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
             cluster.start_beat()
@@ -256,28 +196,26 @@ def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
     job = cluster.submit({**SLOW_TASKS, "rounds": 3, "min_clients": 2})
     cluster.wait_for_round(job, 2)
     sleeper = cluster.by_name("w1")
-    deadline = time.monotonic() + 30
-    while (client := _task_in_hand(sleeper, job, 2)) is None:
-        assert time.monotonic() < deadline, sleeper.tail()
-        time.sleep(0.05)
+    wait_until(lambda: _task_in_hand(sleeper, job, 2) is not None, 30, what=sleeper.tail)
+    client = _task_in_hand(sleeper, job, 2)  # (client 0 is falsy: read it after the wait)
+    assert client is not None
     sleeper.kill(signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 60
-        while [r.status for r in cluster.rounds(job)][:2] != ["committed", "committed"]:
-            assert time.monotonic() < deadline, "round 2 did not commit without the sleeper"
-            time.sleep(0.2)
+        wait_until(lambda: [r.status for r in cluster.rounds(job)][:2] ==
+                   ["committed", "committed"], 60, interval=0.2,
+                   what="round 2 to commit without the sleeper")
     finally:
         sleeper.kill(signal.SIGCONT)
     view = cluster.wait(job, timeout=180)
     assert view.status == "completed", view.error
     rounds = {r.number: r for r in cluster.rounds(job)}
     assert rounds[2].participants == 2
-    deadline = time.monotonic() + 30
-    while (row := {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
-           ).status != "late":
-        assert row.status == "missing", row.status
-        assert time.monotonic() < deadline, "the sleeper's update was never recorded late"
-        time.sleep(0.2)
+    def late() -> ClientUpdate | None:
+        row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
+        assert row.status in ("missing", "late"), row.status
+        return row if row.status == "late" else None
+
+    row = wait_until(late, 30, interval=0.2, what="the sleeper's update to be recorded late")
     assert row.worker == "w1@test" and row.blob_key is not None
     # never averaged: round 2's model is the mean of the two on-time updates
     assert rounds[2].participants == 2 and rounds[3].participants == 3

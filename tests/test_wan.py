@@ -23,6 +23,7 @@ from fedq.blobs.local import LocalBlobStore
 from fedq.coordinator.roster import list_workers
 from fedq.testing.cluster import Cluster, base_env, record_outcome
 from fedq.testing.procs import WorkerProcess, start_workers
+from fedq.testing.wait import wait_until
 from fedq.testing.wan import Host, Profile, Relays, have_netns, probe, serve_probe_target
 from tests.conftest import missing
 
@@ -116,10 +117,8 @@ def test_host_cache_downloads_once_and_heals(tmp_path: Path) -> None:
 
 def _wait_bytes(host: Host, index: int, more_than: int, timeout: float = 60) -> None:
     start = host.bytes()[index]
-    deadline = time.monotonic() + timeout
-    while host.bytes()[index] - start < more_than:
-        assert time.monotonic() < deadline, f"{host.ns}: no traffic"
-        time.sleep(0.005)
+    wait_until(lambda: host.bytes()[index] - start >= more_than, timeout, interval=0.005,
+               what=f"traffic on {host.ns}")
 
 
 @pytest.mark.slow
@@ -190,10 +189,8 @@ def test_partitions_lose_nothing_and_hosts_download_once(
         b.restore()
         view = cluster.wait(job, timeout=180)
         assert view.status == "completed", view.error
-        deadline = time.monotonic() + 60
-        while not any(u.status == "late" for u in cluster.updates(job)):
-            assert time.monotonic() < deadline, "B's round-5 update was never recorded late"
-            time.sleep(0.3)
+        wait_until(lambda: any(u.status == "late" for u in cluster.updates(job)), 60,
+                   interval=0.3, what="B's round-5 update to be recorded late")
 
         rounds = cluster.rounds(job)
         assert [(r.number, r.status) for r in rounds] == [(n, "committed")

@@ -22,6 +22,7 @@ from fedq.db import ClientUpdate, Round, session_scope
 from fedq.engine.app import celery_config
 from fedq.settings import Settings, load_settings
 from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
+from fedq.testing.wait import wait_until
 
 DIGITS = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 6,
           "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 16,
@@ -125,26 +126,23 @@ class Cluster:
         return ids
 
     def wait(self, job_id: str, timeout: float = 180) -> JobView:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Block until the job has finished; its view."""
+        def finished() -> JobView | None:
             view = get_job(self.settings, job_id)
-            if view.status in FINISHED:
-                return view
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {w.name}\n{w.tail(30)}" for w in self.workers)
-        raise AssertionError(f"job {job_id} not finished after {timeout}s\n{logs}")
+            return view if view.status in FINISHED else None
+
+        return wait_until(finished, timeout, interval=0.2, what=lambda: (
+            f"job {job_id} to finish\n"
+            + "\n".join(f"--- {w.name}\n{w.tail(30)}" for w in self.workers)))
 
     def wait_for_round(self, job_id: str, number: int, timeout: float = 120) -> None:
         """Block until round ``number`` of the job is training (its tasks are out)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def started() -> bool:
             with session_scope(self.settings.database_url) as s:
-                status = s.scalar(select(Round.status).where(Round.job_id == job_id,
-                                                             Round.number == number))
-            if status is not None:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"round {number} of job {job_id} never started")
+                return s.scalar(select(Round.status).where(
+                    Round.job_id == job_id, Round.number == number)) is not None
+
+        wait_until(started, timeout, what=f"round {number} of job {job_id} to start")
 
     def rounds(self, job_id: str) -> list[Round]:
         with session_scope(self.settings.database_url) as s:
