@@ -30,7 +30,10 @@ class StepRef:
 
 @dataclass(frozen=True)
 class TrainRef:
-    """What a training task needs: its job's spec, its place, and the global model's ref."""
+    """What a training task needs: its job's spec, its place, and the global model's ref.
+
+    ``round``: the round it trains for (a buffered task: the model version it trains
+    from, plus one); ``task``: a buffered job's task number (0 in synchronous rounds)."""
 
     job: str
     round: int
@@ -41,9 +44,16 @@ class TrainRef:
     attempt: int = 1  # dispatch attempt of this round (re-dispatch after a deadline)
     gen: int = 0  # the round row's id: tells a resumed round from the one it replaced
     step: StepRef | None = None  # the model as a step from the previous one, if published
+    task: int = 0  # a buffered job's task number (0: a synchronous round's task)
+
+    @property
+    def number(self) -> int:
+        """What names this task's update and seeds its training: the task number in a
+        buffered job, the round otherwise."""
+        return self.task or self.round
 
     def to_json(self) -> dict[str, Any]:
-        return {"job": self.job, "round": self.round, "client": self.client,
+        return {"job": self.job, "round": self.round, "task": self.task, "client": self.client,
                 "queue": self.queue, "spec": self.spec, "model": self.model.to_json(),
                 "attempt": self.attempt, "gen": self.gen,
                 "step": self.step.to_json() if self.step else None,
@@ -57,7 +67,8 @@ class TrainRef:
         return cls(job=str(data["job"]), round=int(data["round"]), client=int(data["client"]),
                    queue=str(data["queue"]), spec=dict(data["spec"]),
                    model=BlobRef.from_json(data["model"]), attempt=int(data.get("attempt", 1)),
-                   gen=int(data.get("gen", 0)), step=StepRef.from_json(data.get("step")))
+                   gen=int(data.get("gen", 0)), step=StepRef.from_json(data.get("step")),
+                   task=int(data.get("task", 0)))
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ class UpdateRef:
     stats: TrainStats = field(default_factory=TrainStats)
     format: int = MESSAGE_FORMAT  # the message format of the worker that sent it
     version: str = FEDQ_VERSION  # its fedq version
+    task: int = 0  # a buffered job's task number (0: a synchronous round's update)
 
     @property
     def blob(self) -> BlobRef:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 import fedq
 
 #: Version of the task and result messages; bump it when their meaning changes.
-MESSAGE_FORMAT = 2
+MESSAGE_FORMAT = 3  # 3: a buffered task's number travels as ``task``, not ``round``
 FEDQ_VERSION = fedq.__version__
 
 INT32 = 2**31 - 1  # SQL INTEGER
@@ -80,7 +80,7 @@ def check_task(data: Any) -> None:
                           f"{MESSAGE_FORMAT} (fedq {FEDQ_VERSION}): run the same fedq "
                           f"version on the coordinator and the workers")
     job = check_job_id(data.get("job"))
-    for field in ("round", "client", "attempt", "gen"):
+    for field in ("round", "task", "client", "attempt", "gen"):
         value = data.get(field, 0)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT32:
             raise FormatError(f"task field {field!r} is {str(value)[:40]!r}, not an integer "
@@ -141,6 +141,7 @@ class ResultModel(_Strict):
     round: Int32
     client: Int32
     queue: str = Field(max_length=32)
+    task: Int32 = 0
     worker: str = Field(min_length=1, max_length=200)
     key: str | None = Field(default=None, max_length=300)
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None

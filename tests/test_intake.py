@@ -80,6 +80,29 @@ def test_admit(raw: Any, status: str, reason: str | None) -> None:
         ("j1", 3, 2, 1, 7, "cpu")
 
 
+BUFFERED_SENT = Sent(job="j1", round=4, client=2, attempt=1, gen=0, queue="cpu", task=9)
+
+
+@pytest.mark.parametrize(("change", "status", "reason"), [
+    ({}, "ok", None),
+    # a buffered task is named by its number, never by a round
+    ({"task": 8}, "rejected", "identity: the result names task 8, its task was task 9"),
+    ({"task": 0, "round": 9}, "rejected", "identity: the result names task 0"),
+    # the version it trained from is the worker's to report: a re-sent task trains from
+    # a newer one, and its first attempt's late result still counts
+    ({"round": 3}, "ok", None),
+])
+def test_admit_a_buffered_task(change: dict[str, Any], status: str, reason: str | None) -> None:
+    raw = result(**{"round": 4, "task": 9, "gen": 0, "key": BUFFERED_SENT.update_key,
+                    **change})
+    ref = admit(raw, BUFFERED_SENT, BOUND)
+    assert ref.status == status, ref.error
+    if reason is not None:
+        assert reason in (ref.error or ""), ref.error
+    assert BUFFERED_SENT.task_id == "fedq-j1-b9-a1"
+    assert BUFFERED_SENT.update_key != SENT.update_key
+
+
 def test_admit_redacts_a_workers_error() -> None:
     ref = admit(result(status="error", key=None, sha256=None,
                        error="blob store redis://:p@ss/w@h:1/0 down"), SENT, BOUND)

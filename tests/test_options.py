@@ -104,7 +104,7 @@ def _train(spec: JobSpec, mode: str, tmp: Path) -> tuple[str, int]:
     store = open_store(str(tmp / "blobs"))
     blob = store.put(global_key("j", 0), dumps(initial_weights(spec)))
     sent = Sent("j", 1, 0, 1, 0 if mode == "buffered" else 5, "cpu",
-                buffered=mode == "buffered")
+                task=3 if mode == "buffered" else 0)
     out = UpdateRef.from_json(run_training(sent.train_ref(spec.to_json(), blob).to_json(),
                                            store, "w"))
     assert out.status == "ok", out.error
@@ -139,9 +139,9 @@ def _one(spec: JobSpec, mode: str, store: BlobStore, number: int, current: Any, 
                  for k, v in current.items()}
         put = store.put(f"u/{number}/{i}", dumps(delta))
         task = i + 1 + UPDATES * (number - 1)
-        refs.append(UpdateRef(status="ok", job="j",
-                              round=task if mode == "buffered" else number,
-                              client=i, queue="cpu", worker="w", key=put.key,
+        refs.append(UpdateRef(status="ok", job="j", round=number,
+                              task=task if mode == "buffered" else 0, client=i,
+                              queue="cpu", worker="w", key=put.key,
                               sha256=put.sha256, samples=10 + 20 * i, steps=1 + i,
                               bytes_up=put.size, stats=TrainStats(seen=50 * (i % 3 + 1))))
         staleness[task] = i % 4

@@ -82,6 +82,7 @@ class Dispatch:
     attempt: int
     client: int
     queue: str
+    version: int  # the model version it trains from, plus one
     model: BlobRef
     step: StepRef | None = None  # the model as a step from the previous version
 
@@ -113,7 +114,8 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
                            status=UpdateStatus.TRAINING,
                            queue=queue, task_index=i, attempt=1,
                            base_version=job.committed_round, created_at=utcnow()))
-        out.append(Dispatch(i, 1, client, queue, _model(job), step_of(job)))
+        out.append(Dispatch(i, 1, client, queue, job.committed_round + 1, _model(job),
+                            step_of(job)))
     return out
 
 
@@ -127,7 +129,7 @@ def pick_client(spec: JobSpec, task: int, busy: set[int]) -> int:
 def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
     spec_json = spec.to_json()
     for t in tasks:
-        sent = Sent(job_id, t.index, t.client, t.attempt, 0, t.queue, buffered=True)
+        sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
         app.send_task(TRAIN_TASK, args=(sent.train_ref(spec_json, t.model, t.step).to_json(),),
                       queue=t.queue, task_id=sent.task_id,
                       link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
@@ -210,8 +212,8 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
             said = result.get("attempt") if isinstance(result, dict) else None
             attempt = said if isinstance(said, int) and 1 <= said <= row.attempt \
                 else row.attempt
-        sent = Sent(job_id, index, row.client, min(attempt, row.attempt), 0,
-                    row.queue or "cpu", buffered=True)
+        sent = Sent(job_id, (row.base_version or 0) + 1, row.client,
+                    min(attempt, row.attempt), 0, row.queue or "cpu", task=index)
         ref = admit(result, sent, known_limits(spec, row.client))
         if attempt > row.attempt:  # a callback for an attempt never sent
             ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED, error=(
@@ -310,7 +312,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     if new is None:  # verification took the version below one usable update
         _reject(settings, job_id, version, outcome)
         return {"status": "rejected", "version": version, "rejected": outcome.rejected}
-    records = {r.ref.round: r for r in outcome.records}
+    records = {r.ref.task: r for r in outcome.records}
     weights = {r.task_index: update_weight(spec, row_ref(r)) * factors[r.task_index]
                for r in rows}
     total = sum(weights[i] for i, r in records.items() if r.status == UpdateStatus.OK) or 1.0
@@ -367,7 +369,7 @@ def staleness_factors(spec: JobSpec, staleness: Mapping[int, int]) -> dict[int, 
 
 def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> None:
     """Mark the updates that failed verification; the version fills up again."""
-    bad = {r.ref.round: r for r in outcome.records if r.status != UpdateStatus.OK}
+    bad = {r.ref.task: r for r in outcome.records if r.status != UpdateStatus.OK}
     revoke: list[str] = []
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
@@ -459,8 +461,8 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         if policy.overdue(attempt, spec.max_redispatch) == "resend":
             row.attempt, row.created_at = attempt + 1, utcnow()
             row.base_version = job.committed_round
-            tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu", _model(job),
-                              step_of(job))]
+            tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu",
+                              job.committed_round + 1, _model(job), step_of(job))]
             action = f"resend (attempt {attempt + 1})"
         else:
             row.status, row.round_number = UpdateStatus.MISSING, job.committed_round + 1

@@ -69,7 +69,7 @@ def aggregate(spec: JobSpec, store: BlobStore, job_id: str, number: int,
               acc: Accumulator, factors: Mapping[int, float] | None = None,
               tag: str = "") -> NewModel | None:
     """Round or version ``number``'s new model from ``refs``: verified and reduced
-    (each update's weight times its ``factors`` entry, by ``ref.round``: a buffered
+    (each update's weight times its ``factors`` entry, by ``ref.task``: a buffered
     version's staleness), then :func:`build`. With ``streaming``, the updates carry
     this round's fragment only. None when fewer than the quorum pass verification
     (nothing is written then)."""

@@ -56,28 +56,41 @@ class Sent:
     """A training task as the coordinator sent it."""
 
     job: str
-    round: int  # the round (synchronous) or the task number (buffered)
+    round: int  # the round it trains for (buffered: the version it trains from, + 1)
     client: int
     attempt: int
     gen: int  # the round row's id (synchronous; 0 for buffered tasks)
     queue: str
-    buffered: bool = False
+    task: int = 0  # a buffered job's task number, from 1 (0: a synchronous round's)
+
+    @property
+    def buffered(self) -> bool:
+        return self.task > 0
+
+    @property
+    def identity(self) -> tuple[str, ...]:
+        """The fields a result must repeat: a buffered task is named by its number (a
+        re-sent one trains from a newer version, and a late first attempt still
+        counts), a round's by its round and generation."""
+        return ("job", "task", "client", "attempt", "gen") + (() if self.buffered
+                                                               else ("round",))
 
     @property
     def task_id(self) -> str:
-        return task_id(self.job, self.round, self.attempt, self.client,
-                       None if self.buffered else self.gen)
+        if self.buffered:
+            return task_id(self.job, self.task, self.attempt)
+        return task_id(self.job, self.round, self.attempt, self.client, self.gen)
 
     @property
     def update_key(self) -> str:
         """The one key this task's update may be stored under."""
-        return update_key(self.job, self.round, self.client, self.attempt)
+        return update_key(self.job, self.task or self.round, self.client, self.attempt)
 
     def train_ref(self, spec: dict[str, Any], model: BlobRef,
                   step: StepRef | None = None) -> TrainRef:
         """The task's message, as both modes send it (the spec travels whole)."""
         return TrainRef(self.job, self.round, self.client, self.queue, spec, model,
-                        attempt=self.attempt, gen=self.gen, step=step)
+                        attempt=self.attempt, gen=self.gen, step=step, task=self.task)
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
     """The result ``raw`` of task ``sent``: status ok or error as the worker reported
     it, identity from ``sent``; or status ``rejected`` with the reason."""
     rejected = UpdateRef(status=UpdateStatus.REJECTED, job=sent.job, round=sent.round,
-                         client=sent.client, queue=sent.queue, worker="?",
+                         task=sent.task, client=sent.client, queue=sent.queue, worker="?",
                          attempt=sent.attempt, gen=sent.gen)
     try:
         got = parse_result(raw)
@@ -145,7 +158,7 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
         return dataclasses.replace(rejected, error=(
             f"version: worker {got.worker} speaks message format {got.format} (fedq "
             f"{got.version}), the coordinator {MESSAGE_FORMAT} (fedq {FEDQ_VERSION})"))
-    for name in ("job", "round", "client", "attempt", "gen"):
+    for name in sent.identity:
         said, truth = getattr(got, name), getattr(sent, name)
         if said != truth:
             return dataclasses.replace(rejected, error=(

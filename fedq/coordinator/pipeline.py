@@ -204,14 +204,14 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
 
     ``acc``: the memory a stream reducer may reuse for its result (the result is then
     valid until ``acc``'s next use). ``factors``: a buffered job's staleness factor of
-    each update, by ``ref.round`` (its task number), multiplying its weight."""
+    each update, by ``ref.task`` (its task number), multiplying its weight."""
     stream = verified(store, refs, reference, spec, outcome)
     reducer = make_reducer(spec.reducer.name, spec.reducer.params())
     factor_sum = 0.0
 
     def weighted(r: UpdateRef) -> float:
         nonlocal factor_sum
-        f = 1.0 if factors is None else factors[r.round]
+        f = 1.0 if factors is None else factors[r.task]
         factor_sum += f
         return update_weight(spec, r) * f
 

@@ -47,8 +47,10 @@ def new_row(job_id: str, round_number: int, ref: UpdateRef, status: str,
 
 
 def row_ref(row: ClientUpdate) -> UpdateRef:
-    """A buffered row's update as the pipeline reads it (its task number as round)."""
-    return UpdateRef(status="ok", job=row.job_id, round=row.task_index, client=row.client,
+    """A buffered row's update as the pipeline reads it (the version it trained from,
+    plus one, as its round; its task number)."""
+    return UpdateRef(status="ok", job=row.job_id, round=(row.base_version or 0) + 1,
+                     task=row.task_index, client=row.client,
                      queue=row.queue or "?", worker=row.worker or "?", key=row.blob_key,
                      sha256=row.blob_sha256, samples=row.samples, steps=row.steps,
                      loss=row.loss, seconds=row.seconds, bytes_up=row.bytes_up,

@@ -121,7 +121,8 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
         log.warning("refused a malformed task: %s", exc)
         fields = data if isinstance(data, dict) else {}
         return UpdateRef(status="error", job=_echo(fields.get("job"), "?", 32),
-                         round=_echo(fields.get("round"), 0), client=_echo(fields.get("client"), 0),
+                         round=_echo(fields.get("round"), 0), task=_echo(fields.get("task"), 0),
+                         client=_echo(fields.get("client"), 0),
                          queue=_echo(fields.get("queue"), "?", 32), worker=worker,
                          attempt=max(1, _echo(fields.get("attempt"), 1)),
                          gen=_echo(fields.get("gen"), 0),
@@ -138,7 +139,8 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
         return result.to_json()
     except Exception as exc:  # reported as data, never thrown through the chord
         log.warning("training failed: %s: %s", type(exc).__name__, exc)
-        return UpdateRef(status="error", job=ref.job, round=ref.round, client=ref.client,
+        return UpdateRef(status="error", job=ref.job, round=ref.round, task=ref.task,
+                         client=ref.client,
                          queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
                          attempt=ref.attempt, gen=ref.gen, stats=TrainStats(started=wall),
                          error=redact_text(f"{type(exc).__name__}: {exc}")[:2000]).to_json()
@@ -168,7 +170,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     download = time.perf_counter() - fetched
     idx = torch.from_numpy(client_indices(ds.partition_labels(), spec.partition,
                                           spec.num_clients, ref.client, spec.seed))
-    seed = client_seed(spec.seed, ref.round, ref.client)
+    seed = client_seed(spec.seed, ref.number, ref.client)
     torch.manual_seed(seed)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
     streaming, mixing = (spec.streaming.fragments, spec.streaming.mixing) if spec.streaming \
@@ -206,7 +208,8 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
         delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
                  for k, v in delta.items()}
     up, upload, sent = _upload(ref, spec, store, delta)
-    return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
+    return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
+                     client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=stats.samples, steps=stats.steps, loss=stats.loss,
                      seconds=time.perf_counter() - start, bytes_up=up.size,
@@ -230,8 +233,9 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
     codec, _ = pick_codec(spec)
     started = time.perf_counter()
     stored, meta = encode(delta, codec, spec.compression.chunk)
-    meta.update({"job": ref.job, "round": str(ref.round), "client": str(ref.client)})
-    key = update_key(ref.job, ref.round, ref.client, ref.attempt)
+    meta.update({"job": ref.job, "round": str(ref.round), "task": str(ref.task),
+                 "client": str(ref.client)})
+    key = update_key(ref.job, ref.number, ref.client, ref.attempt)
     parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
         else dump_parts(stored, meta)
     sending = time.perf_counter()
@@ -257,7 +261,8 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
         PROCESS.zero_deltas.clear()
         PROCESS.zero_deltas[(shapes, step)] = delta
     up, upload, sent = _upload(ref, spec, store, delta)
-    return UpdateRef(status="ok", job=ref.job, round=ref.round, client=ref.client,
+    return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
+                     client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
                      bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
