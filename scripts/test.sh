@@ -8,8 +8,8 @@
 # runs of the benchmarks are .ci/run's own stage, scripts/test-bench.sh): the fault
 # tests (mostly waiting on deadlines and killed processes) and the strategy jobs
 # beside everything else, on disjoint Redis database numbers and temporary folders
-# (about 18 minutes on this 2-core machine: 17 min 24 s and 16 min 37 s side by side on
-# 2026-11-25, over the 15-minute goal). With arguments, one
+# (about 11 minutes on this 2-core machine: 10 min 36 s and 9 min 40 s side by side in
+# .ci/run on 2026-11-25; 18 minutes on a loaded day). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

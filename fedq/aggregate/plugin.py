@@ -1,8 +1,8 @@
 """How a reducer or server optimizer declares its hyperparameters: a pydantic model
 named ``Params`` inside the class, with each field's default, bounds and description.
 The job spec takes its ``reducer:`` and ``server:`` sections' other keys from there
-(checked at submit, one line per mistake, by :func:`problems`), ``fedq results``
-describes them with :func:`summary`, and docs/strategies.md lists them. A new rule with
+(checked at submit, one line per mistake, by :func:`problems`), and
+docs/strategies.md lists them. A new rule with
 a new hyperparameter is one file.
 """
 
@@ -49,8 +49,3 @@ def build(declared: type[P], given: Mapping[str, Any]) -> P:
     return declared.model_validate({k: v for k, v in given.items()
                                     if k in declared.model_fields and v is not None})
 
-
-def summary(params: Params) -> str:
-    """``beta 0.2, f 1``: the set parameters, for a one-line description."""
-    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-                     for k, v in params.model_dump().items() if v is not None)

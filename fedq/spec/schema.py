@@ -16,7 +16,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -92,7 +92,15 @@ class _PluginSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
+    #: (the plug-in kind's word in errors, its index in :func:`_registries`)
+    kind: ClassVar[tuple[str, int]]
     name: str
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        word, index = cls.kind
+        return v if _stored(info) else _one_of(word, v, _registries()[index])
 
     def params(self) -> dict[str, Any]:
         """The parameters set (None: unset, the plug-in's default)."""
@@ -109,12 +117,8 @@ class ServerSpec(_PluginSpec):
     """The server optimizer over the aggregated delta (fedq/aggregate/server/) and its
     parameters (e.g. ``lr``, ``momentum``); unset ones take the optimizer's defaults."""
 
+    kind = ("server optimizer", 3)
     name: str = Field(default="fedavg", description="a name from fedq/aggregate/server/")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str, info: ValidationInfo) -> str:
-        return v if _stored(info) else _one_of("server optimizer", v, _registries()[3])
 
 
 class ReducerSpec(_PluginSpec):
@@ -122,12 +126,8 @@ class ReducerSpec(_PluginSpec):
     FedNova, or a robust reducer (unweighted), and its parameters (e.g. ``beta``,
     ``f``)."""
 
+    kind = ("reducer", 2)
     name: str = Field(default="mean", description="a name from fedq/aggregate/reducers/")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str, info: ValidationInfo) -> str:
-        return v if _stored(info) else _one_of("reducer", v, _registries()[2])
 
 
 class DPSpec(_Strict):

@@ -68,11 +68,6 @@ class Reducer(ABC):
     def __init__(self, params: Reducer.Params | None = None) -> None:
         self.params = params if params is not None else self.Params()
 
-    def summary(self) -> str:
-        """``trimmed_mean (beta 0.2)``: the rule and its parameters, for one line."""
-        args = plugin.summary(self.params)
-        return f"{self.name} ({args})" if args else self.name
-
     def problem(self, n: int) -> str | None:
         """Why ``n`` updates are too few (or the params wrong) for this rule; None if fine."""
         return None if n >= 1 else "needs at least one update"
