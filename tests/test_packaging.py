@@ -102,9 +102,10 @@ def test_license_matches_pyproject() -> None:
 
 
 def test_patched_internals_are_where_fedq_expects_them() -> None:
-    """fedq subclasses kombu's filesystem Channel._put and Celery's
-    RedisBackend._add_pending_result; an upgrade that renames them breaks fedq silently,
-    so the versions are pinned in pyproject.toml and the shapes checked here."""
+    """fedq subclasses kombu's filesystem Channel (_put, _queue_bind, get_table,
+    _delete) and Celery's RedisBackend._add_pending_result; an upgrade that renames
+    them breaks fedq silently, so the versions are pinned in pyproject.toml and the
+    shapes checked here."""
     from celery._state import task_join_will_block
     from celery.backends.redis import RedisBackend
     from kombu.transport import filesystem
@@ -115,6 +116,11 @@ def test_patched_internals_are_where_fedq_expects_them() -> None:
     assert list(inspect.signature(filesystem.Channel._put).parameters)[:3] == \
         ["self", "queue", "payload"]
     assert "data_folder_out" in inspect.getsource(filesystem.Channel)
+    assert list(inspect.signature(filesystem.Channel._queue_bind).parameters) == \
+        ["self", "exchange", "routing_key", "pattern", "queue"]
+    assert list(inspect.signature(filesystem.Channel.get_table).parameters) == ["self", "exchange"]
+    assert callable(filesystem.Channel._exchange_file) and filesystem.exchange_queue_t._fields == \
+        ("routing_key", "pattern", "queue")
     assert list(inspect.signature(RedisBackend._add_pending_result).parameters) == \
         ["self", "task_id", "result", "weak"]
     assert callable(task_join_will_block)
