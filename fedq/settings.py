@@ -21,7 +21,10 @@ FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many tim
                            (emulates a slower machine in tests and benchmarks)
 FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests)
 FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
-FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 10)
+FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 5)
+FEDQ_HEARTBEAT_S           seconds between a training task's heartbeats (default 5)
+FEDQ_WORKER_LOST_S         a started task whose heartbeat has not moved for this long is
+                           lost and sent again (default 15; the deadline stays the backstop)
 FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
 FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
                            with the job, round, client, task, worker and queue
@@ -70,7 +73,9 @@ class Settings(BaseModel):
     slowdown: float = Field(default=1.0, ge=1)
     emulate_hardware: Path | None = None
     skip_hardware_check: bool = False
-    watchdog_interval: float = Field(default=10.0, gt=0)
+    watchdog_interval: float = Field(default=5.0, gt=0)
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    worker_lost_s: float = Field(default=15.0, gt=0)
     finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
     log_format: Literal["text", "json"] = "text"
@@ -130,7 +135,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "slowdown": get("SLOWDOWN") or 1.0,
         "emulate_hardware": get("EMULATE_HARDWARE"),
         "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,
-        "watchdog_interval": get("WATCHDOG_INTERVAL") or 10.0,
+        "watchdog_interval": get("WATCHDOG_INTERVAL") or 5.0,
+        "heartbeat_s": get("HEARTBEAT_S") or 5.0,
+        "worker_lost_s": get("WORKER_LOST_S") or 15.0,
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
         "log_format": get("LOG_FORMAT") or "text",

@@ -1,6 +1,6 @@
 """The round's decisions (fedq/coordinator/policy.py), table-driven: every branch of
-pick_results, decide and the watchdog's repair, and a buffered job's absorb status,
-failing window and overdue choice, with no services."""
+pick_results, decide, the watchdog's repair and its lost-worker choice, and a buffered
+job's absorb status, failing window and overdue choice, with no services."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from fedq.coordinator.policy import (
     absorb_status,
     decide,
     failing,
+    lost_clients,
     overdue,
     pick_results,
     repair,
@@ -158,3 +159,19 @@ def test_failing_needs_a_whole_window_of_failures() -> None:
     (1, 2, "resend"), (2, 2, "resend"), (3, 2, "replace"), (1, 0, "replace")])
 def test_overdue(attempt: int, max_redispatch: int, expected: str) -> None:
     assert overdue(attempt, max_redispatch) == expected
+
+
+@pytest.mark.parametrize(("claims", "pending", "expected"), [
+    ([], (0, 1), ()),  # nothing started yet: queued, the deadline decides
+    ([(0, 3.0, False)], (0, 1), ()),  # beating
+    ([(0, 15.0, False)], (0, 1), (0,)),  # silent for the bound: lost
+    ([(0, 14.9, False)], (0,), ()),  # not yet
+    ([(0, 40.0, True)], (0,), ()),  # already sent again for this claim
+    ([(0, 40.0, True), (0, 20.0, False)], (0,), (0,)),  # and its second worker died too
+    ([(0, 40.0, False), (0, 2.0, False)], (0,), ()),  # another attempt of it still beats
+    ([(2, 30.0, False)], (0, 1), ()),  # not pending: it reported meanwhile
+    ([(1, 30.0, False), (0, 30.0, False)], (0, 1, 2), (0, 1)),
+])
+def test_lost_clients(claims: list[tuple[int, float, bool]], pending: tuple[int, ...],
+                      expected: tuple[int, ...]) -> None:
+    assert lost_clients(claims, pending, 15.0) == expected

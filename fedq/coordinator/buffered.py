@@ -52,7 +52,7 @@ from sqlalchemy.orm import Session
 
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
-from fedq.coordinator import commit, policy
+from fedq.coordinator import commit, liveness, policy
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -421,11 +421,14 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
         version = job.committed_round + 1
         rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == version))
         full_since = aware(rnd.full_since) if rnd is not None and rnd.full_since else None
-        overdue = [(r.task_index, r.attempt) for r in s.scalars(select(ClientUpdate).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING,
-            ClientUpdate.created_at < now - timedelta(seconds=spec.round_timeout_s)))]
-        training = s.scalar(select(func.count()).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)) or 0
+        in_flight = list(s.scalars(select(ClientUpdate).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)))
+        overdue = [(r.task_index, r.attempt) for r in in_flight
+                   if aware(r.created_at) < now - timedelta(seconds=spec.round_timeout_s)]
+        tasks = {task_id(job_id, r.task_index, r.attempt): r.client for r in in_flight}
+        by_task = {task_id(job_id, r.task_index, r.attempt): (r.task_index, r.attempt)
+                   for r in in_flight}
+        training = len(in_flight)
     if rnd is None or training < spec.clients_per_round and aware(job.updated_at) < now - grace:
         # a lost start (no version row), or a replacement never recorded
         result = start(settings, job_id)
@@ -436,6 +439,19 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
                             "result": result["status"]})
     for index, attempt in overdue:
         actions.append(_overdue(settings, job_id, spec, index, attempt))
+    # a task whose worker is lost (its heartbeat stopped: fedq/coordinator/liveness.py)
+    # is overdue now, not at its deadline
+    holders = liveness.observe(settings, job_id, tasks, now)
+    lost = {h.task_id: h.host for h in holders
+            if policy.lost_clients([(h.client, h.silent_s, h.resent)], [h.client],
+                                   settings.worker_lost_s)}
+    for tid, host in sorted(lost.items()):
+        if by_task[tid] in overdue:
+            continue
+        action = _overdue(settings, job_id, spec, *by_task[tid])
+        action["action"] = f"{action['action']} (lost {host})"
+        actions.append(action)
+    liveness.mark_resent(settings, sorted(lost))
     return actions
 
 

@@ -130,7 +130,8 @@ def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[s
     now = utcnow()
     decision = decide(rnd.state, chosen, now)
     if isinstance(decision, Wait):
-        return {"status": "waiting", "pending": list(decision.pending)}
+        return {"status": "waiting", "pending": list(decision.pending), "attempt": st.attempt,
+                "gen": st.gen, "can_redispatch": st.attempt <= st.max_redispatch}
     log.info("finalizing job %s round %d (attempt %d, %d results): %s", job_id, round_number,
              rnd.state.attempt, len(chosen), type(decision).__name__.lower())
     outcome = Outcome()

@@ -140,6 +140,23 @@ def repair(job_updated: datetime, round_status: str | None, started: datetime | 
     return None
 
 
+def lost_clients(claims: Iterable[tuple[int, float, bool]], pending: Iterable[int],
+                 lost_s: float) -> tuple[int, ...]:
+    """Clients to send again now because their worker is lost. ``claims``: (client,
+    seconds since its heartbeat last moved, already sent again) of each started task
+    (fedq/coordinator/liveness.py). A pending client is lost when it has a claim silent
+    for ``lost_s`` that was not yet acted on, and no claim that still beats (an earlier
+    attempt that came back alive still counts)."""
+    silent: set[int] = set()
+    beating: set[int] = set()
+    for client, silent_s, resent in claims:
+        if silent_s < lost_s:
+            beating.add(client)
+        elif not resent:
+            silent.add(client)
+    return tuple(c for c in sorted(set(pending)) if c in silent and c not in beating)
+
+
 # -- buffered jobs (fedq/coordinator/buffered.py does the I/O around these) ----------
 
 #: A finished task's row in a buffered job: (status, error, queue).

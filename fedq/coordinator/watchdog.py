@@ -11,10 +11,11 @@ For each running job it looks at the round after the last committed one and asks
   re-dispatch the missing clients, or fail the job);
 - ``check``: training for longer than the grace period: finalize, which commits if
   every client reported (a chord body lost with a killed control worker) and otherwise
-  only waits.
+  waits; while it waits, clients whose worker is lost (its task's heartbeat stopped for
+  ``FEDQ_WORKER_LOST_S``: fedq/coordinator/liveness.py) are re-dispatched at once.
 
 A buffered job (fedq/coordinator/buffered.py) has its own repairs:
-:func:`fedq.coordinator.buffered.repair`.
+:func:`fedq.coordinator.buffered.repair` (a lost worker's task is re-sent there too).
 
 Every repair is idempotent (unique round rows, conditional UPDATEs), so two watchdogs
 running at once, or a watchdog racing a chord, do no harm.
@@ -30,10 +31,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from fedq.coordinator import buffered
+from fedq.coordinator import buffered, liveness
 from fedq.coordinator.finalize import finalize_round
-from fedq.coordinator.policy import repair
-from fedq.coordinator.rounds import request_round
+from fedq.coordinator.intake import task_id
+from fedq.coordinator.policy import lost_clients, repair
+from fedq.coordinator.rounds import redispatch, request_round
 from fedq.db import Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
@@ -107,10 +109,30 @@ def _repair(settings: Settings, item: NextRound, now: datetime,
         return []
     result = finalize_round(settings, item.job, item.number)
     if what == "check" and result.get("status") == "waiting":
-        return []  # clients still training: nothing was stuck
+        return _rescue(settings, item, result)  # clients still training, or lost
     why = "deadline" if what == "deadline" else "stuck"
     return [{"job": item.job, "round": item.number, "action": f"finalize ({why})",
              "result": result.get("status")}]
+
+
+def _rescue(settings: Settings, item: NextRound, waiting: dict[str, Any]
+            ) -> list[dict[str, Any]]:
+    """Re-dispatch the clients of a waiting round whose worker is lost."""
+    attempt, gen, pending = waiting["attempt"], waiting["gen"], waiting["pending"]
+    tasks = {task_id(item.job, item.number, a, c, gen): c
+             for c in pending for a in range(1, attempt + 1)}
+    holders = liveness.observe(settings, item.job, tasks)
+    lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], pending,
+                        settings.worker_lost_s)
+    if not lost or not waiting["can_redispatch"]:
+        return []  # nothing lost, or out of attempts: the deadline decides
+    hosts = sorted({h.host for h in holders if h.client in lost})
+    if not redispatch(settings, item.job, item.number, attempt, lost):
+        return []
+    liveness.mark_resent(settings, [h.task_id for h in holders if h.client in lost])
+    return [{"job": item.job, "round": item.number,
+             "action": f"redispatch (lost {', '.join(hosts)})"[:64],
+             "result": f"clients {list(lost)}, attempt {attempt + 1}"}]
 
 
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
@@ -119,6 +141,7 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     grace = timedelta(seconds=max(2 * settings.watchdog_interval, 5.0))
     now = utcnow()
     actions: list[dict[str, Any]] = []
+    liveness.forget_stopped(settings)
     for item in scan(settings):
         if isinstance(item, tuple):
             job, why = item

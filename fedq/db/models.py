@@ -182,6 +182,22 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class Claim(Base):
+    """A training task that has started, as the watchdog last read its heartbeat
+    (migration 0012; fedq/coordinator/liveness.py). ``moved_at`` is when the
+    coordinator saw ``beat`` change, by its own clock."""
+
+    __tablename__ = "claims"
+
+    task_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(64), index=True)
+    client: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(200))
+    beat: Mapped[int] = mapped_column(Integer)
+    moved_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    resent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
 class WatchdogAction(Base):
     """One repair the watchdog made (fedq/coordinator/watchdog.py)."""
 

@@ -10,6 +10,7 @@ from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
 from fedq.settings import get_settings
+from fedq.worker.heartbeat import STARTED, Heartbeat
 
 
 @app.task(name=TRAIN_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
@@ -24,5 +25,10 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     delivered = (self.request.delivery_info or {}).get("routing_key")
     if delivered:
         ref = {**ref, "queue": delivered}
-    return run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
-                        worker)
+    task_id = self.request.id
+    # the claim and its heartbeat (fedq/worker/heartbeat.py): a dead worker's task is
+    # sent again in seconds, not at the round's deadline
+    with Heartbeat(lambda meta: self.backend.store_result(task_id, meta, STARTED), worker,
+                   settings.heartbeat_s):
+        return run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
+                            worker)

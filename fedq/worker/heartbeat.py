@@ -1,0 +1,65 @@
+"""A training task's claim and heartbeat, kept in the result backend while it runs.
+
+When a training task starts it writes ``STARTED`` with ``{"hostname", "pid", "beat"}``
+under its own task id, and writes it again with the counter one higher every
+``FEDQ_HEARTBEAT_S`` seconds from a thread, so a task that trains in the worker's main
+thread (``--pool solo``) beats too. The watchdog reads the counter
+(fedq/coordinator/liveness.py): a counter that stopped moving means the process died,
+hangs or was paused, and the task is sent again after ``FEDQ_WORKER_LOST_S``.
+
+The thread is stopped and joined before the task returns, so a heartbeat can never
+overwrite the task's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The result-backend state a claim is written with (Celery's own name for it).
+STARTED = "STARTED"
+
+
+class Heartbeat:
+    """``with Heartbeat(write, host, interval):`` around the task's work; ``write(meta)``
+    stores ``meta`` as the task's STARTED state."""
+
+    def __init__(self, write: Callable[[dict[str, Any]], None], host: str,
+                 interval: float) -> None:
+        self._write, self._host, self._interval = write, host, interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats = 0
+        self._failed = False
+
+    def _beat(self) -> None:
+        try:
+            self._write({"hostname": self._host, "pid": os.getpid(), "beat": self.beats})
+            self.beats += 1
+        except Exception as exc:  # noqa: BLE001 - a missed beat is the watchdog's business
+            if not self._failed:
+                log.warning("heartbeat not written (%s: %s); the task goes on",
+                            type(exc).__name__, exc)
+            self._failed = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()
+
+    def __enter__(self) -> Heartbeat:
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="fedq-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

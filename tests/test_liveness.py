@@ -1,0 +1,105 @@
+"""Lost workers (fedq/coordinator/liveness.py, fedq/worker/heartbeat.py): the claim a
+training task writes, read with bounds; the heartbeat thread; the coordinator's own
+clock for when a heartbeat moved. The whole path, with real workers killed and paused,
+is in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedq.coordinator import liveness
+from fedq.coordinator.liveness import Beat, read_claim
+from fedq.db import Claim, Job, session_scope, upgrade
+from fedq.db.models import utcnow
+from fedq.settings import get_settings
+from fedq.worker.heartbeat import Heartbeat
+
+
+@pytest.mark.parametrize(("meta", "expected"), [
+    ({"status": "STARTED", "result": {"hostname": "w1@a", "pid": 3, "beat": 2}},
+     Beat("w1@a", 2)),
+    ({"status": "PENDING", "result": None}, None),  # queued, not started
+    ({"status": "SUCCESS", "result": {"hostname": "w1@a", "beat": 2}}, None),  # finished
+    ({"status": "STARTED", "result": {"hostname": "", "beat": 2}}, None),
+    ({"status": "STARTED", "result": {"hostname": "h" * 201, "beat": 2}}, None),
+    ({"status": "STARTED", "result": {"hostname": ["w1"], "beat": 2}}, None),
+    ({"status": "STARTED", "result": {"hostname": "w1@a", "beat": True}}, None),
+    ({"status": "STARTED", "result": {"hostname": "w1@a", "beat": -1}}, None),
+    ({"status": "STARTED", "result": {"hostname": "w1@a", "beat": 2**40}}, None),
+    ({"status": "STARTED", "result": {"hostname": "w1@a", "beat": 1.5}}, None),
+    ({"status": "STARTED", "result": "w1@a"}, None),
+    ("STARTED", None),
+])
+def test_a_claim_is_read_with_bounds(meta: Any, expected: Beat | None) -> None:
+    assert read_claim(meta) == expected
+
+
+def test_heartbeat_beats_while_the_work_runs_and_never_after() -> None:
+    written: list[dict[str, Any]] = []
+    with Heartbeat(written.append, "w1@a", 0.05) as beat:
+        assert written[0]["beat"] == 0 and written[0]["hostname"] == "w1@a"  # the claim
+        time.sleep(0.3)
+    after = len(written)
+    assert after >= 3 and [w["beat"] for w in written] == list(range(after))
+    time.sleep(0.2)
+    assert len(written) == after == beat.beats  # stopped and joined: no beat after exit
+    assert not [t for t in threading.enumerate() if t.name == "fedq-heartbeat"]
+
+
+def test_a_failing_heartbeat_never_fails_the_task() -> None:
+    def broken(meta: dict[str, Any]) -> None:
+        raise ConnectionError("backend down")
+
+    with Heartbeat(broken, "w1@a", 0.05) as beat:
+        time.sleep(0.15)
+    assert beat.beats == 0
+
+
+def test_silence_is_timed_by_the_coordinators_clock(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat that moves resets the silence; one that stands still grows it; a
+    task no longer waited for is forgotten. Nothing of the worker's clock is used."""
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        settings = get_settings()
+        upgrade(settings.database_url)
+        with session_scope(settings.database_url) as s:
+            s.add(Job(id="j", name="t", spec={}, status="running", total_rounds=1,
+                      committed_round=0, global_key="k", global_sha256="0" * 64,
+                      global_size=1))
+        backend = {"t1": {"status": "STARTED", "result": {"hostname": "w1@a", "beat": 0}},
+                   "t2": {"status": "STARTED", "result": {"hostname": "w2@a", "beat": 0}},
+                   "t3": {"status": "PENDING", "result": None}}
+        t0 = utcnow()
+
+        def look(seconds: float, tasks: dict[str, int]) -> dict[str, float]:
+            holders = liveness.observe(settings, "j", tasks, t0 + timedelta(seconds=seconds),
+                                       meta=backend.__getitem__)
+            return {h.task_id: h.silent_s for h in holders}
+
+        tasks = {"t1": 0, "t2": 1, "t3": 2}
+        assert look(0, tasks) == {"t1": 0.0, "t2": 0.0}  # t3 is queued: no claim
+        backend["t1"]["result"] = {"hostname": "w1@a", "beat": 1}
+        assert look(10, tasks) == {"t1": 0.0, "t2": 10.0}
+        assert look(20, tasks) == {"t1": 10.0, "t2": 20.0}
+        liveness.mark_resent(settings, ["t2"])
+        holders = liveness.observe(settings, "j", {"t1": 0}, t0 + timedelta(seconds=21),
+                                   meta=backend.__getitem__)
+        assert [(h.task_id, h.resent) for h in holders] == [("t1", False)]
+        with session_scope(settings.database_url) as s:  # t2 is no longer waited for
+            assert [c.task_id for c in s.query(Claim)] == ["t1"]
+        line = liveness.describe(liveness.Holder("t2", 1, "w2@a", 18.4, True), 15.0)
+        assert line == "client 1 on w2@a: heartbeat lost 18 s ago, re-dispatched"
+        with session_scope(settings.database_url) as s:
+            s.get(Job, "j").status = "completed"  # type: ignore[union-attr]
+        liveness.forget_stopped(settings)
+        assert liveness.held(settings, "j") == []
+    finally:
+        get_settings.cache_clear()
