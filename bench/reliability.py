@@ -28,6 +28,10 @@ TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.
          "tests/test_wan.py"]
 
 
+def _seconds(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f} s" for v in values) or "-"
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rows.jsonl"
@@ -49,11 +53,11 @@ def main() -> int:
         f"{os.cpu_count()} cores). Every row is a test that passed in that run.",
         "",
         "| scenario | what was killed or corrupted | outcome | rounds committed | "
-        "updates lost |",
-        "|---|---|---|---|---|",
+        "updates lost | kill to re-dispatch |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['scenario']} | {r['fault']} | {r['outcome']} | {r['committed']} | "
-              f"{r['lost']} |" for r in rows]
+              f"{r['lost']} | {_seconds(r.get('redispatch_s') or [])} |" for r in rows]
     prose = DOC.read_text().split(MARKER, 1)[1] if DOC.exists() and MARKER in DOC.read_text() \
         else "\n"
     DOC.write_text("\n".join(lines) + "\n\n" + MARKER + prose)

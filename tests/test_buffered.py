@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 
 from fedq.aggregate.staleness import staleness_factor
 from fedq.cli.output import describe
 from fedq.coordinator.roster import list_workers
+from fedq.db import WatchdogAction, session_scope
+from fedq.db.models import aware
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
 from fedq.errors import SpecError
 from fedq.observe.plots import close, figures
@@ -221,9 +224,10 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     cluster.start_beat()
-    # 10 versions: the job outlasts the killed task's 6 s deadline, so only a re-send
-    # (never the job completing first) can settle that task's row.
-    job = cluster.submit({**SLOW, "rounds": 10})
+    # The shipped 600 s deadline and 30 versions (~45 s): only the lost worker's
+    # heartbeat (never the deadline, never the job completing first) can settle the
+    # killed task's row.
+    job = cluster.submit({**SLOW, "rounds": 30, "round_timeout_s": 600})
     victim = cluster.by_name("w1")
     def held() -> int | None:  # a task w1 holds (received, not finished), 0.5 s later too
         killed = _task_in_hand(victim, job)
@@ -234,18 +238,24 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
 
     killed = wait_until(held, 60, what=victim.tail)
     victim.kill()
+    killed_at = time.time()
     cluster.replace("w1")
     view = cluster.wait(job, timeout=240)
     assert view.status == "completed", view.error
-    rows = _assert_versions(cluster, job, versions=10)
+    rows = _assert_versions(cluster, job, versions=30)
     # Redis redelivers the killed task only after its visibility timeout: the watchdog
-    # sent it again at its deadline (or gave its slot to another client).
+    # sent it again once its heartbeat stopped (or gave its slot to another client).
     row = next(u for u in rows if u.task_index == killed)
     assert row.attempt > 1 or row.status == "missing", (row.status, row.attempt)
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        resent = [aware(a.at).timestamp() - killed_at for a in s.scalars(
+            select(WatchdogAction).where(WatchdogAction.job_id == job,
+                                         WatchdogAction.action.contains("(lost w1@test)")))]
+    assert len(resent) == 1 and 0 < resent[0] <= 30, resent
     lost = sum(1 for u in rows if u.status in ("training", "buffered"))  # 0: asserted
-    record_outcome("buffered job (K=2, C=4), a worker SIGKILLed mid-task (Redis)",
-                   "a training worker's process group", "completed",
-                   len(cluster.rounds(job)), lost)
+    record_outcome("buffered job (K=2, C=4), default 600 s deadline, a worker SIGKILLed "
+                   "mid-task (Redis)", "a training worker's process group", "completed",
+                   len(cluster.rounds(job)), lost, resent)
 
 
 @pytest.mark.slow

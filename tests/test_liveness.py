@@ -12,13 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from fedq.cli import main
 from fedq.coordinator import liveness
 from fedq.coordinator.liveness import Beat, read_claim
 from fedq.db import Claim, Job, session_scope, upgrade
 from fedq.db.models import utcnow
 from fedq.settings import get_settings
 from fedq.worker.heartbeat import Heartbeat
+
+SPEC = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 4,
+        "clients_per_round": 2, "rounds": 1}
 
 
 @pytest.mark.parametrize(("meta", "expected"), [
@@ -71,7 +76,7 @@ def test_silence_is_timed_by_the_coordinators_clock(tmp_path: Path,
         settings = get_settings()
         upgrade(settings.database_url)
         with session_scope(settings.database_url) as s:
-            s.add(Job(id="j", name="t", spec={}, status="running", total_rounds=1,
+            s.add(Job(id="j", name="t", spec=SPEC, status="running", total_rounds=1,
                       committed_round=0, global_key="k", global_sha256="0" * 64,
                       global_size=1))
         backend = {"t1": {"status": "STARTED", "result": {"hostname": "w1@a", "beat": 0}},
@@ -97,6 +102,9 @@ def test_silence_is_timed_by_the_coordinators_clock(tmp_path: Path,
             assert [c.task_id for c in s.query(Claim)] == ["t1"]
         line = liveness.describe(liveness.Holder("t2", 1, "w2@a", 18.4, True), 15.0)
         assert line == "client 1 on w2@a: heartbeat lost 18 s ago, re-dispatched"
+        shown = CliRunner().invoke(main, ["status", "j"])  # what the round waits for
+        assert shown.exit_code == 0, shown.output
+        assert "client 0 on w1@a: training, heartbeat" in shown.output
         with session_scope(settings.database_url) as s:
             s.get(Job, "j").status = "completed"  # type: ignore[union-attr]
         liveness.forget_stopped(settings)

@@ -118,6 +118,11 @@ def status(job_id: str | None, as_json: bool) -> None:
                       f"{j.committed_round}/{j.total_rounds}", fmt(j.accuracy, ".4f"),
                       j.created_at, (j.error or "")[:80])
     out.print(table)
+    if job_id:  # what its open round waits for: each started task's worker and heartbeat
+        from fedq.coordinator.liveness import describe, held
+
+        for claim in held(settings, job_id):
+            out.print(describe(claim, settings.worker_lost_s), highlight=False)
 
 
 @main.command()

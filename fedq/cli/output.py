@@ -26,11 +26,14 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fedq.coordinator.jobs import FINISHED, get_job, round_results
+    from fedq.coordinator.liveness import describe as describe_claim
+    from fedq.coordinator.liveness import held
     from fedq.settings import get_settings
 
     settings = get_settings()
     view = get_job(settings, job_id)
     shown = 0
+    said: set[tuple[str, bool]] = set()  # lost claims already reported
     deadline = time.monotonic() + timeout if timeout else None
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[acc]}"), TimeElapsedColumn(),
@@ -57,6 +60,13 @@ def follow(job_id: str, *, interval: float = 0.5, timeout: float | None = None,
                        f"{mb(row['bytes_up'])} MB up" if row["tokens_per_second"] else ""),
                     highlight=False)
                 shown += 1
+            for claim in held(settings, job_id):  # a lost worker, as soon as it is
+                key = (claim.task_id, claim.resent)
+                if (claim.resent or claim.silent_s >= settings.worker_lost_s) and \
+                        key not in said:
+                    said.add(key)
+                    progress.console.print(describe_claim(claim, settings.worker_lost_s),
+                                           style="yellow", highlight=False)
             acc = f"accuracy {view.accuracy:.4f}" if view.accuracy is not None else ""
             progress.update(bar, completed=view.committed_round, acc=acc)
             if view.status in FINISHED:

@@ -134,7 +134,7 @@ def held(settings: Settings, job_id: str) -> list[Holder]:
 def describe(holder: Holder, lost_s: float) -> str:
     """One line: "client 3 on cpu@host-2: heartbeat lost 18 s ago, re-dispatched"."""
     if holder.silent_s < lost_s and not holder.resent:
-        state = f"training, heartbeat {holder.silent_s:.0f} s ago"
+        state = f"training, heartbeat {max(0.0, holder.silent_s):.0f} s ago"
     else:
         state = f"heartbeat lost {holder.silent_s:.0f} s ago" + \
             (", re-dispatched" if holder.resent else ", re-dispatch due")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,8 @@ def record(table: str, **fields: Any) -> None:
 
 
 def record_outcome(scenario: str, fault: str, outcome: str, committed: int,
-                   lost: int) -> None:
-    """A row of docs/reliability.md."""
+                   lost: int, redispatch_s: Sequence[float] = ()) -> None:
+    """A row of docs/reliability.md (``redispatch_s``: from each kill to the lost
+    client's re-dispatch)."""
     record("reliability", scenario=scenario, fault=fault, outcome=outcome,
-           committed=committed, lost=lost)
+           committed=committed, lost=lost, redispatch_s=[round(x, 1) for x in redispatch_s])
