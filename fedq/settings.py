@@ -43,6 +43,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -95,10 +96,14 @@ _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
-    "IMAGE_CLASS", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT",
+    "IMAGE_CLASS", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S", "WORKER_LOST_S",
 }
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
+#: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
+#: and of scripts/, read by them and not by fedq: never an unknown setting.
+_NOT_SETTINGS = {"FEDQ_BIND", "FEDQ_DOCKER_HOME", "FEDQ_IMAGE_CACHE", "FEDQ_DEBIAN_MIRROR",
+                 "FEDQ_VENV_CACHE", "FEDQ_WHEELHOUSE_PORT"}
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
@@ -110,7 +115,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     """
     env = dict(os.environ if env is None else env)
     for name in env:
-        if name.startswith(_TEST_PREFIXES):
+        if name.startswith(_TEST_PREFIXES) or name in _NOT_SETTINGS:
             continue
         if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _KNOWN:
             known = ", ".join(sorted(ENV_PREFIX + k for k in _KNOWN))
@@ -148,11 +153,33 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         settings = Settings(**raw)
         remember([settings.broker_url, settings.result_backend, settings.database_url,
                   settings.blob_url, settings.s3_endpoint_url])
-        return settings
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]).upper()
         raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
+    _refuse_placeholders(env)
+    return settings
+
+
+#: How docker/env.example's passwords begin: a deployment still using one is refused.
+PLACEHOLDER = "change-me"
+
+
+def _refuse_placeholders(env: dict[str, str]) -> None:
+    """Refuse a password copied unchanged from docker/env.example (anyone who read the
+    repository knows it), in one line naming where it is."""
+    for name in ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL"):
+        value = env.get(ENV_PREFIX + name) or ""
+        try:
+            password = urlsplit(value).password or ""
+        except ValueError:
+            password = ""
+        if password.startswith(PLACEHOLDER):
+            raise ConfigError(f"{ENV_PREFIX}{name}: its password is docker/env.example's "
+                              f"placeholder; set a password of your own in docker/.env")
+    if (env.get("AWS_SECRET_ACCESS_KEY") or "").startswith(PLACEHOLDER):
+        raise ConfigError("AWS_SECRET_ACCESS_KEY is docker/env.example's placeholder; set a "
+                          "password of your own in docker/.env (S3_PASSWORD)")
 
 
 @lru_cache(maxsize=1)

@@ -14,6 +14,7 @@ different formats refuse each other's tasks and results (the version handshake).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -171,3 +172,32 @@ def parse_result(data: Any) -> ResultModel:
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {str(value)[:60]!r})"
         raise FormatError(f"malformed result: {where}: {err['msg']}{shown}") from None
+
+
+#: The result-backend state a running training task's claim and heartbeat are written
+#: with (Celery's own name for a started task): fedq/worker/heartbeat.py writes it,
+#: fedq/coordinator/liveness.py reads it.
+CLAIM_STATE = "STARTED"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A running task's claim as its worker wrote it: who, and a counter that moves."""
+
+    host: str
+    beat: int
+
+
+def read_claim(meta: Any) -> Beat | None:
+    """The claim in a task's result-backend meta, or None (not started, finished, or not
+    a claim: a worker could have written anything there)."""
+    if not isinstance(meta, dict) or meta.get("status") != CLAIM_STATE:
+        return None
+    body = meta.get("result")
+    if not isinstance(body, dict):
+        return None
+    host, beat = body.get("hostname"), body.get("beat")
+    if not isinstance(host, str) or not 0 < len(host) <= 200 or \
+            not isinstance(beat, int) or isinstance(beat, bool) or not 0 <= beat <= INT32:
+        return None
+    return Beat(host, beat)

@@ -20,6 +20,7 @@ cache="${FEDQ_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fedq/images}"
 mirror="${FEDQ_DEBIAN_MIRROR:-$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)}"
 mirror="${mirror:-http://deb.debian.org/debian}"
 python=.venv/bin/python
+[ -x "$python" ] || bash scripts/bootstrap.sh  # a fresh clone: the host's pip and packaging
 mkdir -p "$cache"
 
 # 1. The base: Debian bookworm with Python 3.11 and the services' packages.

@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
+from fedq.db import WatchdogAction, session_scope
+from fedq.db.models import aware
 from fedq.testing.cluster import DIGITS, Cluster
 from fedq.testing.wait import wait_until
 from tests.conftest import free_port, missing
@@ -251,15 +254,25 @@ def _page_with(browser: Any, url: str, words: list[str], timeout: float = 60) ->
 
 
 def test_job_survives_a_worker_container_killed_mid_round(stack: Stack) -> None:
+    """With the shipped 600 s deadline: the killed container's client is re-dispatched
+    once its heartbeat stops (docs/reliability.md), within 30 s of the kill."""
     w1 = stack.start_worker("w1")
     w2 = stack.start_worker("w2")
-    job = _submit(stack, rounds=3)
+    job = _submit(stack, rounds=3, round_timeout_s=600)
     client = _mid_task(stack, w1, job, 2)
     stack.run("docker", "kill", w1)
+    killed_at = time.time()
     _wait(stack, job)
     _each_round_once(stack, job, 3)
     rows = {(u.round_number, u.client): u for u in stack.cli.updates(job)}
     assert rows[(2, client)].status == "ok"  # trained again, by the survivor
+    assert rows[(2, client)].attempt > 1  # re-dispatched, not waited for
+    with session_scope(stack.cli.env["FEDQ_DATABASE_URL"]) as s:
+        resent = [aware(a.at).timestamp() - killed_at for a in s.scalars(
+            select(WatchdogAction).where(WatchdogAction.job_id == job,
+                                         WatchdogAction.round_number == 2,
+                                         WatchdogAction.action.startswith("redispatch (lost")))]
+    assert len(resent) == 1 and 0 < resent[0] <= 30, resent
     assert f"Task fedq.train[fedq-{job}-" in stack.logs(w2)
     workers = stack.cli.fedq("workers").stdout
     assert "w2@" in workers, workers
@@ -361,3 +374,48 @@ def test_dashboard_in_a_real_browser_and_metrics_during_a_job(stack: Stack) -> N
                  if s.name == "fedq_rounds_total" and s.labels == {"job": job,
                                                                   "status": "committed"}]
     assert committed == [3]
+
+
+DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"
+GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "worker.env"]
+
+
+def runnable_blocks(markdown: str) -> list[str]:
+    """The guide's shell blocks marked ``<!-- runnable -->``, in order."""
+    return re.findall(r"<!-- runnable -->\n```bash\n(.*?)```", markdown, re.S)
+
+
+def test_the_guide_runs_as_written() -> None:
+    """docs/deploy.md's runnable blocks, verbatim and in order, in one shell in this
+    checkout: the engine, the images, docker/.env, `docker-compose up`, worker.env, a
+    worker container, a submitted job watched to the end, and `down`. Only the ports
+    are chosen (free ones, through the environment, as the guide says to), and the
+    compose project's name, so that it does not meet the other tests' stack."""
+    blocks = runnable_blocks(DEPLOY_GUIDE.read_text())
+    assert len(blocks) == 5 and "docker-compose" in blocks[0] and "fedq watch" in blocks[3]
+    present = [str(p) for p in GUIDE_FILES if p.exists()]
+    assert not present, f"the guide writes {present}: move them away to run this test"
+    project = f"fedqguide{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project,
+           "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           **{name: str(free_port()) for name in ("REDIS_PORT", "POSTGRES_PORT", "S3_PORT",
+                                                  "FLOWER_PORT", "METRICS_PORT")}}
+    env = {k: v for k, v in env.items() if not k.startswith("FEDQ_")}
+    script = "set -euo pipefail\n" + "\n".join(blocks)
+    try:
+        proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=1200, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        assert re.search(r"job \S+ completed at round 5/5", out), out[-4000:]
+        assert "cpu-1" in out, out[-4000:]  # `fedq workers` lists the guide's worker
+    finally:
+        subprocess.run(["docker", "rm", "-f", "fedq-cpu-1"], env=env, capture_output=True,
+                       check=False)
+        if (ROOT / "docker" / ".env").exists():
+            subprocess.run(["docker-compose", "--env-file", "docker/.env", "-f",
+                            "docker/compose.yaml", "-f", "docker/compose.debian.yaml",
+                            "down", "-v"], cwd=ROOT, env=env, capture_output=True,
+                           check=False, timeout=300)
+        for path in GUIDE_FILES:
+            path.unlink(missing_ok=True)

@@ -249,6 +249,47 @@ def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
 
 
 @pytest.mark.slow
+def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
+        redis_cluster: Cluster) -> None:
+    """A laptop that sleeps, with the shipped 600 s deadline: SIGSTOP a worker mid-task;
+    its heartbeat stops, so its client is re-dispatched to another worker and the round
+    commits with every client; SIGCONT; the sleeper's copy is never counted a second
+    time."""
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
+    cluster.start_beat()
+    spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
+    job = cluster.submit({**spec, "rounds": 3})
+    cluster.wait_for_round(job, 2)
+    sleeper = cluster.by_name("w1")
+    wait_until(lambda: _task_in_hand(sleeper, job, 2) is not None, 30, what=sleeper.tail)
+    client = _task_in_hand(sleeper, job, 2)
+    assert client is not None
+    sleeper.kill(signal.SIGSTOP)
+    paused_at = time.time()
+    try:
+        wait_until(lambda: [r.status for r in cluster.rounds(job)][:2] ==
+                   ["committed", "committed"], 60, interval=0.2,
+                   what="round 2 to commit without the sleeper")
+    finally:
+        sleeper.kill(signal.SIGCONT)
+    view = cluster.wait(job, timeout=180)
+    assert view.status == "completed", view.error
+    rounds = {r.number: r for r in cluster.rounds(job)}
+    assert rounds[2].participants == 3  # every client, the sleeper's trained elsewhere
+    row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
+    assert row.status == "ok" and row.attempt > 1 and row.worker != sleeper.name, \
+        (row.status, row.attempt, row.worker)
+    _assert_each_round_once(cluster, job, rounds=3, per_round=3)
+    at = _lost_redispatches(cluster, job)[2] - paused_at
+    assert 0 < at <= 30, at
+    record_outcome("a worker paused (SIGSTOP) mid-task, default 600 s deadline, resumed "
+                   "after its client was re-dispatched",
+                   "SIGSTOP/SIGCONT of a training worker in round 2",
+                   "re-dispatched; committed with every client, none twice", 3, 0, [at])
+
+
+@pytest.mark.slow
 def test_quorum_failure_redispatches_then_fails_then_resumes(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])

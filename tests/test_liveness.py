@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from fedq.cli import main
 from fedq.coordinator import liveness
-from fedq.coordinator.liveness import Beat, read_claim
 from fedq.db import Claim, Job, session_scope, upgrade
 from fedq.db.models import utcnow
 from fedq.settings import get_settings
+from fedq.wire import Beat, read_claim
 from fedq.worker.heartbeat import Heartbeat
 
 SPEC = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 4,

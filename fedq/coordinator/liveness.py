@@ -18,7 +18,7 @@ is the one used if it arrives first; a client is never counted twice
 (fedq/coordinator/policy.py ``pick_results``).
 
 What a worker writes there is untrusted: a claim is read with bounds
-(:func:`read_claim`), and the worst a lying worker can do is have its own client sent
+(:func:`fedq.wire.read_claim`), and the worst a lying worker can do is have its own client sent
 again, at most ``max_redispatch`` times.
 """
 
@@ -37,17 +37,9 @@ from fedq.db.models import aware, utcnow
 from fedq.engine.app import app
 from fedq.settings import Settings
 from fedq.status import JobStatus
-from fedq.worker.heartbeat import STARTED
+from fedq.wire import read_claim
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Beat:
-    """A claim as a worker wrote it."""
-
-    host: str
-    beat: int
 
 
 @dataclass(frozen=True)
@@ -59,21 +51,6 @@ class Holder:
     host: str
     silent_s: float  # since the coordinator last saw its heartbeat move
     resent: bool  # already sent again because of this claim
-
-
-def read_claim(meta: Any) -> Beat | None:
-    """The claim in a task's result-backend meta, or None (not started, finished, or not
-    a claim: a worker could have written anything)."""
-    if not isinstance(meta, Mapping) or meta.get("status") != STARTED:
-        return None
-    body = meta.get("result")
-    if not isinstance(body, Mapping):
-        return None
-    host, beat = body.get("hostname"), body.get("beat")
-    if not isinstance(host, str) or not 0 < len(host) <= 200 or \
-            not isinstance(beat, int) or isinstance(beat, bool) or not 0 <= beat < 2**31:
-        return None
-    return Beat(host, beat)
 
 
 def observe(settings: Settings, job_id: str, tasks: Mapping[str, int],

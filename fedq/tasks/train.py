@@ -10,7 +10,7 @@ from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
 from fedq.settings import get_settings
-from fedq.worker.heartbeat import STARTED, Heartbeat
+from fedq.worker.heartbeat import claim
 
 
 @app.task(name=TRAIN_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
@@ -28,7 +28,6 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     task_id = self.request.id
     # the claim and its heartbeat (fedq/worker/heartbeat.py): a dead worker's task is
     # sent again in seconds, not at the round's deadline
-    with Heartbeat(lambda meta: self.backend.store_result(task_id, meta, STARTED), worker,
-                   settings.heartbeat_s):
+    with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s):
         return run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
                             worker)

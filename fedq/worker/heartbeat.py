@@ -20,10 +20,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-log = logging.getLogger(__name__)
+from fedq.wire import CLAIM_STATE
 
-#: The result-backend state a claim is written with (Celery's own name for it).
-STARTED = "STARTED"
+log = logging.getLogger(__name__)
 
 
 class Heartbeat:
@@ -63,3 +62,10 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def claim(store_result: Callable[[str, Any, str], Any], task_id: str, host: str,
+          interval: float) -> Heartbeat:
+    """The heartbeat of task ``task_id``, written with ``store_result(task_id, meta,
+    state)`` (a Celery result backend's)."""
+    return Heartbeat(lambda meta: store_result(task_id, meta, CLAIM_STATE), host, interval)
