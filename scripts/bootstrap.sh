@@ -49,6 +49,9 @@ if [ ! -f "$venv/.complete" ]; then
     # The compose-spec JSON schema that tests validate docker/compose.yaml against ships
     # inside docker-compose 1.29.2 (the Python Compose); only its data file is used.
     pip_quiet install -q --no-deps docker-compose==1.29.2
+    # Its command needs packages not installed here: the Compose to run is the host's
+    # (docs/deploy.md), which this one would shadow on a PATH that starts at .venv/bin.
+    rm -f "$venv/bin/docker-compose"
     touch "$venv/.complete"
 fi
 # Editable install of this checkout: fast (no dependency resolution).

@@ -397,7 +397,7 @@ def test_the_guide_runs_as_written() -> None:
     assert not present, f"the guide writes {present}: move them away to run this test"
     project = f"fedqguide{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "COMPOSE_PROJECT_NAME": project,
-           "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "PATH": f"{os.environ['PATH']}{os.pathsep}{ROOT / '.venv' / 'bin'}",
            **{name: str(free_port()) for name in ("REDIS_PORT", "POSTGRES_PORT", "S3_PORT",
                                                   "FLOWER_PORT", "METRICS_PORT")}}
     env = {k: v for k, v in env.items() if not k.startswith("FEDQ_")}

@@ -112,17 +112,20 @@ GRACE = timedelta(seconds=10)
     (AFTER - timedelta(seconds=5), None, None, None, None),
     # training, past its deadline
     (T0, "training", T0, DEADLINE, "deadline"),
-    # training, young
-    (T0, "training", AFTER - timedelta(seconds=5), DEADLINE + timedelta(hours=1), None),
-    # training longer than the grace period, before its deadline: check for a lost chord
+    # training, younger than one interval
+    (T0, "training", AFTER - timedelta(seconds=1), DEADLINE + timedelta(hours=1), None),
+    # training longer than one watchdog interval, before its deadline: check for a lost
+    # chord and lost workers
     (T0, "training", T0, DEADLINE + timedelta(hours=1), "check"),
+    (T0, "training", AFTER - timedelta(seconds=3), DEADLINE + timedelta(hours=1), "check"),
     # finished rounds need nothing
     (T0, "committed", T0, DEADLINE, None),
     (T0, "failed", T0, DEADLINE, None),
 ])
 def test_watchdog_repair(job_updated: datetime, status: str | None, started: datetime | None,
                          deadline: datetime | None, expected: str | None) -> None:
-    assert repair(job_updated, status, started, deadline, AFTER, GRACE) == expected
+    assert repair(job_updated, status, started, deadline, AFTER, GRACE,
+                  check_after=timedelta(seconds=2)) == expected
 
 
 # -- buffered jobs: the pure decisions fedq/coordinator/buffered.py acts on ----------

@@ -120,13 +120,15 @@ Repair = Literal["start", "deadline", "check"]
 
 
 def repair(job_updated: datetime, round_status: str | None, started: datetime | None,
-           deadline: datetime | None, now: datetime, grace: timedelta) -> Repair | None:
+           deadline: datetime | None, now: datetime, grace: timedelta,
+           check_after: timedelta) -> Repair | None:
     """The watchdog's choice for a running job's next round:
 
     - ``start``: no round row for a grace period (a lost ``start_round``);
     - ``deadline``: the round is training past its deadline: finalize it;
-    - ``check``: training for longer than the grace period: finalize if every client
-      reported (a chord body lost with a killed control worker), else it waits;
+    - ``check``: training for longer than ``check_after`` (one watchdog interval):
+      finalize if every client reported (a chord body lost with a killed control
+      worker), else it waits, and clients whose worker is lost are sent again;
     - None: nothing to do.
     """
     if round_status is None:
@@ -135,7 +137,7 @@ def repair(job_updated: datetime, round_status: str | None, started: datetime | 
         return None
     if deadline is not None and now >= deadline:
         return "deadline"
-    if started is not None and now - started > grace:
+    if started is not None and now - started > check_after:
         return "check"
     return None
 

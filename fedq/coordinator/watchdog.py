@@ -9,7 +9,7 @@ For each running job it looks at the round after the last committed one and asks
   the next ``start_round``, or the message was lost): request the round;
 - ``deadline``: training past its deadline: finalize it (commit with the quorum,
   re-dispatch the missing clients, or fail the job);
-- ``check``: training for longer than the grace period: finalize, which commits if
+- ``check``: training for longer than one interval: finalize, which commits if
   every client reported (a chord body lost with a killed control worker) and otherwise
   waits; while it waits, clients whose worker is lost (its task's heartbeat stopped for
   ``FEDQ_WORKER_LOST_S``: fedq/coordinator/liveness.py) are re-dispatched at once.
@@ -101,7 +101,8 @@ def _repair(settings: Settings, item: NextRound, now: datetime,
     """What the watchdog does for one running job."""
     if item.buffered:
         return buffered.repair(settings, item.job, grace)
-    what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace)
+    what = repair(item.job_updated, item.status, item.started, item.deadline, now, grace,
+                  check_after=timedelta(seconds=settings.watchdog_interval))
     if what == "start":
         request_round(item.job, item.number)
         return [{"job": item.job, "round": item.number, "action": "start"}]
