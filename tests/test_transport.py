@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import uuid
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,15 @@ def test_workers_starting_at_once_all_bind(tmp_path: Path) -> None:
 def test_messages_round_trip_and_half_written_files_are_not_read(tmp_path: Path) -> None:
     """A message is renamed into place whole; a temporary file still being written is
     not taken for a message."""
+    # A name of its own: kombu keeps the bindings a process declared in one state shared
+    # by every connection, so a "cpu" queue another test bound in this process would be
+    # taken as bound here too, and never written to this test's folder.
+    name = f"q{uuid.uuid4().hex[:8]}"
     with _connection(tmp_path) as conn:
-        queue = Queue("cpu", Exchange("cpu", type="direct"), routing_key="cpu")
+        queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
         (tmp_path / "data" / ".tmp-half-written").write_bytes(b'{"bo')
         producer = conn.Producer()
-        producer.publish({"n": 1}, exchange=queue.exchange, routing_key="cpu",
+        producer.publish({"n": 1}, exchange=queue.exchange, routing_key=name,
                          declare=[queue], serializer="json")
         got = queue(conn.default_channel).get(no_ack=True)
         assert got is not None and got.payload == {"n": 1}
