@@ -39,9 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ["fedq-coordinator", "fedq-worker:cpu", "fedq-redis", "fedq-postgres",
           "fedq-seaweedfs"]
 # Each task trains for 2 s, so a kill lands mid-task; a stuck round is repaired after
-# 15 s by the watchdog that beat runs.
+# 15 s by the watchdog that beat runs. A gentle optimizer: 2 s is hundreds of steps on
+# a small shard, and DIGITS' lr 0.05 with momentum 0.9 once diverged to a NaN loss
+# there (a client's every attempt rejected, the job failed: CI, stop 38).
 JOB = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "min_clients": 2,
        "local_epochs": 1000, "time_budget_s": 2, "round_timeout_s": 15,
+       "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.5},
        "max_redispatch": 3, "queues": {"cpu": -1}}
 
 
