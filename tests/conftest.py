@@ -215,10 +215,28 @@ def redis_cluster(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluste
     cluster.stop()
 
 
+def _accept_and_close(port: int, seconds: float) -> None:
+    """Listen on 127.0.0.1:port for ``seconds``, closing every connection accepted."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(64)
+        listener.settimeout(0.1)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+
+
 @contextmanager
 def private_redis() -> Iterator[tuple[str, Callable[[], None]]]:
     """A redis-server of this test's own, without persistence: (url, restart), where
-    restart() SIGKILLs it and starts it again empty."""
+    restart() SIGKILLs it and starts it again empty; restart(proxy_s) first answers its
+    port for proxy_s seconds by accepting connections and closing them at once, as
+    Docker's port proxy does while the container behind it restarts."""
     server = shutil.which("redis-server")
     if server is None:
         missing("redis-server", "binary not found")
@@ -241,10 +259,13 @@ def private_redis() -> Iterator[tuple[str, Callable[[], None]]]:
 
     procs = [start()]
 
-    def restart() -> None:
+    def restart(proxy_s: float = 0) -> None:
         procs[-1].kill()  # SIGKILL: queued tasks, results and chord counters are gone
         procs[-1].wait()
-        time.sleep(1.0)
+        if proxy_s:
+            _accept_and_close(port, proxy_s)
+        else:
+            time.sleep(1.0)
         procs.append(start())
 
     try:

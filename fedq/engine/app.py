@@ -65,6 +65,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        # A task keeps training through a broker blip (its result is written when the
+        # broker is back; a lost worker is found by its heartbeat, docs/reliability.md).
+        # Set, not defaulted: Celery warns at every reconnect until it is.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        # Celery's consumer without Gossip (fedq.engine.consumer says why).
+        "worker_consumer": "fedq.engine.consumer:Consumer",
         "task_queues": queues,
         "task_default_queue": CONTROL_QUEUE,
         "task_create_missing_queues": False,

@@ -15,9 +15,17 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
+import warnings
 from typing import Any
 
-from celery.signals import after_setup_logger, after_setup_task_logger, task_postrun, task_prerun
+from celery.exceptions import CPendingDeprecationWarning
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    task_postrun,
+    task_prerun,
+    worker_ready,
+)
 
 from fedq.redaction import install_log_filter
 
@@ -103,3 +111,14 @@ def _enter(task: Any = None, args: Any = (), kwargs: Any = None, **_: Any) -> No
 @task_postrun.connect
 def _leave(**_: Any) -> None:
     _context.set(None)
+
+
+@worker_ready.connect
+def _quiet_the_cancel_notice(**_: Any) -> None:
+    """Celery warns at every broker reconnect, ten lines each time, that tasks will be
+    cancelled on connection loss by default in Celery 6; fedq sets the setting
+    (``worker_cancel_long_running_tasks_on_connection_loss``, fedq/engine/app.py), so
+    a reconnect is one log line. Added once the worker is up: Celery's logging setup
+    turns all its deprecation warnings back on before that."""
+    warnings.filterwarnings("ignore", category=CPendingDeprecationWarning,
+                            message=r"\s*In Celery 5\.1 we introduced an optional breaking")
