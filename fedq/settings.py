@@ -13,6 +13,10 @@ FEDQ_RESULT_BACKEND        Celery result backend: ``redis://``, ``file://...``
 FEDQ_DATABASE_URL          SQLAlchemy URL: ``postgresql+psycopg://...``, ``sqlite:///...``
 FEDQ_BLOB_URL              blob store: a path, ``file://``, ``redis://``, ``s3://bucket/prefix``
 FEDQ_S3_ENDPOINT_URL       S3 endpoint for ``s3://`` blobs (MinIO); credentials from AWS_*
+                           (``AWS_SECRET_ACCESS_KEY_FILE``: the secret read from a file)
+FEDQ_BROKER_URL_FILE       a file holding FEDQ_BROKER_URL (a Docker secret; set one of the two)
+FEDQ_RESULT_BACKEND_FILE   a file holding FEDQ_RESULT_BACKEND
+FEDQ_DATABASE_URL_FILE     a file holding FEDQ_DATABASE_URL
 FEDQ_DATA_DIR              where datasets such as CIFAR-10 are read (and downloaded to)
 FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
 FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
@@ -40,6 +44,7 @@ FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -97,7 +102,11 @@ _KNOWN = {
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S", "WORKER_LOST_S",
+    "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
 }
+#: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
+#: the convention of Docker's secrets), so that `docker inspect` shows no password.
+_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL")
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 #: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
@@ -121,7 +130,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
             known = ", ".join(sorted(ENV_PREFIX + k for k in _KNOWN))
             raise ConfigError(f"unknown setting {name} (known: {known})")
 
+    secrets = {key: secret(env, ENV_PREFIX + key) for key in _SECRET}
+
     def get(key: str) -> str | None:
+        if key in secrets:
+            return secrets[key]
         value = env.get(ENV_PREFIX + key)
         return value if value not in (None, "") else None
 
@@ -157,17 +170,39 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         err = exc.errors()[0]
         field = str(err["loc"][0]).upper()
         raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
-    _refuse_placeholders(env)
+    _refuse_placeholders({**{ENV_PREFIX + k: v or "" for k, v in secrets.items()},
+                          "AWS_SECRET_ACCESS_KEY": secret(env, "AWS_SECRET_ACCESS_KEY") or ""})
     return settings
 
 
-#: How docker/env.example's passwords begin: a deployment still using one is refused.
+def secret(env: Mapping[str, str], name: str) -> str | None:
+    """The value of ``name``, or the contents of the file ``name_FILE`` names (without
+    a trailing newline); None when neither is set. Both set, or an unreadable file,
+    raise :class:`ConfigError` naming the variable."""
+    value, path = env.get(name) or None, env.get(name + "_FILE") or None
+    if value and path:
+        raise ConfigError(f"{name} and {name}_FILE are both set; set one of them")
+    if path is None:
+        return value
+    try:
+        text = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConfigError(f"{name}_FILE: {path}: cannot read it ({reason})") from None
+    if not text:
+        raise ConfigError(f"{name}_FILE: {path}: the file is empty")
+    return text
+
+
+#: How a placeholder password begins (the examples in fedq's docs and older
+#: docker/env.example files): a deployment still using one is refused.
 PLACEHOLDER = "change-me"
+_PLACEHOLDER_FIX = "anyone can read it; `bash scripts/env.sh` writes random ones (docs/deploy.md)"
 
 
 def _refuse_placeholders(env: dict[str, str]) -> None:
-    """Refuse a password copied unchanged from docker/env.example (anyone who read the
-    repository knows it), in one line naming where it is."""
+    """Refuse a placeholder password (anyone who read the repository knows it), in one
+    line naming where it is."""
     for name in ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL"):
         value = env.get(ENV_PREFIX + name) or ""
         try:
@@ -175,11 +210,11 @@ def _refuse_placeholders(env: dict[str, str]) -> None:
         except ValueError:
             password = ""
         if password.startswith(PLACEHOLDER):
-            raise ConfigError(f"{ENV_PREFIX}{name}: its password is docker/env.example's "
-                              f"placeholder; set a password of your own in docker/.env")
+            raise ConfigError(f"{ENV_PREFIX}{name}: its password is a placeholder "
+                              f"({PLACEHOLDER}...); {_PLACEHOLDER_FIX}")
     if (env.get("AWS_SECRET_ACCESS_KEY") or "").startswith(PLACEHOLDER):
-        raise ConfigError("AWS_SECRET_ACCESS_KEY is docker/env.example's placeholder; set a "
-                          "password of your own in docker/.env (S3_PASSWORD)")
+        raise ConfigError(f"AWS_SECRET_ACCESS_KEY is a placeholder ({PLACEHOLDER}...); "
+                          f"{_PLACEHOLDER_FIX}")
 
 
 @lru_cache(maxsize=1)
@@ -189,5 +224,5 @@ def get_settings() -> Settings:
     settings = load_settings()
     remember([settings.broker_url, settings.result_backend, settings.database_url,
               settings.blob_url, settings.s3_endpoint_url,
-              os.environ.get("AWS_SECRET_ACCESS_KEY")])
+              secret(os.environ, "AWS_SECRET_ACCESS_KEY")])
     return settings

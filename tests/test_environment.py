@@ -121,13 +121,66 @@ def test_unknown_setting_is_refused(tmp_path: Path) -> None:
     ("FEDQ_DATABASE_URL", "postgresql+psycopg://fedq:change-me-postgres@127.0.0.1:1/fedq"),
     ("AWS_SECRET_ACCESS_KEY", "change-me-s3-secret"),
 ])
-def test_env_example_passwords_are_refused(tmp_path: Path, name: str, value: str) -> None:
-    """docker/env.example's placeholders are public: a stack still using one does not
-    start (the migrate and control services load these settings first)."""
-    _one_line(_submit(tmp_path, **{name: value}), 2, f"{name}")
-    example = (Path(__file__).parents[1] / "docker" / "env.example").read_text()
-    placeholder = re.search(r"change-me-[a-z0-9-]+", value)
-    assert placeholder and f"={placeholder.group()}\n" in example  # the file's own value
+@pytest.mark.parametrize("from_file", [False, True])
+def test_placeholder_passwords_are_refused(tmp_path: Path, name: str, value: str,
+                                           from_file: bool) -> None:
+    """A placeholder password is public: a stack still using one does not start (the
+    migrate and control services load these settings first), whether the value is in
+    the environment or in the secret file a ``*_FILE`` variable names."""
+    if from_file:
+        (tmp_path / "secret").write_text(value + "\n")
+        env = {f"{name}_FILE": str(tmp_path / "secret")}
+    else:
+        env = {name: value}
+    _one_line(_submit(tmp_path, **env), 2, f"{name}")
+    _no_job_written(tmp_path)
+
+
+def test_secrets_are_read_from_the_files_their_file_variables_name(tmp_path: Path) -> None:
+    """``FEDQ_X_FILE`` (Docker's secrets convention) gives FEDQ_X from a file, its
+    trailing newline dropped; setting both, a missing file or an empty one is one line
+    naming the variable, and nothing is written."""
+    from fedq.errors import ConfigError
+    from fedq.settings import load_settings
+
+    url = tmp_path / "broker_url"
+    url.write_text("redis://:s3cret-pass@127.0.0.1:6399/5\n")
+    (tmp_path / "db").write_text(f"sqlite:///{tmp_path / 'x.db'}")
+    got = load_settings({"FEDQ_BROKER_URL_FILE": str(url), "FEDQ_HOME": str(tmp_path),
+                         "FEDQ_RESULT_BACKEND_FILE": str(url),
+                         "FEDQ_DATABASE_URL_FILE": str(tmp_path / "db")})
+    assert got.broker_url == got.result_backend == "redis://:s3cret-pass@127.0.0.1:6399/5"
+    assert got.database_url == f"sqlite:///{tmp_path / 'x.db'}"
+    with pytest.raises(ConfigError, match="FEDQ_BROKER_URL and FEDQ_BROKER_URL_FILE are both"):
+        load_settings({"FEDQ_BROKER_URL_FILE": str(url), "FEDQ_BROKER_URL": "redis://x/0"})
+    (tmp_path / "empty").write_text("\n")
+    for path, says in ((tmp_path / "nope", "cannot read"),
+                       (tmp_path / "empty", "the file is empty")):
+        _one_line(_submit(tmp_path, FEDQ_DATABASE_URL_FILE=str(path)), 2,
+                  f"FEDQ_DATABASE_URL_FILE: {path}")
+        assert says in _submit(tmp_path, FEDQ_DATABASE_URL_FILE=str(path)).stderr
+        _no_job_written(tmp_path)
+
+
+def test_s3_secret_key_from_a_file_reaches_the_store(s3_server: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """boto3 reads no ``*_FILE``: fedq passes the key it read from
+    AWS_SECRET_ACCESS_KEY_FILE. A wrong key in the file is refused by the server."""
+    from fedq.blobs import open_store
+    from fedq.errors import BlobError
+
+    key = tmp_path / "s3_password"
+    key.write_text("fedq-secret\n")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fedq")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY_FILE", str(key))
+    store = open_store("s3://fedq/secret-file", s3_server)
+    ref = store.put("k", b"payload")
+    assert store.get(ref) == b"payload"
+    key.write_text("not-the-key")
+    with pytest.raises(BlobError):
+        open_store("s3://fedq/secret-file", s3_server).put("k2", b"x")
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Blobs in an S3-compatible bucket (MinIO or SeaweedFS in production): ``s3://bucket/prefix``.
 
-Credentials come from the usual AWS_* variables; the endpoint from
+Credentials come from the usual AWS_* variables (the secret key may come from the file
+``AWS_SECRET_ACCESS_KEY_FILE`` names, a Docker secret); the endpoint from
 ``FEDQ_S3_ENDPOINT_URL``. A PUT replaces an object atomically.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -19,6 +21,7 @@ from fedq.errors import (
     require_extra,
 )
 from fedq.redaction import redact
+from fedq.settings import secret
 
 
 class S3BlobStore(BlobStore):
@@ -33,8 +36,12 @@ class S3BlobStore(BlobStore):
         self.url = redact(url)
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
+        keys: dict[str, str] = {}
+        if os.environ.get("AWS_SECRET_ACCESS_KEY_FILE"):  # boto3 reads no *_FILE
+            keys = {"aws_access_key_id": os.environ.get("AWS_ACCESS_KEY_ID", ""),
+                    "aws_secret_access_key": secret(os.environ, "AWS_SECRET_ACCESS_KEY") or ""}
         self._client: Any = boto3.client(
-            "s3", endpoint_url=endpoint_url,
+            "s3", endpoint_url=endpoint_url, **keys,
             config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3},
                           s3={"addressing_style": "path"}))
 
