@@ -5,6 +5,7 @@ runs these tests and writes the table)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -124,7 +125,11 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
 
 @pytest.mark.slow
 def test_worker_killed_mid_task_in_rounds_2_and_4_on_redis(redis_cluster: Cluster) -> None:
-    _worker_kill_scenario(redis_cluster, "Redis", rounds=6, kills={2: "w1", 4: "w2"})
+    """FEDQ_BENCH_KILLS=N (bench.reliability): N kills, one a round, for a sample of
+    kill-to-re-dispatch times."""
+    n = int(os.environ.get("FEDQ_BENCH_KILLS", "0"))
+    kills = {2 + i: f"w{1 + i % 3}" for i in range(n)} if n else {2: "w1", 4: "w2"}
+    _worker_kill_scenario(redis_cluster, "Redis", rounds=max(kills) + 2, kills=kills)
 
 
 @pytest.fixture
@@ -283,6 +288,22 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
     _assert_each_round_once(cluster, job, rounds=3, per_round=3)
     at = _lost_redispatches(cluster, job)[2] - paused_at
     assert 0 < at <= 30, at
+
+    def late_copies() -> list[str]:
+        with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+            return [f"{a.round_number} {a.action} {a.result}" for a in s.scalars(
+                select(WatchdogAction).where(WatchdogAction.job_id == job,
+                                             WatchdogAction.action.startswith("late copy")))]
+
+    # the sleeper finishes its copy after SIGCONT: recorded, once, and in no model
+    copies = wait_until(late_copies, 120, interval=0.5, what="the sleeper's late copy")
+    assert copies == [f"2 late copy of client {client} (attempt 1) from {sleeper.name} "
+                      "not used"], copies
+    shown = cluster.fedq("status", job).stdout
+    assert f"round 2: late copy of client {client} (attempt 1)" in shown, shown
+    assert f"round 2: redispatch (lost {sleeper.name})" in shown, shown
+    assert rounds[2].participants == 3 and \
+        {(r.number, r.participants) for r in cluster.rounds(job)} == {(1, 3), (2, 3), (3, 3)}
     record_outcome("a worker paused (SIGSTOP) mid-task, default 600 s deadline, resumed "
                    "after its client was re-dispatched",
                    "SIGSTOP/SIGCONT of a training worker in round 2",

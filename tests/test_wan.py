@@ -240,6 +240,84 @@ def test_partitions_lose_nothing_and_hosts_download_once(
             h.destroy()
 
 
+def test_link_cut_past_the_heartbeat_bound_is_redispatched(
+        tmp_path: Path, relays: Relays, redis_db: str, pg_url: str) -> None:
+    """A host whose link is cut mid-task, with the shipped 600 s deadline: its
+    worker's heartbeat stops reaching Redis, so its client is re-dispatched to the other
+    host within the bound (watchdog 1 s here: 1 + 15 + 1 s) and the round commits with
+    every client; when the link comes back, its copy is not counted a second time."""
+    import re
+
+    from sqlalchemy import select
+
+    from fedq.db import WatchdogAction, session_scope
+    from fedq.db.models import aware
+
+    redis_port = int(redis_db.rsplit(":", 1)[1].split("/")[0])
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=pg_url, FEDQ_WATCHDOG_INTERVAL="1")
+    cluster = Cluster(tmp_path, env)
+    cluster.fedq("db", "upgrade")
+    hosts = [Host("la", LINK).create(), Host("lb", LINK).create()]
+    try:
+        workers = []
+        for host in hosts:
+            url = host.url(redis_db, host.forward(relays, redis_port))
+            workers.append(WorkerProcess(
+                f"w@{host.name}", ["cpu"], tmp_path / "logs" / f"{host.name}.log",
+                env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url},
+                prefix=host.exec_prefix()))
+        workers.append(WorkerProcess("control@test", ["control"],
+                                     tmp_path / "logs" / "control.log", env=env))
+        cluster.workers += workers
+        start_workers(workers)
+        cluster.start_beat()
+        spec = {"name": "cut", "model": "mlp", "dataset": "digits", "num_clients": 2,
+                "clients_per_round": 2, "rounds": 2, "local_epochs": 1000,
+                "time_budget_s": 4, "eval_every": 0, "max_redispatch": 3,
+                "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.5}}
+        job = cluster.submit(spec)
+        cut_off = workers[1]
+
+        def in_hand() -> int | None:
+            log = cut_off.log_path.read_text(errors="replace")
+            got = re.findall(rf"Task fedq.train\[fedq-{job}-g\d+-r1-c(\d+)-a\d+\] received",
+                             log)
+            return int(got[0]) if got else None
+
+        wait_until(lambda: in_hand() is not None, 120, interval=0.2, what=cut_off.tail)
+        client = in_hand()
+        time.sleep(1)  # training, its first heartbeat written
+        hosts[1].cut()
+        cut_at = time.time()
+        try:
+            wait_until(lambda: [r.status for r in cluster.rounds(job)][:1] == ["committed"],
+                       90, interval=0.5, what="round 1 to commit without the cut-off host")
+        finally:
+            hosts[1].restore()
+        view = cluster.wait(job, timeout=240)
+        assert view.status == "completed", view.error
+        rows = {(u.round_number, u.client): u for u in cluster.updates(job)}
+        row = rows[(1, client)]
+        assert row.status == "ok" and row.attempt > 1 and row.worker == "w@la", \
+            (row.status, row.attempt, row.worker)
+        assert [r.participants for r in cluster.rounds(job)] == [2, 2]
+        with session_scope(pg_url) as s:
+            resent = [aware(a.at).timestamp() - cut_at for a in s.scalars(
+                select(WatchdogAction).where(WatchdogAction.job_id == job,
+                                             WatchdogAction.round_number == 1,
+                                             WatchdogAction.action.startswith("redispatch (lost")))]
+        assert len(resent) == 1 and 0 < resent[0] <= 30, resent
+        record_outcome("a WAN host's link cut mid-task (netns), default 600 s deadline",
+                       "ip link set down for the host's veth while its worker trains",
+                       "re-dispatched to the other host; committed with every client", 2, 0,
+                       resent)
+    finally:
+        cluster.stop()
+        for h in hosts:
+            h.destroy()
+
+
 _SIZE = {"num_clients": 2, "clients_per_round": 2, "rounds": 1}
 
 

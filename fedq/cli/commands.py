@@ -119,10 +119,13 @@ def status(job_id: str | None, as_json: bool) -> None:
                       j.created_at, (j.error or "")[:80])
     out.print(table)
     if job_id:  # what its open round waits for: each started task's worker and heartbeat
+        from fedq.coordinator.jobs import repairs
         from fedq.coordinator.liveness import describe, held
 
         for claim in held(settings, job_id):
             out.print(describe(claim, settings.worker_lost_s), highlight=False)
+        for line in repairs(settings, job_id):  # what the watchdog and finalize did
+            out.print(line, highlight=False)
 
 
 @main.command()

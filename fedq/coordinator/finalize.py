@@ -49,7 +49,7 @@ from fedq.coordinator.policy import (
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
 from fedq.coordinator.rounds import redispatch, request_round, start_round
-from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, new_row
 from fedq.engine.app import app
@@ -243,22 +243,26 @@ def _fail(settings: Settings, rnd: OpenRound, decision: Fail,
 
 
 def record_late(settings: Settings, job_id: str, round_number: int) -> int:
-    """Record results that reached an already finalized round as ``late`` (their
-    updates are never averaged into any model). Returns how many were recorded."""
+    """Record results that reached an already finalized round: a missing client's as
+    ``late``, and a copy from an earlier attempt of a client that was re-dispatched and
+    trained elsewhere (a worker that was paused, or cut off, past the heartbeat bound)
+    as a ``late copy`` action. Neither is ever averaged into any model. Returns how many
+    were recorded; safe to call again (nothing is recorded twice)."""
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         rnd = s.scalar(select(Round).where(Round.job_id == job_id,
                                            Round.number == round_number))
         if job is None or rnd is None or rnd.status == RoundStatus.TRAINING:
             return 0
-        missing = set(s.scalars(select(ClientUpdate.client).where(
+        waiting = set(s.scalars(select(ClientUpdate.client).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number,
-            ClientUpdate.status == UpdateStatus.MISSING)))
-        if not missing:
+            (ClientUpdate.status == UpdateStatus.MISSING) |
+            ((ClientUpdate.status == UpdateStatus.OK) & (ClientUpdate.attempt > 1)))))
+        if not waiting:
             return 0
         spec = JobSpec.stored(job.spec)
         queues = {c: q for c, q in zip(rnd.planned["clients"], rnd.planned["queues"],
-                                       strict=True) if c in missing}
+                                       strict=True) if c in waiting}
         gen, attempts = rnd.id, rnd.attempt
     refs = [r for r in collect(job_id, round_number, gen, attempts, queues, spec)
             if r.status == UpdateStatus.OK]
@@ -268,13 +272,27 @@ def record_late(settings: Settings, job_id: str, round_number: int) -> int:
     with session_scope(settings.database_url) as s:
         rows = {r.client: r for r in s.scalars(select(ClientUpdate).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == round_number))}
+        seen = set(s.scalars(select(WatchdogAction.action).where(
+            WatchdogAction.job_id == job_id, WatchdogAction.round_number == round_number)))
         for ref in refs:
             row = rows.get(ref.client)
             if row is not None and row.status == UpdateStatus.MISSING:
                 fill_row(row, ref)
                 row.status, row.error = UpdateStatus.LATE, "arrived after the round was finalized"
                 late += 1
+            elif row is not None and row.status == UpdateStatus.OK and ref.attempt < row.attempt:
+                action = late_copy(ref)
+                if action not in seen:
+                    s.add(WatchdogAction(job_id=job_id, round_number=round_number,
+                                         action=action, result="not used"))
+                    seen.add(action)
+                    late += 1
     return late
+
+
+def late_copy(ref: UpdateRef) -> str:
+    """How a late copy is recorded: which client, which attempt, whose (64 characters)."""
+    return f"late copy of client {ref.client} (attempt {ref.attempt}) from {ref.worker}"[:64]
 
 
 def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpdate], *,

@@ -16,7 +16,7 @@ from sqlalchemy import delete, func, select, update
 from fedq.blobs import global_key, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.coordinator.rounds import request_round, round_task_ids
-from fedq.db import ClientUpdate, Job, Round, session_scope
+from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.app import app
@@ -276,3 +276,13 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
 
 __all__ = ["FINISHED", "JobView", "cancel", "client_results", "get_job", "job_record",
            "list_jobs", "resume", "round_results", "submit"]
+
+
+def repairs(settings: Settings, job_id: str, last: int = 20) -> list[str]:
+    """The job's last repairs, oldest first, one line each: re-dispatches of lost or
+    overdue clients, late copies recorded, stuck rounds finalized."""
+    with session_scope(settings.database_url) as s:
+        rows = list(s.scalars(select(WatchdogAction).where(WatchdogAction.job_id == job_id)
+                              .order_by(WatchdogAction.id.desc()).limit(last)))
+        return [f"{aware(a.at):%H:%M:%S} round {a.round_number}: {a.action}"
+                f"{f' ({a.result})' if a.result else ''}" for a in reversed(rows)]
