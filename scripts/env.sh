@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
-# Writes docker/.env for the coordinator's compose stack: docker/env.example with every
-# placeholder password replaced by a random one (fedq refuses the placeholders), readable
-# by its owner only. Variables set in the environment override the example's values:
+# Writes the coordinator's settings for its compose stack:
+#   docker/.env        docker/env.example, with variables set in the environment overriding
+#                      the example's values (the address, the ports);
+#   docker/secrets/    one file per secret, random passwords: redis_password,
+#                      postgres_password, s3_password, flower_password, and the URLs the
+#                      fedq services read (broker_url, result_backend, database_url). The
+#                      folder is mode 700 (root only on the host); the files are 644 so that
+#                      each service's own user can read the ones mounted into it.
 #
 #   bash scripts/env.sh                              # the defaults, random passwords
 #   FEDQ_BIND=100.64.0.1 REDIS_PORT=6380 bash scripts/env.sh
 #
-# An existing docker/.env is kept (its passwords are the stack's): remove it to start over.
+# Existing files are kept (their passwords are the stack's): remove them to start over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=docker/.env
 if [ -e "$out" ]; then
-    echo "fedq: $out exists; keeping it (remove it to write a new one)" >&2
-    exit 0
+    echo "fedq: $out exists; keeping it (remove it and docker/secrets/ to start over)" >&2
+else
+    umask 077
+    tmp=$(mktemp docker/.env.XXXXXX)
+    trap 'rm -f "$tmp"' EXIT
+    while IFS= read -r line; do
+        case "$line" in
+            ""|\#*) printf '%s\n' "$line" ;;
+            *=*) name=${line%%=*}; printf '%s=%s\n' "$name" "${!name:-${line#*=}}" ;;
+        esac
+    done < docker/env.example > "$tmp"
+    mv "$tmp" "$out"
+    trap - EXIT
+    echo "fedq: wrote $out" >&2
 fi
-umask 077
-tmp=$(mktemp docker/.env.XXXXXX)
-trap 'rm -f "$tmp"' EXIT
-while IFS= read -r line; do
-    case "$line" in
-        ""|\#*) printf '%s\n' "$line" ;;
-        *=*)
-            name=${line%%=*} value=${line#*=}
-            if [ -n "${!name:-}" ]; then
-                value=${!name}
-            elif [ "${value#change-me}" != "$value" ]; then
-                value=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-            fi
-            printf '%s=%s\n' "$name" "$value" ;;
-    esac
-done < docker/env.example > "$tmp"
-mv "$tmp" "$out"
-trap - EXIT
-echo "fedq: wrote $out (random passwords, mode 600)" >&2
+dir=$(awk -F= '$1 == "SECRETS_DIR" {print $2}' "$out")
+case "${dir:=./secrets}" in /*) ;; *) dir="docker/${dir#./}" ;; esac
+mkdir -p "$dir" && chmod 700 "$dir"
+made=0
+secret() {  # name value: write the file unless it exists
+    [ -e "$dir/$1" ] && return
+    umask 022; printf '%s' "$2" > "$dir/$1.tmp" && mv "$dir/$1.tmp" "$dir/$1"
+    made=$((made + 1))
+}
+for name in redis postgres s3 flower; do
+    # a docker/.env from before secrets were files holds the stack's passwords: keep them
+    old=$(awk -F= -v k="$(echo "$name" | tr a-z A-Z)_PASSWORD" '$1 == k {print $2}' "$out")
+    secret "${name}_password" "${old:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
+done
+# The URLs the services use inside the compose network (service names, container ports).
+secret broker_url "redis://:$(cat "$dir/redis_password")@redis:6379/0"
+secret result_backend "redis://:$(cat "$dir/redis_password")@redis:6379/1"
+secret database_url "postgresql+psycopg://fedq:$(cat "$dir/postgres_password")@postgres:5432/fedq"
+echo "fedq: $dir holds the stack's secrets ($made written, the rest kept)" >&2

@@ -24,7 +24,7 @@ python=.venv/bin/python
 mkdir -p "$cache"
 
 # 1. The base: Debian bookworm with Python 3.11 and the services' packages.
-packages="python3,python3-venv,ca-certificates,procps,redis-server,postgresql,tini"
+packages="python3,python3-venv,ca-certificates,procps,redis-server,postgresql,tini,socat"
 base_tag="fedq-debian:bookworm-$(echo "$packages" | sha256sum | cut -c1-12)"
 if ! docker image inspect "$base_tag" >/dev/null 2>&1; then
     echo "fedq: debootstrap of Debian bookworm from $mirror (about a minute)" >&2

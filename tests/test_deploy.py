@@ -16,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import time
 import uuid
@@ -58,6 +59,7 @@ class Stack:
     home: Path
     ports: dict[str, int]
     flower_password: str
+    passwords: list[str]
 
     def run(self, *args: str, check: bool = True, timeout: float = 300) -> str:
         proc = subprocess.run(list(args), env=self.docker, capture_output=True, text=True,
@@ -98,8 +100,10 @@ class Stack:
         """A worker container on the cpu queue that reaches the coordinator over the
         published ports, as one on another machine would (host networking)."""
         container = f"{self.project}-{name}"
+        mounts = [arg for name in ("broker_url", "result_backend", "s3_password")
+                  for arg in ("-v", f"{self.worker_env.parent / name}:/run/secrets/{name}:ro")]
         self.run("docker", "run", "-d", "--name", container, "--network", "host",
-                 "--env-file", str(self.worker_env), "fedq-worker:cpu",
+                 "--env-file", str(self.worker_env), *mounts, "fedq-worker:cpu",
                  "celery", "-A", "fedq", "worker", "-Q", "cpu", "-c", "1",
                  "-n", f"{name}@%h", "-l", "INFO")
         wait_until(lambda: "ready." in self.logs(container), 120, interval=1,
@@ -110,6 +114,13 @@ class Stack:
         proc = subprocess.run(["docker", "logs", container], env=self.docker,
                               capture_output=True, text=True, check=False)
         return proc.stdout + proc.stderr
+
+
+def _write_secrets(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(mode=0o700)
+    for name, value in files.items():
+        (folder / name).write_text(value)
+        (folder / name).chmod(0o644)  # read by each container's own user
 
 
 def _docker_env() -> dict[str, str]:
@@ -134,11 +145,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("deploy")
     pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
     ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
-    env_file = home / "compose.env"
-    env_file.write_text("".join(f"{k.upper()}_PASSWORD={v}\n" for k, v in pw.items()) +
-                        "".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
-                        "FEDQ_BIND=127.0.0.1\n")
-    env_file.chmod(0o600)
     urls = {
         "FEDQ_BROKER_URL": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/0",
         "FEDQ_RESULT_BACKEND": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/1",
@@ -149,9 +155,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "AWS_ACCESS_KEY_ID": "fedq", "AWS_SECRET_ACCESS_KEY": pw["s3"],
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    worker_env = home / "worker.env"
-    worker_env.write_text("".join(f"{k}={v}\n" for k, v in urls.items()))
-    worker_env.chmod(0o600)
+    # the stack's secrets, as scripts/env.sh writes them: one file each in a folder
+    # only root may enter, the URLs with the compose network's names
+    vault = home / "secrets"
+    _write_secrets(vault, {
+        **{f"{k}_password": v for k, v in pw.items()},
+        "broker_url": f"redis://:{pw['redis']}@redis:6379/0",
+        "result_backend": f"redis://:{pw['redis']}@redis:6379/1",
+        "database_url": f"postgresql+psycopg://fedq:{pw['postgres']}@postgres:5432/fedq"})
+    env_file = home / "compose.env"
+    env_file.write_text("".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
+                        f"FEDQ_BIND=127.0.0.1\nSECRETS_DIR={vault}\n")
+    # a worker's folder, as docs/deploy.md writes it: its secrets and the settings
+    worker_dir = home / "worker"
+    _write_secrets(worker_dir, {"broker_url": urls["FEDQ_BROKER_URL"],
+                                "result_backend": urls["FEDQ_RESULT_BACKEND"],
+                                "s3_password": pw["s3"]})
+    worker_env = worker_dir / "worker.env"
+    worker_env.write_text(
+        "FEDQ_BROKER_URL_FILE=/run/secrets/broker_url\n"
+        "FEDQ_RESULT_BACKEND_FILE=/run/secrets/result_backend\n"
+        "AWS_SECRET_ACCESS_KEY_FILE=/run/secrets/s3_password\n" +
+        "".join(f"{k}={urls[k]}\n" for k in ("FEDQ_BLOB_URL", "FEDQ_S3_ENDPOINT_URL",
+                                              "AWS_ACCESS_KEY_ID", "AWS_DEFAULT_REGION")))
     cli_env = {k: v for k, v in docker.items() if not k.startswith("FEDQ_")}
     cli_env.update(urls, FEDQ_HOME=str(home / "cli"))
     project = f"fedqt{uuid.uuid4().hex[:8]}"
@@ -159,7 +185,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                "-f", str(ROOT / "docker" / "compose.yaml"),
                "-f", str(ROOT / "docker" / "compose.debian.yaml")]
     s = Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home, ports,
-              pw["flower"])
+              pw["flower"], list(pw.values()))
     try:
         s.up()
         yield s
@@ -205,23 +231,69 @@ def _mid_task(stack: Stack, container: str, job: str, number: int,
         f"a task of round {number} in {container}:\n{stack.logs(container)[-3000:]}"))[-1]
 
 
-def test_stack_is_healthy_and_keeps_passwords_off_command_lines(stack: Stack) -> None:
+#: The secrets each service's role needs, and no more (docs/deploy.md's table).
+ROLE_SECRETS = {
+    "redis": {"redis_password"}, "postgres": {"postgres_password"}, "s3": {"s3_password"},
+    "control": {"broker_url", "result_backend", "database_url", "s3_password"},
+    "beat": {"broker_url"}, "flower": {"broker_url", "flower_password"},
+    "metrics": {"broker_url", "database_url"},
+}
+
+
+def _mounted_secrets(stack: Stack, container: str) -> set[str]:
+    mounts = json.loads(stack.run("docker", "inspect", "-f", "{{json .Mounts}}", container))
+    return {m["Destination"].removeprefix("/run/secrets/") for m in mounts
+            if m["Destination"].startswith("/run/secrets/")}
+
+
+def test_stack_is_healthy_and_keeps_every_secret_in_files(stack: Stack) -> None:
+    """No password on a command line (`docker top`) or anywhere `docker inspect` shows
+    (environment, command, labels) of any service or worker container; each service
+    holds the secrets of its role only; logs rotate; migrate ran once."""
     for service in ("beat", "flower", "metrics"):
         stack.wait_healthy(service)
-    passwords = [line.split("=", 1)[1] for line in
-                 (stack.home / "compose.env").read_text().splitlines()
-                 if "_PASSWORD=" in line]
-    assert len(passwords) == 4
+    assert len(stack.passwords) == 4
+    worker = stack.start_worker("w0")  # removed at the end: the kill test counts on w1, w2
     for service in ("redis", "control", "beat", "flower", "metrics", "postgres", "s3"):
-        top = stack.run("docker", "top", stack.container(service), "-eo", "pid,args")
+        container = stack.container(service)
+        top = stack.run("docker", "top", container, "-eo", "pid,args")
         assert len(top.splitlines()) >= 2, top  # the header and at least one process
-        assert not any(p in top for p in passwords), (service, top)
+        assert not any(p in top for p in stack.passwords), (service, top)
+        assert _mounted_secrets(stack, container) == ROLE_SECRETS[service], service
+    for container in [stack.container(s) for s in ROLE_SECRETS] + [worker]:
+        inspect = stack.run("docker", "inspect", container)
+        assert not any(p in inspect for p in stack.passwords), container
+    assert _mounted_secrets(stack, worker) == {"broker_url", "result_backend", "s3_password"}
+    stack.run("docker", "rm", "-f", worker)
+    migrate = stack.run("docker", "ps", "-aq", "--filter", f"name={stack.project}_migrate")
+    assert _mounted_secrets(stack, migrate.split()[0]) == {"database_url"}
     log_config = json.loads(stack.run("docker", "inspect", "-f", "{{json .HostConfig.LogConfig}}",
                                       stack.container("control")))
     assert log_config["Config"]["max-size"] == "10m"
-    migrate = stack.run("docker", "ps", "-a", "--filter", f"name={stack.project}_migrate",
-                        "--format", "{{.Status}}")
-    assert migrate.startswith("Exited (0)"), migrate
+    migrated = stack.run("docker", "ps", "-a", "--filter", f"name={stack.project}_migrate",
+                         "--format", "{{.Status}}")
+    assert migrated.startswith("Exited (0)"), migrated
+
+
+def test_s3_stand_in_answers_only_on_its_authenticated_port(stack: Stack) -> None:
+    """SeaweedFS's master, volume server and filer ask for no credentials: from the
+    host, on the container's own address, they refuse connections; its S3 port answers
+    and refuses an unsigned request."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    networks = json.loads(stack.run("docker", "inspect", "-f",
+                                    "{{json .NetworkSettings.Networks}}", stack.container("s3")))
+    address = next(iter(networks.values()))["IPAddress"]
+    assert address
+    for port in (9333, 19333, 8080, 18080, 8888, 18888, 8333, 18333):
+        with socket.socket() as sock:
+            sock.settimeout(5)
+            assert sock.connect_ex((address, port)) != 0, f"{address}:{port} accepted"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{address}:9000/fedq/", timeout=10)
+    assert refused.value.code == 403
 
 
 def _browser() -> Any:
@@ -380,7 +452,7 @@ def test_dashboard_in_a_real_browser_and_metrics_during_a_job(stack: Stack) -> N
 
 
 DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"
-GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "worker.env"]
+GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets", ROOT / "worker"]
 
 
 def runnable_blocks(markdown: str) -> list[str]:
@@ -390,7 +462,8 @@ def runnable_blocks(markdown: str) -> list[str]:
 
 def test_the_guide_runs_as_written() -> None:
     """docs/deploy.md's runnable blocks, verbatim and in order, in one shell in this
-    checkout: the engine, the images, docker/.env, `docker-compose up`, worker.env, a
+    checkout: the engine, the images, docker/.env and docker/secrets/, `docker-compose
+    up`, the worker's folder, a
     worker container, a submitted job watched to the end, and `down`. Only the ports
     are chosen (free ones, through the environment, as the guide says to), and the
     compose project's name, so that it does not meet the other tests' stack."""
@@ -421,4 +494,7 @@ def test_the_guide_runs_as_written() -> None:
                             "down", "-v"], cwd=ROOT, env=env, capture_output=True,
                            check=False, timeout=300)
         for path in GUIDE_FILES:
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
