@@ -104,7 +104,18 @@ def test_compose_file_is_valid_and_complete() -> None:
         assert svc["logging"]["options"]["max-size"], name  # rotated logs
     for name in ("redis", "postgres", "s3", "control", "beat", "flower"):
         assert "healthcheck" in services[name], name
-    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"].startswith("admin:")
+    # secrets are files: no environment value holds one, each service names its own
+    for name, svc in services.items():
+        for key, value in (svc.get("environment") or {}).items():
+            assert "PASSWORD}" not in str(value), (name, key)
+            if key.endswith("_FILE"):
+                secret = str(value).rsplit("/", 1)[-1]
+                assert secret in svc["secrets"], (name, key)
+        for secret in svc.get("secrets", []):
+            assert doc["secrets"][secret]["file"].startswith("${SECRETS_DIR:-./secrets}/")
+    assert "database_url" not in services["worker-cpu"]["secrets"]
+    assert "FLOWER_BASIC_AUTH=admin:$$(cat /run/secrets/flower_password)" in \
+        " ".join(services["flower"]["command"])
     override = yaml.safe_load((ROOT / "docker" / "compose.debian.yaml").read_text())
     assert list(validator.iter_errors(override)) == []
     assert set(override["services"]) <= set(services)
