@@ -47,6 +47,10 @@ class ServiceUnavailable(FedqError):
     exit_code = 3
 
 
+class TrainingDiverged(FedqError):
+    """A client's local training ended with a loss that is not a finite number."""
+
+
 class BlobError(FedqError):
     """Base of blob store failures."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, update_key
 from fedq.blobs.cache import HostCache
 from fedq.data import client_indices, load_dataset
-from fedq.errors import BlobError, UpdateRejected
+from fedq.errors import BlobError, TrainingDiverged, UpdateRejected
 from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
@@ -194,6 +195,10 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         schedule_window=spec.schedule_window(ref.round),
                         state_path=inner.state_path(home, ref.job, ref.client)
                         if spec.optimizer.keep_state else None)
+    if stats.loss is not None and not math.isfinite(stats.loss):  # nothing worth sending
+        raise TrainingDiverged(
+            f"training diverged: mean loss {stats.loss} over {stats.steps} steps "
+            f"(optimizer {spec.optimizer.name}, lr {spec.optimizer.lr}: try a smaller lr)")
     local = model.state_dict()
     base = global_weights
     if streaming:  # the outer gradient of this round's fragment alone
