@@ -36,6 +36,8 @@ FEDQ_BLOB_CACHE            a folder the workers of one machine share: each globa
                            is downloaded once per machine, not once per worker
 FEDQ_UPLINK_MBIT           this worker's uplink in Mbit/s, for ``codec: auto`` (default:
                            measured from its last upload of at least 1 MiB)
+FEDQ_IMAGE_TORCH           set by fedq's images: ``release`` (the class's pin) or
+                           ``default_index`` (its ``default_index`` pin, PyPI's build)
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
                            ``fedq doctor`` checks the image against
 =========================  ==============================================================
@@ -84,6 +86,7 @@ class Settings(BaseModel):
     worker_lost_s: float = Field(default=15.0, gt=0)
     finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
+    image_torch: Literal["release", "default_index"] = "release"
     log_format: Literal["text", "json"] = "text"
     blob_cache: Path | None = None
     uplink_mbit: float | None = Field(default=None, gt=0)
@@ -101,7 +104,8 @@ _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
-    "IMAGE_CLASS", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S", "WORKER_LOST_S",
+    "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
+    "WORKER_LOST_S",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
@@ -158,6 +162,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "worker_lost_s": get("WORKER_LOST_S") or 15.0,
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
+        "image_torch": get("IMAGE_TORCH") or "release",
         "log_format": get("LOG_FORMAT") or "text",
         "blob_cache": get("BLOB_CACHE"),
         "uplink_mbit": get("UPLINK_MBIT"),

@@ -9,8 +9,10 @@
 # with debootstrap from Debian's packages and `docker import`ed as fedq-debian:bookworm,
 # and every Python package comes from a wheelhouse of the lock file
 # (requirements/dev.lock) that the host's pip downloads once and a throwaway HTTP server
-# on 127.0.0.1 serves to `docker build --network host`. Torch in every image is then the
-# lock's (2.14.1); docs/deploy.md has the matrix against fedq/pins.toml. On a normal
+# on 127.0.0.1 serves to `docker build --network host`. Torch in a GPU image is then
+# the build PyPI serves for its class (pins.toml's default_index: 2.7.1+cu126 for
+# gpu_sm61, 2.14.1+cu130 for gpu_new), in the CPU images the lock's (2.14.1, a CUDA build:
+# PyPI has no CPU-only Linux wheel); docs/deploy.md has the matrix. On a normal
 # host, plain `docker build` with the Dockerfiles' defaults uses the public images
 # and indexes instead.
 set -euo pipefail
@@ -63,6 +65,34 @@ PY
     rm -f "$log" "$reqs"
     touch "$wheels/.complete"
 fi
+# 2b. A GPU class's image carries the build PyPI serves for its class (fedq/pins.toml's
+#     default_index table: gpu_sm61 gets torch 2.7.1, the newest CUDA 12.6 wheel, whose
+#     kernels start at sm_50); its wheels join the wheelhouse, resolved for the images'
+#     Python (3.11, manylinux x86_64) and cached by version.
+default_index() {  # class -> "torch torchvision" of its default_index pin, or nothing
+    "$python" - "$1" <<'PY'
+import sys, tomllib
+pin = tomllib.load(open("fedq/pins.toml", "rb"))[sys.argv[1]].get("default_index")
+print(f"{pin['torch']} {pin['torchvision']}" if pin else "")
+PY
+}
+lock_torch=$(awk -F'==' '/^torch==/ {print $2}' requirements/dev.lock | cut -d' ' -f1)
+for cls in gpu_new gpu_sm61; do
+    read -r t tv <<<"$(default_index "$cls")"
+    # the lock's own torch (gpu_new's) is in the wheelhouse already
+    if [ -n "${t:-}" ] && [ "$t" != "$lock_torch" ] && [ ! -f "$wheels/.torch-$t" ]; then
+        echo "fedq: downloading torch $t and torchvision $tv (with their CUDA wheels) for $cls" >&2
+        log=$(mktemp)
+        if ! "$python" -m pip download -q "torch==$t" "torchvision==$tv" -d "$wheels" \
+                --python-version 3.11 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+                --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+                --platform manylinux1_x86_64 --platform linux_x86_64 >"$log" 2>&1; then
+            grep -v "^WARNING: Location" "$log" >&2; rm -f "$log"; exit 1
+        fi
+        rm -f "$log"
+        touch "$wheels/.torch-$t"
+    fi
+done
 # A fixed port: the wheelhouse URL is a build argument, and Docker's layer cache keys
 # on it, so a new port each run would rebuild every image.
 port="${FEDQ_WHEELHOUSE_PORT:-47381}"
@@ -98,7 +128,15 @@ images=("${@:-coordinator worker-cpu worker-gpu_new worker-gpu_sm61 redis postgr
 for name in ${images[*]}; do
     case $name in
         coordinator) build fedq-coordinator docker/Dockerfile.coordinator ;;
-        worker-*) cls=${name#worker-}; build "fedq-worker:$cls" "worker-images/Dockerfile.$cls" ;;
+        worker-*)
+            cls=${name#worker-}
+            read -r t tv <<<"$(default_index "$cls")"
+            if [ -n "${t:-}" ]; then  # PyPI's build for the class, and the image says so
+                build "fedq-worker:$cls" "worker-images/Dockerfile.$cls" --build-arg "TORCH=$t" \
+                    --build-arg "TORCHVISION=$tv" --build-arg TORCH_FROM=default_index
+            else
+                build "fedq-worker:$cls" "worker-images/Dockerfile.$cls"
+            fi ;;
         redis|postgres|seaweedfs) build "fedq-$name" "docker/Dockerfile.$name" ;;
         *) echo "fedq: no image called $name" >&2; exit 2 ;;
     esac

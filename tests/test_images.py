@@ -72,6 +72,19 @@ def test_image_check_against_the_pins() -> None:
                          arch_list=[], gpus=[])
     assert image_problems(cpu, "cpu") == []
     assert "is not a class" in image_problems(cpu, "tpu")[0]
+    # an image built from the default package index is checked against that pin
+    pypi = table["gpu_sm61"]["default_index"]
+    from_pypi = HardwareReport(torch=f"{pypi['torch']}+cu126", cuda="12.6", driver=None,
+                               arch_list=[], gpus=[], build_arch=["sm_50", "sm_60", "sm_70"])
+    assert image_problems(from_pypi, "gpu_sm61", source="default_index") == []
+    assert "torch 2.7.1+cu126 where pins.toml gives" in \
+        image_problems(from_pypi, "gpu_sm61")[0]
+    late = image_problems(newer, "gpu_sm61", source="default_index")
+    assert "where pins.toml's default_index gives 2.7.1" in late[0] and \
+        "no kernels for sm_61" in late[-1]
+    assert image_problems(newer, "gpu_new", source="default_index") == []
+    assert "no default_index build for cpu" in \
+        image_problems(cpu, "cpu", source="default_index")[0]
 
 
 def _compose_schema() -> dict:
@@ -154,22 +167,35 @@ def _lock_pin(name: str) -> str:
                                        ("fedq-worker:gpu_sm61", "gpu_sm61")])
 def test_built_image_reports_its_torch(image: str, cls: str) -> None:
     """Each image imports torch, and `fedq doctor --json` inside it names the build it
-    carries and how that differs from pins.toml. Built here by scripts/images.sh, every
-    image carries the lock's torch (no registry serves the pinned ones), so the check
-    must report the difference; for gpu_sm61 that includes the missing sm_61 kernels."""
+    carries and checks it against pins.toml. Built here by scripts/images.sh, a GPU
+    image carries the build PyPI serves for its class (its default_index pin: the
+    gpu_sm61 image has sm_60 kernels, which Pascal sm_61 runs) and passes that check;
+    the CPU images carry the lock's torch, a CUDA build (PyPI has no CPU-only Linux
+    wheel), and the check must report the difference."""
     from tests.conftest import missing
 
     if _docker("image", "inspect", image).returncode != 0:
         missing(f"image {image}", "build it with `bash scripts/images.sh`")
     proc = _docker("run", "--rm", image, "fedq", "doctor", "--json")
     report = json.loads(proc.stdout)
-    assert report["torch"].split("+")[0] == _lock_pin("torch")
     assert report["hardware_class"] == "cpu" and report["gpus"] == []  # no GPU here
     assert report["image"]["class"] == cls
     assert report["image"]["pins"] == pins()[cls]
-    image_problems = report["image"]["problems"]
-    assert any(f"where pins.toml gives {pins()[cls]['torch']}" in p for p in image_problems)
-    sm61 = any("no kernels for sm_61" in p for p in image_problems)
-    assert sm61 == (cls == "gpu_sm61"), image_problems
     assert not any("failed a matmul/conv test" in p for p in report["problems"])
-    assert proc.returncode == 1  # a difference from the pins is a problem doctor reports
+    image_problems = report["image"]["problems"]
+    built = pins()[cls].get("default_index")
+    if built is None:  # cpu: the lock's torch, checked against the release pin
+        assert report["image"]["torch_from"] == "release"
+        assert report["torch"].split("+")[0] == _lock_pin("torch")
+        assert any(f"where pins.toml gives {pins()[cls]['torch']}" in p
+                   for p in image_problems)
+        assert proc.returncode == 1  # a difference from the pins is a problem doctor reports
+        return
+    assert report["image"]["torch_from"] == "default_index"
+    assert report["torch"].split("+")[0] == built["torch"]
+    assert report["cuda"] == built["cuda"]
+    assert image_problems == [], image_problems
+    floor = {"gpu_sm61": "sm_60", "gpu_new": "sm_75"}[cls]  # the class's oldest GPU runs it
+    assert floor in report["build_arch"], report["build_arch"]
+    if cls == "gpu_sm61":
+        assert "sm_50" in report["build_arch"]  # the cu126 build: Maxwell and Pascal

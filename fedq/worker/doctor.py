@@ -27,8 +27,8 @@ def checkup(settings: Settings, services: bool = False) -> Checkup:
     image: dict[str, Any] | None = None
     if settings.image_class:  # inside a fedq image: its torch vs the pins
         cls = settings.image_class
-        image = {"class": cls, "pins": pins().get(cls),
-                 "problems": image_problems(report, cls)}
+        image = {"class": cls, "pins": pins().get(cls), "torch_from": settings.image_torch,
+                 "problems": image_problems(report, cls, source=settings.image_torch)}
         problems += [f"image {cls}: {p}" for p in image["problems"]]
     links: dict[str, Any] | None = None
     if services:

@@ -248,8 +248,8 @@ def probe(run_smoke: bool = True) -> HardwareReport:
     return report
 
 
-def pins() -> dict[str, dict[str, str]]:
-    """fedq/pins.toml: the torch build per class."""
+def pins() -> dict[str, dict[str, Any]]:
+    """fedq/pins.toml: the torch build per class (strings; ``default_index``: a table)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -264,23 +264,32 @@ CLASS_FLOOR = {"gpu_new": NEW_MIN_CC, "gpu_sm61": (6, 1)}
 
 
 def image_problems(report: HardwareReport, cls: str,
-                   table: dict[str, dict[str, str]] | None = None) -> list[str]:
+                   table: dict[str, Any] | None = None,
+                   source: str = "release") -> list[str]:
     """How the torch in an image built for class ``cls`` differs from fedq/pins.toml
-    (the image sets FEDQ_IMAGE_CLASS); empty when it is the pinned build."""
+    (the image sets FEDQ_IMAGE_CLASS, and FEDQ_IMAGE_TORCH: ``source``, which of the
+    class's pins it follows); empty when it is that build."""
     table = pins() if table is None else table
     if cls not in table:
         return [f"FEDQ_IMAGE_CLASS={cls!r} is not a class of pins.toml ({', '.join(table)})"]
-    pin = table[cls]
+    pin, where = table[cls], "pins.toml"
+    if source == "default_index":
+        if "default_index" not in pin:
+            return [f"FEDQ_IMAGE_TORCH=default_index, but pins.toml has no default_index "
+                    f"build for {cls}"]
+        pin, where = pin["default_index"], "pins.toml's default_index"
+        want_cuda = pin["cuda"] or None
+    else:
+        cu = re.search(r"/cu(\d+)(\d)$", pin["index"])
+        want_cuda = f"{cu.group(1)}.{cu.group(2)}" if cu else None
     problems = []
     have = report.torch.split("+")[0]
     if have != pin["torch"]:
-        problems.append(f"torch {report.torch} where pins.toml gives {pin['torch']} for {cls}")
-    cu = re.search(r"/cu(\d+)(\d)$", pin["index"])
-    want_cuda = f"{cu.group(1)}.{cu.group(2)}" if cu else None
+        problems.append(f"torch {report.torch} where {where} gives {pin['torch']} for {cls}")
     if (report.cuda or None) != want_cuda:
         problems.append(f"a {'CUDA ' + report.cuda if report.cuda else 'CPU-only'} build "
-                        f"where pins.toml gives {'CUDA ' + want_cuda if want_cuda else 'CPU-only'} "
-                        f"for {cls}")
+                        f"where {where} gives "
+                        f"{'CUDA ' + want_cuda if want_cuda else 'CPU-only'} for {cls}")
     floor = CLASS_FLOOR.get(cls)
     if floor is not None and not arch_covers(floor, report.build_arch):
         problems.append(f"no kernels for sm_{floor[0]}{floor[1]}, the oldest GPU of {cls} "
