@@ -96,14 +96,14 @@ class Stack:
             f"{service} to be healthy:\n"
             f"{self.compose_run('logs', '--tail', '40', service)}"))
 
-    def start_worker(self, name: str) -> str:
+    def start_worker(self, name: str, image: str = "fedq-worker:cpu") -> str:
         """A worker container on the cpu queue that reaches the coordinator over the
         published ports, as one on another machine would (host networking)."""
         container = f"{self.project}-{name}"
         mounts = [arg for name in ("broker_url", "result_backend", "s3_password")
                   for arg in ("-v", f"{self.worker_env.parent / name}:/run/secrets/{name}:ro")]
         self.run("docker", "run", "-d", "--name", container, "--network", "host",
-                 "--env-file", str(self.worker_env), *mounts, "fedq-worker:cpu",
+                 "--env-file", str(self.worker_env), *mounts, image,
                  "celery", "-A", "fedq", "worker", "-Q", "cpu", "-c", "1",
                  "-n", f"{name}@%h", "-l", "INFO")
         wait_until(lambda: "ready." in self.logs(container), 120, interval=1,
@@ -449,6 +449,27 @@ def test_dashboard_in_a_real_browser_and_metrics_during_a_job(stack: Stack) -> N
                  if s.name == "fedq_rounds_total" and s.labels == {"job": job,
                                                                   "status": "committed"}]
     assert committed == [3]
+
+
+def test_a_round_trained_on_the_pascal_and_the_new_gpu_images_together(stack: Stack) -> None:
+    """The gpu_sm61 image's older torch (PyPI's 2.7.1+cu126) and the gpu_new image's
+    (2.14.1+cu130) run fedq's worker code: one worker from each, on this machine's CPU,
+    train a job's rounds together; every round commits with both their updates."""
+    for line in stack.run("docker", "ps", "-aq", "--filter", f"name={stack.project}-w").split():
+        stack.run("docker", "rm", "-f", line)  # only these two workers take the tasks
+    old = stack.start_worker("wsm61", "fedq-worker:gpu_sm61")
+    new = stack.start_worker("wnew", "fedq-worker:gpu_new")
+    torch = {c: stack.run("docker", "exec", c, "python", "-c",
+                          "import torch; print(torch.__version__)").strip() for c in (old, new)}
+    assert torch[old].startswith("2.7.1") and not torch[new].startswith("2.7."), torch
+    job = _submit(stack, rounds=2)
+    _wait(stack, job)
+    _each_round_once(stack, job, 2)
+    by_round: dict[int, set[str]] = {}
+    for u in stack.cli.updates(job):
+        assert u.status == "ok", (u.client, u.error)
+        by_round.setdefault(u.round_number, set()).add(u.worker.split("@")[0])
+    assert set().union(*by_round.values()) == {"wsm61", "wnew"}, by_round
 
 
 DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"
