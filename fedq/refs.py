@@ -121,6 +121,7 @@ class UpdateRef:
     format: int = MESSAGE_FORMAT  # the message format of the worker that sent it
     version: str = FEDQ_VERSION  # its fedq version
     task: int = 0  # a buffered job's task number (0: a synchronous round's update)
+    signer: str | None = None  # the registered worker whose signature it carried
 
     @property
     def blob(self) -> BlobRef:
@@ -128,7 +129,12 @@ class UpdateRef:
         return BlobRef(self.key, self.sha256, self.bytes_up)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The result as a worker sends it (``signer`` only when it signs:
+        :meth:`fedq.identity.Joined.sign_result` adds it with the signature)."""
+        data = asdict(self)
+        if data["signer"] is None:
+            del data["signer"]
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> "UpdateRef":
@@ -138,4 +144,5 @@ class UpdateRef:
         model = parse_result(data)
         fields = model.model_dump()
         fields["stats"] = TrainStats(**fields["stats"])
+        del fields["sig"]
         return cls(**fields)

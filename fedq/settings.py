@@ -36,6 +36,12 @@ FEDQ_BLOB_CACHE            a folder the workers of one machine share: each globa
                            is downloaded once per machine, not once per worker
 FEDQ_UPLINK_MBIT           this worker's uplink in Mbit/s, for ``codec: auto`` (default:
                            measured from its last upload of at least 1 MiB)
+FEDQ_IDENTITY              ``off`` (default) or ``required``: the coordinator signs its tasks
+                           and admits only results signed by a registered worker
+                           (``fedq worker add`` / ``join``; docs/security.md)
+FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
+                           coordinator's, or a joined worker's with its ``worker.json``,
+                           whose service URLs are used where the variables are not set
 FEDQ_IMAGE_TORCH           set by fedq's images: ``release`` (the class's pin) or
                            ``default_index`` (its ``default_index`` pin, PyPI's build)
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
@@ -90,6 +96,8 @@ class Settings(BaseModel):
     log_format: Literal["text", "json"] = "text"
     blob_cache: Path | None = None
     uplink_mbit: float | None = Field(default=None, gt=0)
+    identity: Literal["off", "required"] = "off"
+    keys_dir: Path = Path(DEFAULT_HOME) / "keys"
 
     @property
     def embedded_broker(self) -> bool:
@@ -105,7 +113,7 @@ _KNOWN = {
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
-    "WORKER_LOST_S",
+    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
@@ -143,6 +151,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         return value if value not in (None, "") else None
 
     home = Path(get("HOME") or DEFAULT_HOME).expanduser().absolute()
+    keys_dir = Path(get("KEYS_DIR") or home / "keys").expanduser().absolute()
+    joined = _joined_services(keys_dir)
+    for key in ("BROKER_URL", "RESULT_BACKEND", "BLOB_URL", "S3_ENDPOINT_URL"):
+        if get(key) is None and joined.get(key.lower()):
+            secrets[key] = joined[key.lower()]  # a joined worker's bundle (fedq worker join)
     raw: dict[str, Any] = {
         "home": home,
         "broker_url": get("BROKER_URL") or "filesystem://",
@@ -166,6 +179,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "log_format": get("LOG_FORMAT") or "text",
         "blob_cache": get("BLOB_CACHE"),
         "uplink_mbit": get("UPLINK_MBIT"),
+        "identity": get("IDENTITY") or "off",
+        "keys_dir": keys_dir,
     }
     try:
         settings = Settings(**raw)
@@ -178,6 +193,17 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     _refuse_placeholders({**{ENV_PREFIX + k: v or "" for k, v in secrets.items()},
                           "AWS_SECRET_ACCESS_KEY": secret(env, "AWS_SECRET_ACCESS_KEY") or ""})
     return settings
+
+
+def _joined_services(keys_dir: Path) -> dict[str, str]:
+    """The service URLs a joined worker's ``worker.json`` holds (``fedq worker join``
+    wrote them from its bundle), or nothing when this machine has not joined."""
+    from fedq.identity import read_worker_file
+
+    data = read_worker_file(keys_dir) or {}
+    services = data.get("services")
+    return {k: v for k, v in services.items() if isinstance(v, str)} \
+        if isinstance(services, dict) else {}
 
 
 def secret(env: Mapping[str, str], name: str) -> str | None:

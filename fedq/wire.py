@@ -158,6 +158,9 @@ class ResultModel(_Strict):
     format: int = MESSAGE_FORMAT
     version: str = Field(default=FEDQ_VERSION, max_length=32)
     stats: StatsModel = Field(default_factory=StatsModel)
+    # FEDQ_IDENTITY=required (fedq/identity.py): the registered worker that signed it
+    signer: str | None = Field(default=None, max_length=64)
+    sig: str | None = Field(default=None, max_length=200)
 
 
 def parse_result(data: Any) -> ResultModel:

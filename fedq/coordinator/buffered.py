@@ -53,6 +53,7 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit, liveness, policy
+from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -130,7 +131,8 @@ def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
     spec_json = spec.to_json()
     for t in tasks:
         sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
-        app.send_task(TRAIN_TASK, args=(sent.train_ref(spec_json, t.model, t.step).to_json(),),
+        app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
+                                                     spec.round_timeout_s),),
                       queue=t.queue, task_id=sent.task_id,
                       link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
                                          queue=CONTROL_QUEUE))
@@ -214,7 +216,8 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
                 else row.attempt
         sent = Sent(job_id, (row.base_version or 0) + 1, row.client,
                     min(attempt, row.attempt), 0, row.queue or "cpu", task=index)
-        ref = admit(result, sent, known_limits(spec, row.client))
+        ref = admit(result, sent, known_limits(spec, row.client),
+                    registry_if_required(settings))
         if attempt > row.attempt:  # a callback for an attempt never sent
             ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED, error=(
                 f"identity: a result for attempt {attempt}, task {index} was sent "

@@ -33,6 +33,7 @@ from sqlalchemy import select, update
 
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit
+from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -56,7 +57,7 @@ from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.process import PROCESS
 from fedq.refs import UpdateRef
-from fedq.settings import Settings
+from fedq.settings import Settings, get_settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus, UpdateStatus
 
@@ -69,13 +70,14 @@ def collect(job_id: str, number: int, gen: int, attempts: int,
     task ids this coordinator sent (all attempts so far) and admitted against them
     (fedq/coordinator/intake.py): who a result is for comes from its task id."""
     found = []
+    registry = registry_if_required(get_settings())
     for client, queue in queues.items():
         for attempt in range(1, attempts + 1):
             sent = Sent(job_id, number, client, attempt, gen, queue)
             meta = app.backend.get_task_meta(sent.task_id)
             if meta.get("status") != "SUCCESS":
                 continue
-            found.append(admit(meta.get("result"), sent, known_limits(spec, client)))
+            found.append(admit(meta.get("result"), sent, known_limits(spec, client), registry))
     return found
 
 

@@ -23,13 +23,17 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from fedq.blobs.base import BlobRef
 from fedq.blobs.keys import update_key
+from fedq.coordinator.enrol import Registry
 from fedq.errors import FedqError
+from fedq.identity import result_fields, seal, task_tag, verify
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
+from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, FormatError, parse_result
@@ -45,10 +49,19 @@ def task_id(job: str, number: int, attempt: int, client: int | None = None,
     coordinator reads its result back by it): a round's ``fedq-JOB-gGEN-rROUND-cCLIENT-
     aATTEMPT`` (GEN: the round row's id, never reused, which tells a resumed round from
     the one it replaced), or with ``gen`` None a buffered job's ``fedq-JOB-bTASK-
-    aATTEMPT`` (``number``: its task number)."""
-    if gen is None:
-        return f"fedq-{job}-b{number}-a{attempt}"
-    return f"fedq-{job}-g{gen}-r{number}-c{client}-a{attempt}"
+    aATTEMPT`` (``number``: its task number). With FEDQ_IDENTITY=required a tag only the
+    coordinator can compute follows (:func:`fedq.identity.task_tag`): a worker cannot
+    name a task it was not given."""
+    base = f"fedq-{job}-b{number}-a{attempt}" if gen is None \
+        else f"fedq-{job}-g{gen}-r{number}-c{client}-a{attempt}"
+    return base + task_tag(base, sealing_keys())
+
+
+def sealing_keys() -> Path | None:
+    """The coordinator's keys folder when it signs its tasks (FEDQ_IDENTITY=required),
+    else None."""
+    settings = get_settings()
+    return settings.keys_dir if settings.identity == "required" else None
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,13 @@ class Sent:
         """The task's message, as both modes send it (the spec travels whole)."""
         return TrainRef(self.job, self.round, self.client, self.queue, spec, model,
                         attempt=self.attempt, gen=self.gen, step=step, task=self.task)
+
+    def message(self, spec: dict[str, Any], model: BlobRef, step: StepRef | None,
+                ttl_s: float) -> dict[str, Any]:
+        """The task's argument as it is sent: sealed by the coordinator's key with an
+        expiry ``ttl_s`` from now when FEDQ_IDENTITY=required (fedq/identity.py)."""
+        return seal(self.train_ref(spec, model, step).to_json(), self.task_id, ttl_s,
+                    sealing_keys())
 
 
 @dataclass(frozen=True)
@@ -140,9 +160,12 @@ def _shard_sizes(dataset: str, data_dir: str, args: str, partition: str, num_cli
                                                    num_clients, seed))
 
 
-def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
+def admit(raw: Any, sent: Sent, bound: Limits | None,
+          registry: Registry | None = None) -> UpdateRef:
     """The result ``raw`` of task ``sent``: status ok or error as the worker reported
-    it, identity from ``sent``; or status ``rejected`` with the reason."""
+    it, identity from ``sent``; or status ``rejected`` with the reason. ``registry``
+    (FEDQ_IDENTITY=required): the result must be signed, for this task, by an active
+    registered worker, who is recorded as its signer."""
     rejected = UpdateRef(status=UpdateStatus.REJECTED, job=sent.job, round=sent.round,
                          task=sent.task, client=sent.client, queue=sent.queue, worker="?",
                          attempt=sent.attempt, gen=sent.gen)
@@ -158,6 +181,10 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
         return dataclasses.replace(rejected, error=(
             f"version: worker {got.worker} speaks message format {got.format} (fedq "
             f"{got.version}), the coordinator {MESSAGE_FORMAT} (fedq {FEDQ_VERSION})"))
+    if registry is not None:
+        problem = _unsigned(raw, got.signer, got.sig, got.worker, sent, registry)
+        if problem:
+            return dataclasses.replace(rejected, error=f"signature: {problem}")
     for name in sent.identity:
         said, truth = getattr(got, name), getattr(sent, name)
         if said != truth:
@@ -165,7 +192,9 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
                 f"identity: the result names {name} {_show(said)}, its task was "
                 f"{name} {_show(truth)}"))
     fields = got.model_dump()
+    del fields["sig"]
     fields.update(queue=sent.queue, stats=TrainStats(**fields["stats"]),
+                  signer=got.signer if registry is not None else None,
                   error=redact_text(got.error)[:ERROR_CHARS] if got.error else None)
     ref = UpdateRef(**fields)
     if ref.status != "ok":
@@ -181,6 +210,23 @@ def admit(raw: Any, sent: Sent, bound: Limits | None) -> UpdateRef:
         if problem:
             return dataclasses.replace(rejected, error=f"weight: {problem}")
     return ref
+
+
+def _unsigned(raw: dict[str, Any], signer: str | None, sig: str | None, worker: str,
+              sent: Sent, registry: Registry) -> str | None:
+    """Why ``raw`` is not a result signed for ``sent`` by an active registered worker."""
+    if signer is None or sig is None:
+        return (f"unsigned result from {worker[:60]}: with FEDQ_IDENTITY=required only "
+                f"registered workers' results count (fedq worker add / join)")
+    if signer in registry.revoked:
+        return f"signed by {signer}, which is revoked"
+    public = registry.active.get(signer)
+    if public is None:
+        return f"signed by {signer[:64]!r}, which is not a registered worker"
+    if not verify(public, result_fields(raw, sent.task_id), sig):
+        return (f"{signer}'s signature does not verify for task {sent.task_id} "
+                f"(altered, or signed for another task)")
+    return None
 
 
 def _show(value: object) -> str:

@@ -108,7 +108,8 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
     """Send the chord: one ``train`` per assignment on its queue, ``finalize_round`` after."""
     spec_json = spec.to_json()
     header = [
-        app.signature(TRAIN_TASK, args=(sent.train_ref(spec_json, model, step).to_json(),),
+        app.signature(TRAIN_TASK, args=(sent.message(spec_json, model, step,
+                                                     spec.round_timeout_s),),
                       queue=a.queue, task_id=sent.task_id)
         for a in plan
         for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]

@@ -156,6 +156,9 @@ class ClientUpdate(Base):
     # Migration 0008: the update's codec, the worker's uplink (Mbit/s) as it measured it.
     codec: Mapped[str | None] = mapped_column(String(16), default=None)
     uplink_mbit: Mapped[float | None] = mapped_column(Float, default=None)
+    # Migration 0013: the registered worker whose signature the result carried
+    # (FEDQ_IDENTITY=required; fedq/identity.py).
+    signer: Mapped[str | None] = mapped_column(String(64), default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -180,6 +183,24 @@ class Worker(Base):
     message_format: Mapped[int | None] = mapped_column(Integer, default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RegisteredWorker(Base):
+    """A worker machine with its own key (migration 0013; fedq/identity.py): ``invited``
+    by ``fedq worker add`` (the sha256 of its one-time token), ``active`` once ``fedq
+    worker join`` registered its Ed25519 public key, ``revoked`` by ``fedq worker
+    revoke``: its results are rejected from then on."""
+
+    __tablename__ = "registered_workers"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    queues: Mapped[str] = mapped_column(String(200))  # comma-separated
+    state: Mapped[str] = mapped_column(String(16))  # invited | active | revoked
+    token_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    public_key: Mapped[str | None] = mapped_column(String(64), default=None)  # base64, raw
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    joined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
 
 
 class Claim(Base):

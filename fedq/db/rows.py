@@ -15,7 +15,7 @@ def fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
     caller's: they say what fedq did with the update). How it trained is kept only
     for a task that reported success."""
     ok = ref.status == "ok"
-    row.worker, row.attempt = ref.worker, ref.attempt
+    row.worker, row.attempt, row.signer = ref.worker, ref.attempt, ref.signer
     row.samples, row.processed, row.steps = ref.samples, ref.stats.seen, ref.steps
     row.seconds, row.loss = ref.seconds, ref.loss
     row.bytes_up, row.bytes_down = ref.bytes_up, ref.bytes_down

@@ -14,6 +14,7 @@ from fedq.engine.names import (
     ABSORB_UPDATE_TASK,
     CONTROL_TIME_LIMIT,
     FINALIZE_ROUND_TASK,
+    JOIN_WORKER_TASK,
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
     WATCHDOG_TASK,
@@ -65,3 +66,12 @@ def watchdog() -> list[dict[str, Any]]:
     from fedq.coordinator.watchdog import run_watchdog
 
     return run_watchdog(get_settings())
+
+
+@app.task(name=JOIN_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
+def join_worker(proof: Any) -> dict[str, Any]:
+    """A worker machine registers its public key with its one-time token (``fedq worker
+    join``; fedq/coordinator/enrol.py checks every field)."""
+    from fedq.coordinator import enrol
+
+    return enrol.join(get_settings().database_url, proof)

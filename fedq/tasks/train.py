@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Task
 
+import fedq.identity as identity
 from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker.heartbeat import claim
+
+log = logging.getLogger(__name__)
 
 
 @app.task(name=TRAIN_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
@@ -18,16 +22,26 @@ from fedq.worker.heartbeat import claim
 def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     """Train one client for one round; returns an UpdateRef (never raises)."""
     # Deferred: torch and the model zoo load once per worker process (worker_init).
-    from fedq.worker.update import run_training
+    from fedq.worker.update import refusal, run_training
 
     settings = get_settings()
     worker = self.request.hostname or "unknown"
+    task_id = self.request.id
+    # A worker that joined a coordinator (fedq worker join) takes only tasks sealed by
+    # it for this task id, and signs what it returns (fedq/identity.py).
+    me = identity.joined(settings.keys_dir)
+    if me is not None:
+        try:
+            ref = identity.check_sealed(ref, task_id, me.coordinator)
+        except identity.Refused as exc:
+            log.warning("%s", exc)
+            return me.sign_result(refusal(ref, worker, str(exc)), task_id)
     delivered = (self.request.delivery_info or {}).get("routing_key")
     if delivered:
         ref = {**ref, "queue": delivered}
-    task_id = self.request.id
     # the claim and its heartbeat (fedq/worker/heartbeat.py): a dead worker's task is
     # sent again in seconds, not at the round's deadline
     with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s):
-        return run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
-                            worker)
+        result = run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
+                              worker)
+    return result if me is None else me.sign_result(result, task_id)

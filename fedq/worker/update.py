@@ -120,14 +120,7 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
         ref = TrainRef.from_json(data)
     except (KeyError, TypeError, ValueError) as exc:  # FormatError is a ValueError
         log.warning("refused a malformed task: %s", exc)
-        fields = data if isinstance(data, dict) else {}
-        return UpdateRef(status="error", job=_echo(fields.get("job"), "?", 32),
-                         round=_echo(fields.get("round"), 0), task=_echo(fields.get("task"), 0),
-                         client=_echo(fields.get("client"), 0),
-                         queue=_echo(fields.get("queue"), "?", 32), worker=worker,
-                         attempt=max(1, _echo(fields.get("attempt"), 1)),
-                         gen=_echo(fields.get("gen"), 0),
-                         error=redact_text(f"malformed task: {exc}")[:2000]).to_json()
+        return refusal(data, worker, f"malformed task: {exc}")
     try:
         result = _train(ref, store, worker, start)
         result = dataclasses.replace(result, stats=dataclasses.replace(result.stats,
@@ -145,6 +138,19 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
                          queue=ref.queue, worker=worker, seconds=time.perf_counter() - start,
                          attempt=ref.attempt, gen=ref.gen, stats=TrainStats(started=wall),
                          error=redact_text(f"{type(exc).__name__}: {exc}")[:2000]).to_json()
+
+
+def refusal(data: Any, worker: str, reason: str) -> dict:
+    """The error result of a task this worker refused (malformed, or its seal does not
+    hold: fedq/identity.py), echoing only the fields that have the right types."""
+    fields = data if isinstance(data, dict) else {}
+    return UpdateRef(status="error", job=_echo(fields.get("job"), "?", 32),
+                     round=_echo(fields.get("round"), 0), task=_echo(fields.get("task"), 0),
+                     client=_echo(fields.get("client"), 0),
+                     queue=_echo(fields.get("queue"), "?", 32), worker=worker,
+                     attempt=max(1, _echo(fields.get("attempt"), 1)),
+                     gen=_echo(fields.get("gen"), 0),
+                     error=redact_text(reason)[:2000]).to_json()
 
 
 def _echo(value: object, default: Any, length: int = 0) -> Any:

@@ -1,0 +1,154 @@
+"""Registered workers: invite (``fedq worker add``), join (the ``fedq.join_worker``
+control task that ``fedq worker join`` sends), revoke, list; and the keys the
+coordinator admits results by (fedq/identity.py, docs/security.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+
+import fedq.identity as identity
+from fedq.db.models import RegisteredWorker, utcnow
+from fedq.db.session import ensure_schema, session_scope
+from fedq.errors import ConfigError, FedqError
+from fedq.settings import Settings
+from fedq.wire import QUEUE
+
+log = logging.getLogger(__name__)
+
+INVITED, ACTIVE, REVOKED = "invited", "active", "revoked"
+
+
+class NoSuchWorker(FedqError):
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The registered workers as intake reads them: active names with their public
+    keys, and the revoked names (a result signed by one is rejected saying so)."""
+
+    active: dict[str, str]
+    revoked: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    queues: tuple[str, ...]
+    state: str
+    key: str | None  # fingerprint of the public key (None until joined)
+    created: datetime
+    joined: datetime | None
+    revoked: datetime | None
+
+
+def check_name(name: str) -> str:
+    if identity.NAME.fullmatch(name) is None:
+        raise ConfigError(f"worker name {name[:60]!r}: use 1-48 lower-case letters, digits, "
+                          f"'-' or '_', starting with a letter or digit")
+    return name
+
+
+def check_queues(queues: list[str]) -> tuple[str, ...]:
+    if not queues or any(QUEUE.fullmatch(q) is None for q in queues):
+        raise ConfigError(f"queues {','.join(queues)[:80]!r}: name at least one queue "
+                          f"(gpu_new, gpu_sm61, cpu), separated by commas")
+    return tuple(queues)
+
+
+def invite(settings: Settings, name: str, queues: list[str]) -> str:
+    """Record worker ``name`` as invited and return its one-time token (only its sha256
+    is kept). Inviting an invited name again replaces its token; an active or revoked
+    name is refused (revoke keeps the name, so a revoked key can never come back)."""
+    check_name(name)
+    qs = check_queues(queues)
+    token = secrets.token_urlsafe(32)
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        row = s.get(RegisteredWorker, name)
+        if row is not None and row.state != INVITED:
+            raise ConfigError(f"worker {name} is {row.state}: choose another name")
+        if row is None:
+            s.add(RegisteredWorker(name=name, queues=",".join(qs), state=INVITED,
+                                   token_sha256=digest))
+        else:
+            row.queues, row.token_sha256, row.created_at = ",".join(qs), digest, utcnow()
+    return token
+
+
+def join(db_url: str, proof: Any) -> dict[str, Any]:
+    """Register a joining worker's public key (the control task's work). Every field
+    comes from the wire: checked here; never raises. The token works once."""
+    if not isinstance(proof, dict) or not all(
+            isinstance(proof.get(k), str) and len(proof[k]) <= 200
+            for k in ("name", "public_key", "token", "sig")):
+        return {"ok": False, "error": "refused: not a join request"}
+    name, public, token = proof["name"], proof["public_key"], proof["token"]
+    if identity.NAME.fullmatch(name) is None:
+        return {"ok": False, "error": "refused: not a worker name"}
+    if not identity.verify(public, {"name": name, "public_key": public, "token": token},
+                           proof["sig"]):
+        return {"ok": False, "error": f"refused {name}: the proof of its key does not verify"}
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    with session_scope(db_url) as s:
+        row = s.get(RegisteredWorker, name)
+        if row is None or row.state != INVITED or row.token_sha256 is None or \
+                not hmac.compare_digest(row.token_sha256, digest):
+            log.warning("refused a join as %s: no invitation with that token", name)
+            return {"ok": False, "error": f"refused {name}: no open invitation with this "
+                                          f"token (used already, or not from `fedq worker add "
+                                          f"{name}`)"}
+        row.public_key, row.state, row.token_sha256 = public, ACTIVE, None
+        row.joined_at = utcnow()
+    log.info("worker %s joined (key %s)", name, identity.fingerprint(public))
+    return {"ok": True, "name": name, "key": identity.fingerprint(public)}
+
+
+def revoke(settings: Settings, name: str) -> Member:
+    """Revoke worker ``name``: its results are rejected from the next one on."""
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        row = s.get(RegisteredWorker, name)
+        if row is None:
+            raise NoSuchWorker(f"no registered worker {name} (`fedq worker list`)")
+        if row.state != REVOKED:
+            row.state, row.revoked_at, row.token_sha256 = REVOKED, utcnow(), None
+        s.flush()
+        return _member(row)
+
+
+def members(settings: Settings) -> list[Member]:
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        return [_member(r) for r in s.scalars(select(RegisteredWorker)
+                                              .order_by(RegisteredWorker.name))]
+
+
+def registry(db_url: str) -> Registry:
+    """The registered workers' keys, read fresh (a revocation holds from the next
+    result on)."""
+    with session_scope(db_url) as s:
+        rows = list(s.scalars(select(RegisteredWorker)))
+        return Registry({r.name: r.public_key for r in rows
+                         if r.state == ACTIVE and r.public_key},
+                        frozenset(r.name for r in rows if r.state == REVOKED))
+
+
+def registry_if_required(settings: Settings) -> Registry | None:
+    """The registry when FEDQ_IDENTITY=required (results must be signed), else None."""
+    return registry(settings.database_url) if settings.identity == "required" else None
+
+
+def _member(row: RegisteredWorker) -> Member:
+    return Member(row.name, tuple(row.queues.split(",")), row.state,
+                  identity.fingerprint(row.public_key) if row.public_key else None,
+                  row.created_at, row.joined_at, row.revoked_at)
