@@ -167,8 +167,8 @@ def check_sealed(body: Any, task_id: str, coordinator: str,
     """``body`` without its seal, or :class:`Refused`: unsigned, altered (or signed by
     another key, or for another task id), or expired."""
     if not isinstance(body, dict) or "sig" not in body:
-        raise Refused("refused an unsigned task (this worker joined a coordinator that "
-                      "signs its tasks)")
+        raise Refused(f"refused task {task_id[:120]}: unsigned task (this worker joined a "
+                      f"coordinator that signs its tasks)")
     fields = {k: v for k, v in body.items() if k != "sig"}
     if not verify(coordinator, {**fields, "task_id": task_id}, body["sig"]):
         raise Refused(f"refused task {task_id[:120]}: its signature does not verify "
@@ -206,7 +206,10 @@ class Joined:
     def sign_result(self, result: dict[str, Any], task_id: str) -> dict[str, Any]:
         """``result`` signed by this worker for task ``task_id``."""
         signed = {**result, "signer": self.name}
-        signed["sig"] = sign(self.key, result_fields(signed, task_id))
+        try:
+            signed["sig"] = sign(self.key, result_fields(signed, task_id))
+        except ValueError:  # a non-finite float: unsigned, the coordinator rejects it
+            return result
         return signed
 
 

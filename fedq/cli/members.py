@@ -127,8 +127,9 @@ def revoke(name: str) -> None:
     """Revoke worker NAME: every result it sends from now on is rejected."""
     from fedq.coordinator import enrol
 
-    member = enrol.revoke(_settings(), name)
-    out.print(f"revoked {member.name}: its results are rejected from now on")
+    member, hosts = enrol.revoke(_settings(), name)
+    out.print(f"revoked {member.name}: its results are rejected from now on"
+              + (f"; told {', '.join(hosts)} to shut down" if hosts else ""))
 
 
 def _when(ts: Any) -> str:

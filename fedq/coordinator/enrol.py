@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select
 
 import fedq.identity as identity
-from fedq.db.models import RegisteredWorker, utcnow
+from fedq.db.models import ClientUpdate, RegisteredWorker, utcnow
 from fedq.db.session import ensure_schema, session_scope
 from fedq.errors import ConfigError, FedqError
 from fedq.settings import Settings
@@ -113,8 +113,10 @@ def join(db_url: str, proof: Any) -> dict[str, Any]:
     return {"ok": True, "name": name, "key": identity.fingerprint(public)}
 
 
-def revoke(settings: Settings, name: str) -> Member:
-    """Revoke worker ``name``: its results are rejected from the next one on."""
+def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
+    """Revoke worker ``name``: its results are rejected from the next one on, and each
+    Celery worker that signed as it is told to shut down (:func:`cut_off`). Returns the
+    member and those workers' hostnames."""
     ensure_schema(settings.database_url)
     with session_scope(settings.database_url) as s:
         row = s.get(RegisteredWorker, name)
@@ -123,7 +125,26 @@ def revoke(settings: Settings, name: str) -> Member:
         if row.state != REVOKED:
             row.state, row.revoked_at, row.token_sha256 = REVOKED, utcnow(), None
         s.flush()
-        return _member(row)
+        member = _member(row)
+        hosts = sorted(h for h in s.scalars(select(ClientUpdate.worker).distinct()
+                                            .where(ClientUpdate.signer == name)) if h)
+    cut_off(hosts)
+    return member, hosts
+
+
+def cut_off(hosts: list[str]) -> None:
+    """Tell the Celery workers ``hosts`` to shut down (a revoked worker's processes; an
+    honest one obeys, and a hostile one's results are rejected anyway). Broadcast on
+    the broker, no reply awaited."""
+    if not hosts:
+        return
+    from fedq.engine.app import app
+
+    try:
+        app.control.shutdown(destination=hosts)
+        log.warning("told revoked worker process(es) %s to shut down", ", ".join(hosts))
+    except Exception as exc:  # the broadcast is a courtesy; rejection is the guarantee
+        log.warning("could not tell %s to shut down: %s", ", ".join(hosts), exc)
 
 
 def members(settings: Settings) -> list[Member]:
@@ -146,6 +167,12 @@ def registry(db_url: str) -> Registry:
 def registry_if_required(settings: Settings) -> Registry | None:
     """The registry when FEDQ_IDENTITY=required (results must be signed), else None."""
     return registry(settings.database_url) if settings.identity == "required" else None
+
+
+def signer(raw: Any) -> str | None:
+    """The name a result says signed it (unchecked: for logs and cut-off only)."""
+    name = raw.get("signer") if isinstance(raw, dict) else None
+    return name if isinstance(name, str) and identity.NAME.fullmatch(name) else None
 
 
 def _member(row: RegisteredWorker) -> Member:

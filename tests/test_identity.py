@@ -1,0 +1,261 @@
+"""Workers prove who they are (fedq/identity.py, fedq/coordinator/enrol.py;
+docs/security.md "Identity").
+
+The table tests check each seal and signature refusal alone; the cluster test runs
+the real thing on Redis + PostgreSQL with real ``celery worker`` processes: ``fedq
+worker add`` and ``fedq worker join`` (a one-time token), a job trained by two joined
+workers with every update signed, an unregistered worker whose results are all
+rejected, a worker revoked mid-job that is cut off while the job completes on the
+other, and tasks altered, unsigned or re-addressed on the way, refused by the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedq import identity
+from fedq.blobs.base import BlobRef
+from fedq.coordinator import enrol
+from fedq.coordinator.intake import Sent, admit
+from fedq.db import upgrade
+from fedq.errors import ConfigError
+from fedq.refs import UpdateRef
+from fedq.settings import load_settings
+from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.wait import wait_until
+
+SHA = "ab" * 32
+
+
+def _joined(tmp: Path, name: str, coordinator: str) -> identity.Joined:
+    return identity.Joined(name, identity.load_key(tmp / f"{name}.key", create=True),
+                           coordinator, ("cpu",))
+
+
+def _result(sent: Sent, **fields: object) -> dict[str, object]:
+    ref = UpdateRef(status="ok", job=sent.job, round=sent.round, client=sent.client,
+                    queue=sent.queue, worker="cpu1@host", key=sent.update_key, sha256=SHA,
+                    samples=10, steps=2, loss=0.5, attempt=sent.attempt, gen=sent.gen)
+    return {**ref.to_json(), **fields}
+
+
+# -- seals and signatures, one refusal at a time -------------------------------------------
+
+
+def test_a_sealed_task_is_taken_only_whole_unexpired_and_for_its_own_id(tmp_path: Path) -> None:
+    coord = tmp_path / "coord"
+    public = identity.public_text(identity.coordinator_key(coord))
+    body = {"job": "j1", "round": 2, "client": 3, "spec": {"lr": 0.05}}
+    sealed = identity.seal(body, "task-a", 60, coord)
+    assert identity.check_sealed(sealed, "task-a", public) == body
+    assert identity.seal(body, "task-a", 60, None) == body  # FEDQ_IDENTITY off
+
+    refusals = {
+        "unsigned task": (body, "task-a", public, None),
+        "does not verify": ({**sealed, "client": 4}, "task-a", public, None),
+        "does not verify ": (sealed, "task-b", public, None),  # sealed for another id
+        "does not verify  ": (sealed, "task-a", identity.public_text(
+            identity.load_key(tmp_path / "other.key", create=True)), None),
+        "expired": (sealed, "task-a", public, float(sealed["expires"]) + 1),
+    }
+    for words, (msg, task, key, now) in refusals.items():
+        with pytest.raises(identity.Refused, match=words.strip()):
+            identity.check_sealed(msg, task, key, now)
+
+
+def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
+        tmp_path: Path) -> None:
+    coord = identity.public_text(identity.coordinator_key(tmp_path / "coord"))
+    w1, w2 = _joined(tmp_path, "w1", coord), _joined(tmp_path, "w2", coord)
+    sent = Sent("j1", 2, 3, 1, 7, "cpu")
+    other = Sent("j1", 2, 4, 1, 7, "cpu")
+    registry = enrol.Registry({"w1": identity.public_text(w1.key)}, frozenset({"w2"}))
+
+    good = w1.sign_result(_result(sent), sent.task_id)
+    ref = admit(good, sent, None, registry)
+    assert (ref.status, ref.signer) == ("ok", "w1")
+    assert admit(good, sent, None, None).signer is None  # identity off: not recorded
+
+    cases = {
+        "unsigned result from cpu1@host": _result(sent),
+        "signed by w2, which is revoked": w2.sign_result(_result(sent), sent.task_id),
+        "'w3', which is not a registered worker":
+            _joined(tmp_path, "w3", coord).sign_result(_result(sent), sent.task_id),
+        "w1's signature does not verify": {**good, "samples": 9},  # altered after signing
+        "w1's signature does not verify ": w1.sign_result(_result(sent), other.task_id),
+    }
+    for words, raw in cases.items():
+        ref = admit(raw, sent, None, registry)
+        assert ref.status == "rejected", words
+        assert ref.error is not None and "signature: " in ref.error, ref.error
+        assert words.strip() in ref.error, ref.error
+
+
+def test_task_ids_carry_a_tag_only_the_coordinator_computes(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    tag = identity.task_tag("fedq-j-g1-r1-c0-a1", a)
+    assert len(tag) == 17 and tag == identity.task_tag("fedq-j-g1-r1-c0-a1", a)
+    assert tag != identity.task_tag("fedq-j-g1-r1-c1-a1", a)
+    assert tag != identity.task_tag("fedq-j-g1-r1-c0-a1", b)
+    assert identity.task_tag("fedq-j-g1-r1-c0-a1", None) == ""
+
+
+def test_a_token_joins_once_and_a_revoked_name_never_comes_back(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    settings = load_settings({"FEDQ_HOME": str(tmp_path), "FEDQ_DATABASE_URL": db})
+    upgrade(db)
+    token = enrol.invite(settings, "w1", ["cpu"])
+    key, thief = (identity.load_key(tmp_path / f"{n}.key", create=True) for n in ("k", "t"))
+
+    forged = {**identity.join_proof(key, "w1", token),
+              "public_key": identity.public_text(thief)}  # someone else's key, not proven
+    assert "does not verify" in enrol.join(db, forged)["error"]
+    assert "no open invitation" in enrol.join(db, identity.join_proof(key, "w1", "guess"))["error"]
+    assert enrol.join(db, "not a dict")["ok"] is False
+    assert enrol.join(db, identity.join_proof(key, "w1", token))["ok"] is True
+    assert "no open invitation" in enrol.join(db, identity.join_proof(thief, "w1", token))["error"]
+    assert enrol.registry(db).active == {"w1": identity.public_text(key)}
+
+    member, hosts = enrol.revoke(settings, "w1")
+    assert (member.state, hosts) == ("revoked", [])
+    assert enrol.registry(db) == enrol.Registry({}, frozenset({"w1"}))
+    with pytest.raises(ConfigError, match="w1 is revoked"):
+        enrol.invite(settings, "w1", ["cpu"])
+    with pytest.raises(ConfigError, match="worker name"):
+        enrol.invite(settings, "Bad Name", ["cpu"])
+
+
+# -- the real thing: Redis + PostgreSQL, real celery workers -------------------------------
+
+SPEC = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "rounds": 3, "min_clients": 2,
+        "round_timeout_s": 60}
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
+    """Control worker and beat with FEDQ_IDENTITY=required and their own keys folder."""
+    from tests.conftest import migrated_cluster
+
+    cluster = migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
+    cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"))
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    yield cluster
+    cluster.stop()
+
+
+def _join(cluster: Cluster, name: str, bundle: Path, check: bool = True) -> str:
+    """`fedq worker join BUNDLE` on a 'machine' of its own: its keys folder, and no
+    service URL but the bundle's."""
+    env = {**cluster.env, "FEDQ_KEYS_DIR": str(cluster.home / name), "FEDQ_IDENTITY": "",
+           "FEDQ_BROKER_URL": "", "FEDQ_RESULT_BACKEND": "", "FEDQ_BLOB_URL": ""}
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "worker", "join", str(bundle),
+                           "--timeout", "30"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr if check else f"{proc.returncode}\n{proc.stderr}"
+
+
+def _joined_worker(cluster: Cluster, name: str) -> dict[str, str]:
+    return {"FEDQ_KEYS_DIR": str(cluster.home / name), "FEDQ_IDENTITY": "",
+            "FEDQ_BROKER_URL": "", "FEDQ_RESULT_BACKEND": "", "FEDQ_BLOB_URL": ""}
+
+
+@pytest.mark.slow
+def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut_off(
+        coordinator: Cluster) -> None:
+    cluster = coordinator
+    for name in ("w1", "w2"):
+        cluster.fedq("worker", "add", name, "--queues", "cpu", "--out",
+                     str(cluster.home / f"{name}.bundle"))
+    assert "joined as w1" in _join(cluster, "w1", cluster.home / "w1.bundle")
+    # the token worked once: another machine with the same bundle is refused
+    again = _join(cluster, "w9", cluster.home / "w1.bundle", check=False)
+    assert again.startswith("1\n") and "no open invitation" in again, again
+    assert not (cluster.home / "w9" / identity.WORKER_FILE).exists()  # nothing half-written
+    _join(cluster, "w2", cluster.home / "w2.bundle")
+    listing = cluster.fedq("worker", "list").stdout
+    assert "w1" in listing and "w2" in listing and listing.count("active") == 2, listing
+
+    # 1. two joined workers train a job: every update is signed and recorded by signer
+    cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    cluster.add("w2", ["cpu"], **_joined_worker(cluster, "w2"))
+    job = cluster.submit({**SPEC, "name": "signed"})
+    assert cluster.wait(job).status == "completed"
+    rows = [u for u in cluster.updates(job) if u.status == "ok"]
+    assert len(rows) == 6 and {u.signer for u in rows} <= {"w1", "w2"}, \
+        [(u.client, u.status, u.signer, u.error) for u in cluster.updates(job)]
+
+    # 2. a worker that never joined: each of its results is rejected, unsigned
+    for w in list(cluster.workers):
+        if w.name != "control@test":
+            w.stop()
+            cluster.workers.remove(w)
+    cluster.add("stranger", ["cpu"])
+    job = cluster.submit({**SPEC, "name": "stranger", "rounds": 1, "max_redispatch": 0})
+    assert cluster.wait(job).status == "failed"
+    rows = cluster.updates(job)
+    assert rows and all(u.status != "ok" and "signature: unsigned result" in (u.error or "")
+                        for u in rows), [(u.status, u.error) for u in rows]
+    cluster.by_name("stranger").stop()
+    cluster.workers.remove(cluster.by_name("stranger"))
+
+    # 3. revoked mid-job: w2 is told to stop, its later results are rejected, the job
+    # completes on w1
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    w2 = cluster.add("w2", ["cpu"], **_joined_worker(cluster, "w2"))
+    job = cluster.submit({**SPEC, "name": "revoked", "rounds": 6, "max_redispatch": 3})
+    wait_until(lambda: any(u.signer == "w2" and u.status == "ok" for u in cluster.updates(job)),
+               120, what="an update signed by w2")
+    said = cluster.fedq("worker", "revoke", "w2").stdout
+    revoked_at = time.time()
+    assert "revoked w2" in said and w2.hostname in said, said
+    wait_until(lambda: not w2.alive(), 30, what="the revoked worker to shut down")
+    assert cluster.wait(job, timeout=240).status == "completed"
+    assert w1.alive()
+    late = [u for u in cluster.updates(job) if u.signer == "w2" and u.status == "ok"
+            and u.created_at.timestamp() > revoked_at + 1]
+    assert not late, [(u.round_number, u.client) for u in late]
+    assert "revoked" in cluster.fedq("worker", "list").stdout
+
+    # 4. tasks altered, unsigned or re-addressed on the way are refused by the worker
+    coord = Path(cluster.env["FEDQ_KEYS_DIR"])
+    model = BlobRef(f"jobs/{job}/r00001/global.safetensors", SHA, 10)
+    sent = Sent(job, 1, 0, 9, 1, "cpu")
+    sealed = identity.seal(sent.train_ref(SPEC, model).to_json(), "fedq-x-altered", 60, coord)
+    app = cluster.client_app()
+    crafted = {
+        "does not verify": ({**sealed, "client": 1}, "fedq-x-altered"),
+        "does not verify ": (sealed, "fedq-x-readdressed"),
+        "unsigned task": (sent.train_ref(SPEC, model).to_json(), "fedq-x-unsigned"),
+    }
+    for words, (body, task) in crafted.items():
+        got = app.send_task("fedq.train", args=(body,), queue="cpu", task_id=task).get(timeout=60)
+        assert got["status"] == "error" and words.strip() in got["error"], got
+        assert got["signer"] == "w1"  # the refusal itself is signed
+    log = w1.log_path.read_text()
+    for task in ("fedq-x-altered", "fedq-x-readdressed", "fedq-x-unsigned"):  # one line each
+        assert log.count(f"WARNING/MainProcess] refused task {task}") == 1, log[-3000:]
+
+
+def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bundle.json"
+    bad.write_text(json.dumps({"fedq_bundle": 1, "name": "w1"}))
+    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "worker", "join", str(bad)],
+                          env={"FEDQ_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "the bundle has no token" in proc.stderr
+    assert not (tmp_path / "keys").exists()
