@@ -98,6 +98,7 @@ class Settings(BaseModel):
     uplink_mbit: float | None = Field(default=None, gt=0)
     identity: Literal["off", "required"] = "off"
     keys_dir: Path = Path(DEFAULT_HOME) / "keys"
+    joined_as: str | None = None  # the registered name of a joined worker (worker.json)
 
     @property
     def embedded_broker(self) -> bool:
@@ -152,7 +153,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
 
     home = Path(get("HOME") or DEFAULT_HOME).expanduser().absolute()
     keys_dir = Path(get("KEYS_DIR") or home / "keys").expanduser().absolute()
-    joined = _joined_services(keys_dir)
+    joined_as, joined = _joined(keys_dir)
     for key in ("BROKER_URL", "RESULT_BACKEND", "BLOB_URL", "S3_ENDPOINT_URL"):
         if get(key) is None and joined.get(key.lower()):
             secrets[key] = joined[key.lower()]  # a joined worker's bundle (fedq worker join)
@@ -181,6 +182,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "uplink_mbit": get("UPLINK_MBIT"),
         "identity": get("IDENTITY") or "off",
         "keys_dir": keys_dir,
+        "joined_as": joined_as,
     }
     try:
         settings = Settings(**raw)
@@ -195,15 +197,18 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     return settings
 
 
-def _joined_services(keys_dir: Path) -> dict[str, str]:
-    """The service URLs a joined worker's ``worker.json`` holds (``fedq worker join``
-    wrote them from its bundle), or nothing when this machine has not joined."""
+def _joined(keys_dir: Path) -> tuple[str | None, dict[str, str]]:
+    """A joined worker's name and the service URLs its ``worker.json`` holds (``fedq
+    worker join`` wrote them from its bundle); (None, {}) when this machine has not
+    joined."""
     from fedq.identity import read_worker_file
 
-    data = read_worker_file(keys_dir) or {}
+    data = read_worker_file(keys_dir)
+    if data is None:
+        return None, {}
     services = data.get("services")
-    return {k: v for k, v in services.items() if isinstance(v, str)} \
-        if isinstance(services, dict) else {}
+    return data["name"], ({k: v for k, v in services.items() if isinstance(v, str)}
+                          if isinstance(services, dict) else {})
 
 
 def secret(env: Mapping[str, str], name: str) -> str | None:

@@ -37,9 +37,10 @@ def _joined(tmp: Path, name: str, coordinator: str) -> identity.Joined:
                            coordinator, ("cpu",))
 
 
-def _result(sent: Sent, **fields: object) -> dict[str, object]:
+def _result(sent: Sent, signer: str | None = "w1", **fields: object) -> dict[str, object]:
+    """An ok result of ``sent`` with its update in ``signer``'s folder."""
     ref = UpdateRef(status="ok", job=sent.job, round=sent.round, client=sent.client,
-                    queue=sent.queue, worker="cpu1@host", key=sent.update_key, sha256=SHA,
+                    queue=sent.queue, worker="cpu1@host", key=sent.key_of(signer), sha256=SHA,
                     samples=10, steps=2, loss=0.5, attempt=sent.attempt, gen=sent.gen)
     return {**ref.to_json(), **fields}
 
@@ -80,9 +81,12 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
     ref = admit(good, sent, None, registry)
     assert (ref.status, ref.signer) == ("ok", "w1")
     assert admit(good, sent, None, None).signer is None  # identity off: not recorded
+    # a registered worker's update lies in its own folder (its Redis user writes there only)
+    moved = w1.sign_result(_result(sent, None), sent.task_id)
+    assert "key: the update is at" in (admit(moved, sent, None, registry).error or "")
 
     cases = {
-        "unsigned result from cpu1@host": _result(sent),
+        "unsigned result from cpu1@host": _result(sent, None),
         "signed by w2, which is revoked": w2.sign_result(_result(sent), sent.task_id),
         "'w3', which is not a registered worker":
             _joined(tmp_path, "w3", coord).sign_result(_result(sent), sent.task_id),

@@ -24,12 +24,16 @@ def state_key(job: str, round_number: int, tag: str = "") -> str:
     return f"jobs/{job}/r{round_number:05d}/server-state{'-' + tag if tag else ''}.safetensors"
 
 
-def update_key(job: str, round_number: int, client: int, attempt: int = 1) -> str:
-    """Client ``client``'s update in round ``round_number``, dispatch ``attempt``.
+def update_key(job: str, round_number: int, client: int, attempt: int = 1,
+               worker: str | None = None) -> str:
+    """Client ``client``'s update in round ``round_number``, dispatch ``attempt``;
+    under ``updates/WORKER/`` when a registered worker made it (its Redis user may
+    write there only: fedq/coordinator/acl.py).
 
     The attempt is in the key so that a straggler from attempt 1 finishing after the
     re-dispatched attempt 2 cannot overwrite the blob attempt 2's ref points at."""
-    return f"jobs/{job}/r{round_number:05d}/updates/c{client:06d}-a{attempt}.safetensors"
+    folder = f"{worker}/" if worker else ""
+    return f"jobs/{job}/r{round_number:05d}/updates/{folder}c{client:06d}-a{attempt}.safetensors"
 
 
 def updates_prefix(job: str, round_number: int) -> str:

@@ -53,6 +53,7 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
                   "another machine cannot reach it (set FEDQ_BROKER_URL)")
     public = identity.public_text(identity.coordinator_key(settings.keys_dir))
     token = enrol.invite(settings, name, qs)
+    services, users = enrol.own_users(settings, name, qs, services)
     bundle = {"fedq_bundle": BUNDLE_FORMAT, "name": name, "queues": qs, "token": token,
               "coordinator_key": public,
               "services": {k: v for k, v in services.items() if v}}
@@ -61,7 +62,8 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
         out.print(text, end="", highlight=False, soft_wrap=True, markup=False)
     else:
         _write_private(out_path, text)
-        out.print(f"wrote {out_path}: the join bundle of worker {name} ({','.join(qs)})")
+        out.print(f"wrote {out_path}: the join bundle of worker {name} ({','.join(qs)})"
+                  + (f"; its own Redis user {users[0]}" if users else ""))
     err.print(f"fedq: the bundle holds a one-time token and the services' passwords: move "
               f"it to the worker's machine privately, run `fedq worker join BUNDLE` there, "
               f"then delete it. This coordinator admits signed results only with "
@@ -166,6 +168,8 @@ def _read_bundle(path: Path) -> dict[str, Any]:
 
 def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
     from celery.exceptions import TimeoutError as CeleryTimeout
+    from kombu.exceptions import OperationalError
+    from redis import RedisError
 
     from fedq.engine.app import app
     from fedq.engine.names import CONTROL_QUEUE, JOIN_WORKER_TASK
@@ -177,7 +181,7 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
         raise ServiceUnavailable(f"no answer from the coordinator's control worker in "
                                  f"{timeout:.0f} s (is it running, and is this the broker "
                                  f"it uses?)") from None
-    except OSError as exc:
+    except (OSError, OperationalError, RedisError) as exc:
         raise ServiceUnavailable(f"cannot reach the bundle's broker: {exc}") from None
     return answer if isinstance(answer, dict) else {"ok": False, "error": "no answer"}
 

@@ -151,11 +151,14 @@ def drop_updates(settings: Settings, store: BlobStore, job_id: str, number: int)
     A failure is logged, never fatal: it only costs space."""
     with session_scope(settings.database_url) as s:
         tasks = s.execute(select(ClientUpdate.round_number, ClientUpdate.task_index,
-                                 ClientUpdate.client, ClientUpdate.attempt)
+                                 ClientUpdate.client, ClientUpdate.attempt,
+                                 ClientUpdate.signer)
                           .where(ClientUpdate.job_id == job_id,
                                  ClientUpdate.round_number == number)).all()
-    keys = {update_key(job_id, index or rnd, client, a)
-            for rnd, index, client, attempts in tasks for a in range(1, (attempts or 1) + 1)}
+    signers = {None} | {signer for *_, signer in tasks if signer}  # registered workers' folders
+    keys = {update_key(job_id, index or rnd, client, a, who)
+            for rnd, index, client, attempts, _ in tasks
+            for a in range(1, (attempts or 1) + 1) for who in signers}
     try:
         store.delete_keys(sorted(keys))
     except Exception:  # noqa: BLE001 - space, not correctness

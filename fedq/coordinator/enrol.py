@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -85,6 +86,26 @@ def invite(settings: Settings, name: str, queues: list[str]) -> str:
     return token
 
 
+def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str],
+              services: dict[str, str | None]) -> tuple[dict[str, str | None], list[str]]:
+    """``services`` with worker ``name``'s own credentials wherever the coordinator's
+    service is Redis: a Redis user with only what a worker needs is created there
+    (fedq/coordinator/acl.py). Returns the services and the users made."""
+    from fedq.coordinator import acl
+
+    password = secrets.token_urlsafe(24)
+    made: list[str] = []
+    out = dict(services)
+    for key in ("broker_url", "result_backend", "blob_url"):
+        mine, theirs = getattr(settings, key), services.get(key)
+        if not (acl.is_redis(mine) and acl.is_redis(theirs)):
+            continue
+        acl.create_user(mine, name, queues, password)
+        out[key] = acl.with_user(str(theirs), acl.username(name), password)
+        made.append(acl.username(name))
+    return out, sorted(set(made))
+
+
 def join(db_url: str, proof: Any) -> dict[str, Any]:
     """Register a joining worker's public key (the control task's work). Every field
     comes from the wire: checked here; never raises. The token works once."""
@@ -128,7 +149,15 @@ def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
         member = _member(row)
         hosts = sorted(h for h in s.scalars(select(ClientUpdate.worker).distinct()
                                             .where(ClientUpdate.signer == name)) if h)
-    cut_off(hosts)
+    from fedq.coordinator import acl
+
+    cut_off(hosts)  # first, while they can still hear it
+    redis_urls = {u for u in (settings.broker_url, settings.result_backend, settings.blob_url)
+                  if acl.is_redis(u)}
+    if hosts and redis_urls:
+        time.sleep(1.0)  # the shutdown is read before the connections go
+    for url in redis_urls:
+        acl.disable_user(url, name)  # its connections dropped, its password gone
     return member, hosts
 
 

@@ -96,8 +96,13 @@ class Sent:
 
     @property
     def update_key(self) -> str:
-        """The one key this task's update may be stored under."""
-        return update_key(self.job, self.task or self.round, self.client, self.attempt)
+        """The one key this task's update may be stored under (a registered worker's:
+        :meth:`key_of`)."""
+        return self.key_of(None)
+
+    def key_of(self, signer: str | None) -> str:
+        """The one key this task's update may be stored under by ``signer``."""
+        return update_key(self.job, self.task or self.round, self.client, self.attempt, signer)
 
     def train_ref(self, spec: dict[str, Any], model: BlobRef,
                   step: StepRef | None = None) -> TrainRef:
@@ -199,10 +204,11 @@ def admit(raw: Any, sent: Sent, bound: Limits | None,
     ref = UpdateRef(**fields)
     if ref.status != "ok":
         return ref
-    if ref.key != sent.update_key:
+    # a registered worker's folder (its signature verified above when it counts)
+    if ref.key != sent.key_of(got.signer):
         return dataclasses.replace(rejected, error=(
             f"key: the update is at {str(ref.key)[:120]!r}, its task's key is "
-            f"{sent.update_key!r}"))
+            f"{sent.key_of(got.signer)!r}"))
     if ref.sha256 is None:
         return dataclasses.replace(rejected, error="key: the result names no sha256")
     if bound is not None:

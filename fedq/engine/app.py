@@ -39,6 +39,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "store_processed": False,
             "polling_interval": settings.poll_interval,
         }
+    elif settings.joined_as:  # a registered worker's own unacked keys (coordinator/acl.py)
+        transport_options.update({f"unacked{part}_key": f"unacked{part}:{settings.joined_as}"
+                                  for part in ("", "_index", "_mutex")})
     if settings.result_backend.startswith("file://"):
         (settings.home / "results").mkdir(parents=True, exist_ok=True)
         path = settings.result_backend[len("file://"):]

@@ -246,7 +246,7 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
     stored, meta = encode(delta, codec, spec.compression.chunk)
     meta.update({"job": ref.job, "round": str(ref.round), "task": str(ref.task),
                  "client": str(ref.client)})
-    key = update_key(ref.job, ref.number, ref.client, ref.attempt)
+    key = update_key(ref.job, ref.number, ref.client, ref.attempt, get_settings().joined_as)
     parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
         else dump_parts(stored, meta)
     sending = time.perf_counter()

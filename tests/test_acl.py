@@ -1,0 +1,123 @@
+"""A worker holds only what it needs: its own Redis user (fedq/coordinator/acl.py;
+docs/security.md, "Least privilege").
+
+A redis-server of the test's own (the coordinator holds its admin password) is the
+broker, result backend and blob store. ``fedq worker add`` makes the worker's Redis
+user and ``fedq worker join`` takes it to the worker's 'machine' (a keys folder with
+no other credentials); a real ``celery worker`` then trains a job with only those
+rights, and ``ACL LOG`` shows that nothing it needed was denied. Then each thing the
+worker's credentials must not do is tried and refused: another queue, another
+worker's update, the global model, FLUSHDB, CONFIG SET, KEYS, a remote-control
+``shutdown`` aimed at the control worker. Revoking the worker disables its user.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedq.coordinator import acl
+from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.wait import wait_until
+from tests.test_identity import _join, _joined_worker
+from tests.test_security import protected_redis
+
+SPEC = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "rounds": 2, "min_clients": 2,
+        "round_timeout_s": 60}
+
+
+@pytest.fixture
+def admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str]]:
+    from tests.conftest import migrated_cluster
+
+    with protected_redis(tmp_path) as url:
+        redis_url = f"{url}/0"
+        cluster = migrated_cluster(tmp_path, redis_url, redis_url, pg_url)
+        cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"),
+                           FEDQ_BLOB_URL=redis_url)
+        cluster.start(control=["control"])
+        cluster.start_beat()
+        yield cluster, redis_url
+        cluster.stop()
+
+
+def _refused(client, *command: object) -> str:  # type: ignore[no-untyped-def]
+    import redis
+
+    try:
+        client.execute_command(*command)
+    except redis.exceptions.NoPermissionError as exc:
+        return str(exc)
+    raise AssertionError(f"{command[0]} was allowed")
+
+
+@pytest.mark.slow
+def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) -> None:
+    import redis
+
+    cluster, admin_url = admin
+    for name, queue in (("w1", "cpu"), ("w2", "gpu_new")):
+        cluster.fedq("worker", "add", name, "--queues", queue, "--out",
+                     str(cluster.home / f"{name}.bundle"))
+    bundle = json.loads((cluster.home / "w1.bundle").read_text())
+    assert bundle["services"]["broker_url"].startswith("redis://fedq-w-w1:")
+    assert bundle["services"]["blob_url"] == bundle["services"]["broker_url"]
+    _join(cluster, "w1", cluster.home / "w1.bundle")
+    _join(cluster, "w2", cluster.home / "w2.bundle")
+
+    root = redis.Redis.from_url(admin_url)
+    root.execute_command("ACL", "LOG", "RESET")
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    cluster.add("w2", ["gpu_new"], **_joined_worker(cluster, "w2"))
+    job = cluster.submit({**SPEC, "name": "acl"})
+    view = cluster.wait(job)
+    denied = [{k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+              for entry in root.execute_command("ACL", "LOG")]
+    assert view.status == "completed", f"{view.error}\n{denied}\n{w1.tail(40)}"
+    assert not denied, denied  # the worker had everything it needed
+    rows = [u for u in cluster.updates(job) if u.status == "ok"]
+    assert rows and all(u.signer and f"/updates/{u.signer}/" in (u.blob_key or "")
+                        for u in rows), [(u.signer, u.blob_key) for u in rows]
+
+    # each thing a worker's credentials must not do, tried with w1's
+    mine = redis.Redis.from_url(bundle["services"]["broker_url"])
+    other_update = next(u.blob_key for u in rows)  # w1's own, or write below another's
+    model = f"fedq:blob:jobs/{job}/r00001/global.safetensors"
+    refusals = {
+        "another queue": ("LRANGE", "gpu_new", 0, -1),
+        "another worker's update": ("GET", "fedq:blob:" + other_update.replace(
+            "/updates/w1/", "/updates/w2/")),
+        "the control queue's tasks": ("LRANGE", "control", 0, -1),
+        "the global model (write)": ("SET", model, b"x"),
+        "FLUSHDB": ("FLUSHDB",),
+        "CONFIG SET": ("CONFIG", "SET", "maxmemory", "1"),
+        "KEYS": ("KEYS", "*"),
+        "a remote-control command": ("PUBLISH", "/0.celery.pidbox", b"{}"),
+        "ACL": ("ACL", "LIST"),
+    }
+    for what, command in refusals.items():
+        assert "permission" in _refused(mine, *command).lower(), what
+    assert mine.get(model)  # what it needs: the global model, read
+
+    # a `shutdown` sent with the worker's credentials does not reach the control worker
+    from celery import Celery
+
+    from fedq.engine.app import celery_config
+    from fedq.settings import load_settings
+
+    env = {**cluster.env, **_joined_worker(cluster, "w1")}
+    hostile = Celery("hostile", set_as_current=False)
+    hostile.conf.update(celery_config(load_settings({k: v for k, v in env.items() if v})))
+    with pytest.raises(Exception, match="(?i)permission|noperm"):
+        hostile.control.shutdown(destination=["control@test"])
+    assert cluster.by_name("control").alive()
+
+    # revoked: its user is off, its connections gone
+    cluster.fedq("worker", "revoke", "w1")
+    wait_until(lambda: not w1.alive(), 30, what="the revoked worker to stop")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(bundle["services"]["broker_url"]).ping()
+    assert acl.username("w1") in {u.decode() for u in root.execute_command("ACL", "USERS")}
