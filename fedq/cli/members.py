@@ -211,3 +211,21 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+@main.command("provision")
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", "hosts", multiple=True,
+              help="a name or address the services are reached at (repeat it)")
+@click.option("--worker", "workers", multiple=True, help="a worker's name (repeat it)")
+@expected_errors
+def provision_cmd(folder: Path, hosts: tuple[str, ...], workers: tuple[str, ...]) -> None:
+    """Make a CA and certificates for mutual TLS: FOLDER/server (Redis, PostgreSQL,
+    S3), FOLDER/coordinator, FOLDER/workers/NAME. Run again to add workers."""
+    from fedq.coordinator.enrol import check_name
+    from fedq.provision import provision
+
+    for name in workers:
+        check_name(name)
+    for made in provision(folder, list(hosts), list(workers)):
+        out.print(f"{'made' if made.new else 'kept'} {made.path}")

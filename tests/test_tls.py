@@ -1,0 +1,109 @@
+"""The whole job over mutual TLS (fedq/provision.py; docs/deploy.md, "TLS").
+
+``fedq provision`` makes a CA, the server's certificate and one client certificate per
+party; a redis-server of the test's own listens on TLS only and asks every client for
+a certificate from that CA (``--tls-auth-clients yes``). The coordinator's services,
+``fedq worker add`` / ``join`` and a real worker all speak ``rediss://`` with their own
+certificates, and a job completes. A plaintext client and a TLS client without a
+certificate are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedq.testing.cluster import DIGITS, Cluster
+from tests.test_identity import _join, _joined_worker
+
+PASSWORD = "tls-admin-password-for-tests"
+SPEC = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "rounds": 2, "min_clients": 2}
+
+
+def _url(port: int, party: Path, password: str = PASSWORD) -> str:
+    return (f"rediss://:{password}@127.0.0.1:{port}/0?ssl_cert_reqs=required"
+            f"&ssl_ca_certs={party / 'ca.crt'}&ssl_certfile={party / 'client.crt'}"
+            f"&ssl_keyfile={party / 'client.key'}")
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """(the provisioned folder, the TLS port) of a redis-server that takes only TLS
+    clients with a certificate from the folder's CA."""
+    from tests.conftest import free_port, missing
+
+    certs = tmp_path / "pki"
+    subprocess.run([sys.executable, "-m", "fedq.cli", "provision", str(certs), "--host", "127.0.0.1", "--worker", "w1"],
+                   check=True, capture_output=True, timeout=60)
+    server = shutil.which("redis-server")
+    if server is None:
+        missing("redis-server", "binary not found")
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--requirepass", PASSWORD,
+         "--tls-cert-file", str(certs / "server" / "server.crt"),
+         "--tls-key-file", str(certs / "server" / "server.key"),
+         "--tls-ca-cert-file", str(certs / "server" / "ca.crt"), "--tls-auth-clients", "yes"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis.from_url(_url(port, certs / "coordinator"))
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            time.sleep(0.05)
+    try:
+        yield certs, port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_a_job_runs_over_mutual_tls(tmp_path: Path, tls_redis: tuple[Path, int],
+                                    pg_url: str) -> None:
+    import redis
+
+    from tests.conftest import migrated_cluster
+
+    certs, port = tls_redis
+    coordinator = _url(port, certs / "coordinator")
+    cluster: Cluster = migrated_cluster(tmp_path, coordinator, coordinator, pg_url)
+    cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"),
+                       FEDQ_BLOB_URL=coordinator)
+    try:
+        cluster.start(control=["control"])
+        cluster.start_beat()
+        worker_url = _url(port, certs / "workers" / "w1", password="replaced")
+        cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
+                     str(tmp_path / "w1.bundle"), "--broker-url", worker_url,
+                     "--result-backend", worker_url, "--blob-url", worker_url)
+        services = json.loads((tmp_path / "w1.bundle").read_text())["services"]
+        assert all(v.startswith("rediss://fedq-w-w1:") and "workers/w1/client.key" in v
+                   for v in services.values()), services
+        _join(cluster, "w1", tmp_path / "w1.bundle")
+        cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+        job = cluster.submit({**SPEC, "name": "tls"})
+        assert cluster.wait(job).status == "completed"
+        rows = [u for u in cluster.updates(job) if u.status == "ok"]
+        assert len(rows) == 4 and {u.signer for u in rows} == {"w1"}
+    finally:
+        cluster.stop()
+
+    # refused: a plaintext client, and a TLS client with no certificate of this CA
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, password=PASSWORD, socket_connect_timeout=3,
+                    socket_timeout=3).ping()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_cert_reqs=required"
+                             f"&ssl_ca_certs={certs / 'ca.crt'}", socket_timeout=3).ping()
