@@ -141,16 +141,19 @@ SPEC = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "rounds": 3, "min_cl
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path, redis_db: str, pg_url: str) -> Iterator[Cluster]:
-    """Control worker and beat with FEDQ_IDENTITY=required and their own keys folder."""
-    from tests.conftest import migrated_cluster
+def coordinator(tmp_path: Path, pg_url: str) -> Iterator[Cluster]:
+    """Control worker and beat with FEDQ_IDENTITY=required and their own keys folder,
+    on a redis-server of the test's own (``fedq worker add`` makes Redis users, which
+    belong to the whole server)."""
+    from tests.conftest import migrated_cluster, private_redis
 
-    cluster = migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
-    cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"))
-    cluster.start(control=["control"])
-    cluster.start_beat()
-    yield cluster
-    cluster.stop()
+    with private_redis() as (redis_url, _):
+        cluster = migrated_cluster(tmp_path, redis_url, redis_url, pg_url)
+        cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"))
+        cluster.start(control=["control"])
+        cluster.start_beat()
+        yield cluster
+        cluster.stop()
 
 
 def _join(cluster: Cluster, name: str, bundle: Path, check: bool = True) -> str:

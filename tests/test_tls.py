@@ -40,7 +40,8 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     from tests.conftest import free_port, missing
 
     certs = tmp_path / "pki"
-    subprocess.run([sys.executable, "-m", "fedq.cli", "provision", str(certs), "--host", "127.0.0.1", "--worker", "w1"],
+    subprocess.run([sys.executable, "-m", "fedq.cli", "provision", str(certs),
+                    "--host", "127.0.0.1", "--worker", "w1"],
                    check=True, capture_output=True, timeout=60)
     server = shutil.which("redis-server")
     if server is None:

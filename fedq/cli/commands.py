@@ -386,6 +386,30 @@ def upgrade() -> None:
     click.echo(f"database at revision {current_revision(settings.database_url)}")
 
 
+@db.command("role")
+@click.argument("name")
+@click.option("--kind", type=click.Choice(["coordinator", "submitter"]), required=True,
+              help="coordinator: the control worker and beat; submitter: a person's CLI")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the role's database URL to this file (mode 600), not stdout")
+@expected_errors
+def role(name: str, kind: str, out_path: Path | None) -> None:
+    """Make PostgreSQL login role NAME with only what KIND needs (run as the schema
+    owner, after `fedq db upgrade`); prints its database URL, with a new password."""
+    from fedq.db.roles import grant
+
+    url = grant(_settings().database_url, name, kind)  # type: ignore[arg-type]
+    if out_path is None:
+        click.echo(url)
+        return
+    import os
+
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url + "\n")
+    click.echo(f"wrote {out_path}: the database URL of role {name} ({kind})")
+
+
 @main.group()
 def store() -> None:
     """The blob store (weights and updates)."""

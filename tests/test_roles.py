@@ -1,0 +1,125 @@
+"""PostgreSQL roles: the schema owner migrates, the coordinator and the submitters
+get only what they need (fedq/db/roles.py; docs/security.md, "Least privilege").
+
+On a fresh database of this machine's PostgreSQL: ``fedq db role`` makes both roles;
+each is tried at what it must not do — change the schema, ``COPY ... TO PROGRAM``
+(a superuser's way to run commands in the database's container), write the
+migration table, and for the submitter delete the watchdog's records — and refused
+by PostgreSQL's privilege check. Then a job runs with the control worker on the
+coordinator's role and ``fedq submit``/``results``/``worker add`` on the submitter's.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedq.testing.cluster import DIGITS, base_env
+
+
+def _role(owner_url: str, kind: str, name: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "db", "role", name, "--kind", kind],
+                          env={**base_env(Path("/tmp")),
+                               "FEDQ_DATABASE_URL": owner_url},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.fixture
+def roles(pg_url: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """(the owner's URL, {kind: the role's URL}) on a migrated database."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from fedq.db import upgrade
+
+    upgrade(pg_url)
+    suffix = secrets.token_hex(4)
+    names = {kind: f"fedq_{kind}_{suffix}" for kind in ("coordinator", "submitter")}
+    urls = {kind: _role(pg_url, kind, name) for kind, name in names.items()}
+    try:
+        yield pg_url, urls
+    finally:
+        plain = make_url(pg_url).set(drivername="postgresql").render_as_string(
+            hide_password=False)
+        with psycopg.connect(plain, autocommit=True) as conn:
+            for name in names.values():
+                conn.execute(f"DROP OWNED BY {name}")
+                conn.execute(f"DROP ROLE {name}")
+
+
+def _refused(url: str, statement: str) -> str:
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    plain = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        try:
+            conn.execute(statement)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            return str(exc)
+    raise AssertionError(f"allowed: {statement}")
+
+
+REFUSED_TO_BOTH = {
+    "change the schema": "DROP TABLE client_updates",
+    "add a table": "CREATE TABLE evil (x int)",
+    "run a program": "COPY (SELECT 1) TO PROGRAM 'id'",
+    "read the server's files": "SELECT pg_read_file('/etc/passwd')",
+    "move the schema's revision": "UPDATE alembic_version SET version_num = '0001'",
+    "make a role": "CREATE ROLE evil LOGIN",
+}
+REFUSED_TO_SUBMITTERS = {
+    "erase the watchdog's record": "DELETE FROM watchdog_actions",
+    "forge a worker's row": "UPDATE workers SET tasks_done = 0",
+    "erase a claim": "DELETE FROM claims",
+}
+
+
+def test_each_role_is_refused_what_it_does_not_need(
+        roles: tuple[str, dict[str, str]]) -> None:
+    _, urls = roles
+    for kind, url in urls.items():
+        assert url.startswith("postgresql+psycopg://fedq_") and kind in url
+        refused = {**REFUSED_TO_BOTH, **(REFUSED_TO_SUBMITTERS if kind == "submitter" else {})}
+        for what, statement in refused.items():
+            said = _refused(url, statement)  # PostgreSQL's privilege check, by its class
+            assert any(w in said for w in ("permission denied", "must be owner",
+                                           "must be superuser")), (what, said)
+
+
+@pytest.mark.slow
+def test_a_job_runs_on_the_coordinator_and_submitter_roles(
+        tmp_path: Path, roles: tuple[str, dict[str, str]]) -> None:
+    from tests.conftest import private_redis
+
+    _, urls = roles
+    with private_redis() as (redis_db, _):  # fedq worker add makes a server-wide Redis user
+        _run_job(tmp_path, urls, redis_db)
+
+
+def _run_job(tmp_path: Path, urls: dict[str, str], redis_db: str) -> None:
+    from fedq.testing.cluster import Cluster
+
+    env = base_env(tmp_path, FEDQ_BROKER_URL=redis_db, FEDQ_RESULT_BACKEND=redis_db,
+                   FEDQ_DATABASE_URL=urls["coordinator"], FEDQ_BLOB_URL=str(tmp_path / "blobs"),
+                   FEDQ_WATCHDOG_INTERVAL="1")
+    (tmp_path / "logs").mkdir()
+    cluster = Cluster(tmp_path, env)
+    try:
+        cluster.start(control=["control"], cpu1=["cpu"])
+        cluster.start_beat()
+        person = Cluster(tmp_path, {**env, "FEDQ_DATABASE_URL": urls["submitter"]})
+        job = person.submit({**DIGITS, "name": "roles", "rounds": 2})
+        assert person.wait(job).status == "completed"
+        assert len(person.results_json(job)["rounds"]) == 2
+        person.fedq("worker", "add", "w1", "--queues", "cpu", "--out", str(tmp_path / "b"))
+        assert "w1" in person.fedq("worker", "list").stdout
+    finally:
+        cluster.stop()
