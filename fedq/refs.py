@@ -45,6 +45,9 @@ class TrainRef:
     gen: int = 0  # the round row's id: tells a resumed round from the one it replaced
     step: StepRef | None = None  # the model as a step from the previous one, if published
     task: int = 0  # a buffered job's task number (0: a synchronous round's task)
+    # presigned URLs for its blobs ({"get": {key: url}, "put": {key: url}}), where the
+    # workers hold no S3 key (FEDQ_PRESIGN_ENDPOINT; fedq/blobs/presigned.py)
+    links: dict[str, dict[str, str]] | None = None
 
     @property
     def number(self) -> int:
@@ -57,7 +60,7 @@ class TrainRef:
                 "queue": self.queue, "spec": self.spec, "model": self.model.to_json(),
                 "attempt": self.attempt, "gen": self.gen,
                 "step": self.step.to_json() if self.step else None,
-                "format": MESSAGE_FORMAT}
+                "format": MESSAGE_FORMAT, **({"links": self.links} if self.links else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrainRef":
@@ -68,7 +71,7 @@ class TrainRef:
                    queue=str(data["queue"]), spec=dict(data["spec"]),
                    model=BlobRef.from_json(data["model"]), attempt=int(data.get("attempt", 1)),
                    gen=int(data.get("gen", 0)), step=StepRef.from_json(data.get("step")),
-                   task=int(data.get("task", 0)))
+                   task=int(data.get("task", 0)), links=data.get("links"))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ FEDQ_IDENTITY              ``off`` (default) or ``required``: the coordinator si
 FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
                            coordinator's, or a joined worker's with its ``worker.json``,
                            whose service URLs are used where the variables are not set
+FEDQ_PRESIGN_ENDPOINT      the S3 endpoint as workers reach it: each training task then
+                           carries presigned URLs for its blobs, and workers need no S3
+                           key (an ``s3://`` FEDQ_BLOB_URL; fedq/blobs/presigned.py)
 FEDQ_IMAGE_TORCH           set by fedq's images: ``release`` (the class's pin) or
                            ``default_index`` (its ``default_index`` pin, PyPI's build)
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
@@ -99,6 +102,7 @@ class Settings(BaseModel):
     identity: Literal["off", "required"] = "off"
     keys_dir: Path = Path(DEFAULT_HOME) / "keys"
     joined_as: str | None = None  # the registered name of a joined worker (worker.json)
+    presign_endpoint: str | None = None
 
     @property
     def embedded_broker(self) -> bool:
@@ -114,7 +118,7 @@ _KNOWN = {
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
-    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR",
+    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
@@ -183,6 +187,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "identity": get("IDENTITY") or "off",
         "keys_dir": keys_dir,
         "joined_as": joined_as,
+        "presign_endpoint": get("PRESIGN_ENDPOINT"),
     }
     try:
         settings = Settings(**raw)

@@ -34,6 +34,7 @@ JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 QUEUE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _MODEL_KEY = r"jobs/{job}/r\d{{5}}/(global|step)(-[0-9a-f]{{1,16}})?\.safetensors"
+_UPDATE_KEY = r"jobs/{job}/r\d{{5}}/updates/c\d{{6}}-a\d+\.safetensors"
 
 
 class FormatError(ValueError):
@@ -103,6 +104,28 @@ def check_task(data: Any) -> None:
             check_sha256(blob.get("base"), "step base")
     if not isinstance(data.get("spec"), dict):
         raise FormatError("task field 'spec' is not an object")
+    links = data.get("links")
+    if links is not None:
+        _check_links(links, job)
+
+
+def _check_links(links: Any, job: str) -> None:
+    """Presigned URLs: a GET per model key of the job, one PUT for an update key."""
+    if not isinstance(links, dict) or set(links) - {"get", "put"}:
+        raise FormatError("task field 'links' is not {get: {...}, put: {...}}")
+    for method, table in links.items():
+        if not isinstance(table, dict) or len(table) > (2 if method == "get" else 1):
+            raise FormatError(f"task links {method!r}: not a small table of key -> URL")
+        for key, url in table.items():
+            if method == "get":
+                check_model_key(key, job)
+            elif not isinstance(key, str) or re.fullmatch(_UPDATE_KEY.format(
+                    job=re.escape(job)), key) is None:
+                raise FormatError(f"task link key {str(key)[:120]!r} is not an update key of "
+                                  f"job {job}")
+            if not isinstance(url, str) or len(url) > 4096 or \
+                    not url.startswith(("http://", "https://")):
+                raise FormatError(f"task link for {str(key)[:80]} is not an http(s) URL")
 
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]

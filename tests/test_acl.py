@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fedq.coordinator import acl
-from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.cluster import DIGITS, Cluster, record
 from fedq.testing.wait import wait_until
 from tests.test_identity import _join, _joined_worker
 from tests.test_security import protected_redis
@@ -99,7 +99,13 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
         "ACL": ("ACL", "LIST"),
     }
     for what, command in refusals.items():
-        assert "permission" in _refused(mine, *command).lower(), what
+        said = _refused(mine, *command)
+        assert "permission" in said.lower(), what
+        record("security", scenario=f"redis user: {what}",
+               did=f"`{' '.join(str(c) for c in command[:2])}` with its own credentials",
+               fedq=f"refused by Redis: NOPERM {said[:70]}",
+               guard="its Redis user (coordinator/acl.py)",
+               outcome="refused; the same user trained a job with no ACL denial")
     assert mine.get(model)  # what it needs: the global model, read
 
     # a `shutdown` sent with the worker's credentials does not reach the control worker
@@ -114,6 +120,10 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
     with pytest.raises(Exception, match="(?i)permission|noperm"):
         hostile.control.shutdown(destination=["control@test"])
     assert cluster.by_name("control").alive()
+    record("security", scenario="redis user: shut down the control worker",
+           did="`celery control shutdown` aimed at the control worker, with its credentials",
+           fedq="refused by Redis (no PUBLISH on the remote-control channel)",
+           guard="its Redis user (coordinator/acl.py)", outcome="the control worker lives")
 
     # revoked: its user is off, its connections gone
     cluster.fedq("worker", "revoke", "w1")

@@ -26,7 +26,7 @@ from fedq.db import upgrade
 from fedq.errors import ConfigError
 from fedq.refs import UpdateRef
 from fedq.settings import load_settings
-from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.cluster import DIGITS, Cluster, record
 from fedq.testing.wait import wait_until
 
 SHA = "ab" * 32
@@ -81,9 +81,12 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
     ref = admit(good, sent, None, registry)
     assert (ref.status, ref.signer) == ("ok", "w1")
     assert admit(good, sent, None, None).signer is None  # identity off: not recorded
-    # a registered worker's update lies in its own folder (its Redis user writes there only)
-    moved = w1.sign_result(_result(sent, None), sent.task_id)
+    # its update lies under its task's key (in its own folder, or the one its task's
+    # presigned URL names), never another client's, however well signed
+    moved = w1.sign_result(_result(sent, key=other.key_of("w1")), sent.task_id)
     assert "key: the update is at" in (admit(moved, sent, None, registry).error or "")
+    plain = w1.sign_result(_result(sent, None), sent.task_id)
+    assert admit(plain, sent, None, registry).status == "ok"
 
     cases = {
         "unsigned result from cpu1@host": _result(sent, None),
@@ -93,11 +96,24 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
         "w1's signature does not verify": {**good, "samples": 9},  # altered after signing
         "w1's signature does not verify ": w1.sign_result(_result(sent), other.task_id),
     }
+    did = {
+        "unsigned result from cpu1@host": "a worker that never joined sent a result",
+        "signed by w2, which is revoked": "a revoked worker sent a signed result",
+        "'w3', which is not a registered worker": "a result signed by an unknown key",
+        "w1's signature does not verify": "a signed result altered after signing "
+                                          "(samples 10 -> 9)",
+        "w1's signature does not verify ": "a registered worker's result signed for "
+                                           "another client's task",
+    }
     for words, raw in cases.items():
         ref = admit(raw, sent, None, registry)
         assert ref.status == "rejected", words
         assert ref.error is not None and "signature: " in ref.error, ref.error
         assert words.strip() in ref.error, ref.error
+        record("security", scenario="identity: " + did[words].split(" (")[0][:40],
+               did=did[words], fedq=f"rejected: {ref.error[:100]}",
+               guard="intake._unsigned (FEDQ_IDENTITY=required)",
+               outcome="rejected, the other updates of the round unaffected")
 
 
 def test_task_ids_carry_a_tag_only_the_coordinator_computes(tmp_path: Path) -> None:
@@ -188,6 +204,10 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
     # the token worked once: another machine with the same bundle is refused
     again = _join(cluster, "w9", cluster.home / "w1.bundle", check=False)
     assert again.startswith("1\n") and "no open invitation" in again, again
+    record("security", scenario="join: a used token", did="a second machine joined with "
+           "a bundle already used", fedq=again.split("error:")[-1].strip()[:100],
+           guard="enrol.join: one-time token (its sha256 kept, cleared on use)",
+           outcome="exit 1, nothing written on that machine")
     assert not (cluster.home / "w9" / identity.WORKER_FILE).exists()  # nothing half-written
     _join(cluster, "w2", cluster.home / "w2.bundle")
     listing = cluster.fedq("worker", "list").stdout
@@ -213,6 +233,10 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
     rows = cluster.updates(job)
     assert rows and all(u.status != "ok" and "signature: unsigned result" in (u.error or "")
                         for u in rows), [(u.status, u.error) for u in rows]
+    record("security", scenario="identity: an unregistered worker",
+           did="a real worker that never joined took every task of a job",
+           fedq=f"rejected: {rows[0].error[:90]}", guard="intake._unsigned in finalize.collect",
+           outcome=f"all {len(rows)} of its results rejected; the job failed its quorum")
     cluster.by_name("stranger").stop()
     cluster.workers.remove(cluster.by_name("stranger"))
 
@@ -233,6 +257,10 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
             and u.created_at.timestamp() > revoked_at + 1]
     assert not late, [(u.round_number, u.client) for u in late]
     assert "revoked" in cluster.fedq("worker", "list").stdout
+    record("security", scenario="identity: revoked mid-job",
+           did="`fedq worker revoke w2` while w2 trained round 1 or 2 of 6",
+           fedq=said.strip()[:100], guard="enrol.revoke + cut_off; intake: revoked signer",
+           outcome="w2 shut down; the job completed on w1; no w2 update counted after")
 
     # 4. tasks altered, unsigned or re-addressed on the way are refused by the worker
     coord = Path(cluster.env["FEDQ_KEYS_DIR"])
@@ -245,10 +273,16 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
         "does not verify ": (sealed, "fedq-x-readdressed"),
         "unsigned task": (sent.train_ref(SPEC, model).to_json(), "fedq-x-unsigned"),
     }
+    what = {"does not verify": "a sealed task with its client changed on the way",
+            "does not verify ": "a sealed task sent under another task id",
+            "unsigned task": "an unsigned task"}
     for words, (body, task) in crafted.items():
         got = app.send_task("fedq.train", args=(body,), queue="cpu", task_id=task).get(timeout=60)
         assert got["status"] == "error" and words.strip() in got["error"], got
         assert got["signer"] == "w1"  # the refusal itself is signed
+        record("security", scenario="task: " + what[words][:40], did=what[words] +
+               " (sent to a joined worker)", fedq=f"refused by the worker: {got['error'][:80]}",
+               guard="identity.check_sealed", outcome="one log line; a signed error result")
     log = w1.log_path.read_text()
     for task in ("fedq-x-altered", "fedq-x-readdressed", "fedq-x-unsigned"):  # one line each
         assert log.count(f"WARNING/MainProcess] refused task {task}") == 1, log[-3000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fedq.testing.cluster import DIGITS, base_env
+from fedq.testing.cluster import DIGITS, base_env, record
 
 
 def _role(owner_url: str, kind: str, name: str) -> str:
@@ -92,6 +92,9 @@ def test_each_role_is_refused_what_it_does_not_need(
             said = _refused(url, statement)  # PostgreSQL's privilege check, by its class
             assert any(w in said for w in ("permission denied", "must be owner",
                                            "must be superuser")), (what, said)
+            record("security", scenario=f"database {kind}: {what}", did=f"`{statement}`",
+                   fedq=f"refused by PostgreSQL: {said.splitlines()[0][:70]}",
+                   guard=f"the {kind} role (db/roles.py)", outcome="refused")
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.cluster import DIGITS, Cluster, record
 from tests.test_identity import _join, _joined_worker
 
 PASSWORD = "tls-admin-password-for-tests"
@@ -98,6 +98,10 @@ def test_a_job_runs_over_mutual_tls(tmp_path: Path, tls_redis: tuple[Path, int],
         assert cluster.wait(job).status == "completed"
         rows = [u for u in cluster.updates(job) if u.status == "ok"]
         assert len(rows) == 4 and {u.signer for u in rows} == {"w1"}
+        record("security", scenario="tls: a job", did="control worker, beat, join and a "
+               "worker over rediss:// with client certificates", fedq="completed",
+               guard="fedq provision; redis --tls-auth-clients yes",
+               outcome="4 of 4 updates signed by w1")
     finally:
         cluster.stop()
 
@@ -108,3 +112,8 @@ def test_a_job_runs_over_mutual_tls(tmp_path: Path, tls_redis: tuple[Path, int],
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_cert_reqs=required"
                              f"&ssl_ca_certs={certs / 'ca.crt'}", socket_timeout=3).ping()
+    for did in ("a plaintext client (with the password)",
+                "a TLS client with the password but no client certificate"):
+        record("security", scenario="tls: " + did.split(" (")[0].split(" with")[0], did=did,
+               fedq="connection refused by Redis", guard="redis --tls-auth-clients yes",
+               outcome="no command ran")

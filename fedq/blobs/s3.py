@@ -44,6 +44,7 @@ class S3BlobStore(BlobStore):
             "s3", endpoint_url=endpoint_url, **keys,
             config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3},
                           s3={"addressing_style": "path"}))
+        self._presigners: dict[str, Any] = {}
 
     def _errors(self) -> tuple[type[Exception], ...]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -81,6 +82,31 @@ class S3BlobStore(BlobStore):
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
         return int(head["ContentLength"])
+
+    def presign(self, endpoint: str, expires_s: int, get: Sequence[str],
+                put: Sequence[str]) -> dict[str, dict[str, str]]:
+        """URLs that let their holder GET the keys ``get`` and PUT the keys ``put`` (and
+        nothing else) at ``endpoint``, the S3 endpoint as the workers reach it, for
+        ``expires_s`` seconds (fedq/blobs/presigned.py)."""
+        import boto3
+        from botocore.config import Config
+
+        signer = self._presigners.get(endpoint)
+        if signer is None:
+            creds = self._client._request_signer._credentials  # the same key, another host
+            signer = boto3.client(
+                "s3", endpoint_url=endpoint, region_name=self._client.meta.region_name,
+                aws_access_key_id=creds.access_key, aws_secret_access_key=creds.secret_key,
+                config=Config(s3={"addressing_style": "path"}, signature_version="s3v4"))
+            self._presigners[endpoint] = signer
+
+        def url(method: str, key: str) -> str:
+            return str(signer.generate_presigned_url(
+                method, Params={"Bucket": self.bucket, "Key": self.prefix + key},
+                ExpiresIn=expires_s))
+
+        return {"get": {k: url("get_object", k) for k in get},
+                "put": {k: url("put_object", k) for k in put}}
 
     def delete_keys(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes 1,000 keys

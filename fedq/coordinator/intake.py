@@ -28,9 +28,11 @@ from typing import Any
 
 from fedq.blobs.base import BlobRef
 from fedq.blobs.keys import update_key
+from fedq.blobs.s3 import S3BlobStore
 from fedq.coordinator.enrol import Registry
-from fedq.errors import FedqError
-from fedq.identity import result_fields, seal, task_tag, verify
+from fedq.errors import ConfigError, FedqError
+from fedq.identity import EXPIRY_GRACE_S, result_fields, seal, task_tag, verify
+from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
@@ -104,18 +106,37 @@ class Sent:
         """The one key this task's update may be stored under by ``signer``."""
         return update_key(self.job, self.task or self.round, self.client, self.attempt, signer)
 
-    def train_ref(self, spec: dict[str, Any], model: BlobRef,
-                  step: StepRef | None = None) -> TrainRef:
+    def train_ref(self, spec: dict[str, Any], model: BlobRef, step: StepRef | None = None,
+                  links: dict[str, dict[str, str]] | None = None) -> TrainRef:
         """The task's message, as both modes send it (the spec travels whole)."""
         return TrainRef(self.job, self.round, self.client, self.queue, spec, model,
-                        attempt=self.attempt, gen=self.gen, step=step, task=self.task)
+                        attempt=self.attempt, gen=self.gen, step=step, task=self.task,
+                        links=links)
 
     def message(self, spec: dict[str, Any], model: BlobRef, step: StepRef | None,
                 ttl_s: float) -> dict[str, Any]:
-        """The task's argument as it is sent: sealed by the coordinator's key with an
-        expiry ``ttl_s`` from now when FEDQ_IDENTITY=required (fedq/identity.py)."""
-        return seal(self.train_ref(spec, model, step).to_json(), self.task_id, ttl_s,
+        """The task's argument as it is sent: with presigned URLs for its blobs when
+        FEDQ_PRESIGN_ENDPOINT is set (fedq/blobs/presigned.py), sealed by the
+        coordinator's key with an expiry ``ttl_s`` from now when FEDQ_IDENTITY=required
+        (fedq/identity.py)."""
+        links = self.links(model, step, ttl_s)
+        return seal(self.train_ref(spec, model, step, links).to_json(), self.task_id, ttl_s,
                     sealing_keys())
+
+    def links(self, model: BlobRef, step: StepRef | None,
+              ttl_s: float) -> dict[str, dict[str, str]] | None:
+        """Presigned GET URLs for the task's model (and step) and a PUT URL for its
+        update, valid as long as its seal; None unless FEDQ_PRESIGN_ENDPOINT is set."""
+        settings = get_settings()
+        if not settings.presign_endpoint:
+            return None
+        store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+        if not isinstance(store, S3BlobStore):
+            raise ConfigError("FEDQ_PRESIGN_ENDPOINT is set, but the blob store is not S3 "
+                              "(FEDQ_BLOB_URL=s3://bucket/prefix)")
+        gets = [model.key] + ([step.blob.key] if step is not None else [])
+        return store.presign(settings.presign_endpoint,
+                             int(ttl_s + EXPIRY_GRACE_S), gets, [self.update_key])
 
 
 @dataclass(frozen=True)
@@ -204,8 +225,9 @@ def admit(raw: Any, sent: Sent, bound: Limits | None,
     ref = UpdateRef(**fields)
     if ref.status != "ok":
         return ref
-    # a registered worker's folder (its signature verified above when it counts)
-    if ref.key != sent.key_of(got.signer):
+    # a registered worker's folder (its signature verified above when it counts), or
+    # the key of the task's presigned upload URL
+    if ref.key not in (sent.key_of(got.signer), sent.update_key):
         return dataclasses.replace(rejected, error=(
             f"key: the update is at {str(ref.key)[:120]!r}, its task's key is "
             f"{sent.key_of(got.signer)!r}"))

@@ -8,6 +8,7 @@ from typing import Any
 from celery import Task
 
 import fedq.identity as identity
+from fedq.blobs.presigned import PresignedStore
 from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
@@ -41,7 +42,10 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
         ref = {**ref, "queue": delivered}
     # the claim and its heartbeat (fedq/worker/heartbeat.py): a dead worker's task is
     # sent again in seconds, not at the round's deadline
+    # a task with presigned URLs reads and writes its blobs only through them
+    links = ref.get("links") if isinstance(ref, dict) else None
+    store = PresignedStore(links) if isinstance(links, dict) else \
+        PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s):
-        result = run_training(ref, PROCESS.store(settings.blob_url, settings.s3_endpoint_url),
-                              worker)
+        result = run_training(ref, store, worker)
     return result if me is None else me.sign_result(result, task_id)

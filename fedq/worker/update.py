@@ -23,6 +23,7 @@ from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, update_key
 from fedq.blobs.cache import HostCache
+from fedq.blobs.presigned import PresignedStore
 from fedq.data import client_indices, load_dataset
 from fedq.errors import BlobError, TrainingDiverged, UpdateRejected
 from fedq.models import build_model, seeded_model
@@ -246,7 +247,8 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
     stored, meta = encode(delta, codec, spec.compression.chunk)
     meta.update({"job": ref.job, "round": str(ref.round), "task": str(ref.task),
                  "client": str(ref.client)})
-    key = update_key(ref.job, ref.number, ref.client, ref.attempt, get_settings().joined_as)
+    key = store.upload_key if isinstance(store, PresignedStore) else \
+        update_key(ref.job, ref.number, ref.client, ref.attempt, get_settings().joined_as)
     parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
         else dump_parts(stored, meta)
     sending = time.perf_counter()

@@ -1,0 +1,123 @@
+"""A training task's blobs through presigned S3 URLs: the worker holds no S3
+credentials at all (docs/security.md, "Least privilege").
+
+With ``FEDQ_PRESIGN_ENDPOINT`` set on the coordinator (the S3 endpoint as the workers
+reach it), each training task carries ``links``: a GET URL for the global model (and
+the step, if one is published) and one PUT URL for its update, each signed by the
+coordinator's S3 key for that one object and method and valid until the task
+expires. The worker reads and writes through them (:class:`PresignedStore`) and
+nothing else; a URL for one key is refused by S3 for any other, so a worker can
+neither read another client's update nor write the global model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from fedq.blobs.base import BlobRef, BlobStore
+from fedq.errors import BlobError, BlobIntegrityError, BlobNotFound, BlobTooLarge
+
+_CHUNK = 1 << 20
+TIMEOUT_S = 60
+
+
+class PresignedStore(BlobStore):
+    """Reads and writes only the keys a task's ``links`` name."""
+
+    def __init__(self, links: dict[str, Any]) -> None:
+        self.url = "presigned S3 URLs of the task"
+        get, put = links.get("get"), links.get("put")  # checked by wire.check_task
+        self._get: dict[str, str] = dict(get) if isinstance(get, dict) else {}
+        self._put: dict[str, str] = dict(put) if isinstance(put, dict) else {}
+
+    @property
+    def upload_key(self) -> str:
+        """The one key this task may write."""
+        (key,) = self._put
+        return key
+
+    def _url(self, table: dict[str, str], key: str, what: str) -> str:
+        url = table.get(key)
+        if url is None:
+            raise BlobError(f"the task carries no presigned URL to {what} {key}")
+        return url
+
+    def _write(self, key: str, data: bytes) -> None:
+        self.put_parts(key, [data])
+
+    def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+        url = self._url(self._put, key, "write")
+        size = sum(len(memoryview(p).cast("B")) for p in parts)
+        digest = hashlib.sha256()
+
+        def body() -> Any:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                digest.update(view)
+                yield view
+
+        request = urllib.request.Request(url, data=body(), method="PUT",
+                                         headers={"Content-Length": str(size)})
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+                response.read()
+        except (urllib.error.URLError, OSError) as exc:
+            raise BlobError(f"cannot write {key} through its presigned URL: "
+                            f"{_reason(exc)}") from None
+        return BlobRef(key, digest.hexdigest(), size)
+
+    def _read(self, key: str) -> bytes:
+        return self._fetch(key, None)
+
+    def get(self, ref: BlobRef, limit: int | None = None) -> bytes:
+        data = self._fetch(ref.key, limit)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != ref.sha256:
+            raise BlobIntegrityError(
+                f"blob {ref.key}: sha256 mismatch (expected {ref.sha256[:12]}..., "
+                f"got {digest[:12]}...): the blob was modified or corrupted")
+        return data
+
+    def _fetch(self, key: str, limit: int | None) -> bytes:
+        url = self._url(self._get, key, "read")
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                size = response.headers.get("Content-Length")
+                if limit is not None and size is not None and int(size) > limit:
+                    raise BlobTooLarge(f"blob {key} is {size} bytes, more than the {limit} "
+                                       f"it may be: not read")
+                chunks, total = [], 0
+                while chunk := response.read(_CHUNK):
+                    total += len(chunk)
+                    if limit is not None and total > limit:
+                        raise BlobTooLarge(f"blob {key} is more than the {limit} bytes it "
+                                           f"may be")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise BlobNotFound(f"blob {key}: not found") from None
+            raise BlobError(f"cannot read {key} through its presigned URL: "
+                            f"{_reason(exc)}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise BlobError(f"cannot read {key} through its presigned URL: "
+                            f"{_reason(exc)}") from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        raise BlobError("a worker deletes nothing")
+
+    def check(self) -> None:
+        return None
+
+
+def _reason(exc: Exception) -> str:
+    """Why a request failed, without the URL (it carries a signature)."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return type(exc).__name__
