@@ -213,38 +213,31 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
     listing = cluster.fedq("worker", "list").stdout
     assert "w1" in listing and "w2" in listing and listing.count("active") == 2, listing
 
-    # 1. two joined workers train a job: every update is signed and recorded by signer
-    cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
-    cluster.add("w2", ["cpu"], **_joined_worker(cluster, "w2"))
-    job = cluster.submit({**SPEC, "name": "signed"})
-    assert cluster.wait(job).status == "completed"
-    rows = [u for u in cluster.updates(job) if u.status == "ok"]
-    assert len(rows) == 6 and {u.signer for u in rows} <= {"w1", "w2"}, \
-        [(u.client, u.status, u.signer, u.error) for u in cluster.updates(job)]
-
-    # 2. a worker that never joined: each of its results is rejected, unsigned
-    for w in list(cluster.workers):
-        if w.name != "control@test":
-            w.stop()
-            cluster.workers.remove(w)
-    cluster.add("stranger", ["cpu"])
-    job = cluster.submit({**SPEC, "name": "stranger", "rounds": 1, "max_redispatch": 0})
-    assert cluster.wait(job).status == "failed"
-    rows = cluster.updates(job)
+    # 1. two joined workers train a job: every update is signed and recorded by signer;
+    # 2. beside it, a worker that never joined (on gpu_new) has each result rejected
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    w2 = cluster.add("w2", ["cpu"], **_joined_worker(cluster, "w2"))
+    cluster.add("stranger", ["gpu_new"])
+    signed, stranger = cluster.submit_many([
+        {**SPEC, "name": "signed", "rounds": 2},
+        {**SPEC, "name": "stranger", "rounds": 1, "max_redispatch": 0,
+         "queues": {"gpu_new": -1}}])
+    assert cluster.wait(signed).status == "completed"
+    rows = [u for u in cluster.updates(signed) if u.status == "ok"]
+    assert len(rows) == 4 and {u.signer for u in rows} <= {"w1", "w2"}, \
+        [(u.client, u.status, u.signer, u.error) for u in cluster.updates(signed)]
+    assert cluster.wait(stranger).status == "failed"
+    rows = cluster.updates(stranger)
     assert rows and all(u.status != "ok" and "signature: unsigned result" in (u.error or "")
                         for u in rows), [(u.status, u.error) for u in rows]
     record("security", scenario="identity: an unregistered worker",
            did="a real worker that never joined took every task of a job",
            fedq=f"rejected: {rows[0].error[:90]}", guard="intake._unsigned in finalize.collect",
            outcome=f"all {len(rows)} of its results rejected; the job failed its quorum")
-    cluster.by_name("stranger").stop()
-    cluster.workers.remove(cluster.by_name("stranger"))
 
     # 3. revoked mid-job: w2 is told to stop, its later results are rejected, the job
     # completes on w1
-    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
-    w2 = cluster.add("w2", ["cpu"], **_joined_worker(cluster, "w2"))
-    job = cluster.submit({**SPEC, "name": "revoked", "rounds": 6, "max_redispatch": 3})
+    job = cluster.submit({**SPEC, "name": "revoked", "rounds": 4, "max_redispatch": 3})
     wait_until(lambda: any(u.signer == "w2" and u.status == "ok" for u in cluster.updates(job)),
                120, what="an update signed by w2")
     said = cluster.fedq("worker", "revoke", "w2").stdout
@@ -258,7 +251,7 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
     assert not late, [(u.round_number, u.client) for u in late]
     assert "revoked" in cluster.fedq("worker", "list").stdout
     record("security", scenario="identity: revoked mid-job",
-           did="`fedq worker revoke w2` while w2 trained round 1 or 2 of 6",
+           did="`fedq worker revoke w2` while w2 trained round 1 or 2 of 4",
            fedq=said.strip()[:100], guard="enrol.revoke + cut_off; intake: revoked signer",
            outcome="w2 shut down; the job completed on w1; no w2 update counted after")
 
