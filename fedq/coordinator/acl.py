@@ -141,5 +141,11 @@ def database(url: str) -> int:
     return int(path) if path.isdigit() else 0
 
 
+def server(url: str) -> str:
+    """The Redis server ``url`` names (host:port): its users are the server's."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 6379}"
+
+
 def is_redis(url: str | None) -> bool:
     return bool(url) and urlsplit(url or "").scheme in ("redis", "rediss")

@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session
 from fedq.aggregate.staleness import staleness_factor
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit, liveness, policy
-from fedq.coordinator.enrol import cut_off, registry_if_required, signer
+from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -216,10 +216,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
                 else row.attempt
         sent = Sent(job_id, (row.base_version or 0) + 1, row.client,
                     min(attempt, row.attempt), 0, row.queue or "cpu", task=index)
-        registry = registry_if_required(settings)
-        ref = admit(result, sent, known_limits(spec, row.client), registry)
-        if registry is not None and signer(result) in registry.revoked:
-            cut_off([ref.worker])
+        ref = admit(result, sent, known_limits(spec, row.client), registry_if_required(settings))
         if attempt > row.attempt:  # a callback for an attempt never sent
             ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED, error=(
                 f"identity: a result for attempt {attempt}, task {index} was sent "

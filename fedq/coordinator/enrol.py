@@ -94,16 +94,17 @@ def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str]
     from fedq.coordinator import acl
 
     password = secrets.token_urlsafe(24)
-    made: list[str] = []
+    servers: set[str] = set()  # a Redis user belongs to its server: made once per server
     out = dict(services)
     for key in ("broker_url", "result_backend", "blob_url"):
         mine, theirs = getattr(settings, key), services.get(key)
         if not (acl.is_redis(mine) and acl.is_redis(theirs)):
             continue
-        acl.create_user(mine, name, queues, password)
+        if acl.server(mine) not in servers:
+            acl.create_user(mine, name, queues, password)
+            servers.add(acl.server(mine))
         out[key] = acl.with_user(str(theirs), acl.username(name), password)
-        made.append(acl.username(name))
-    return out, sorted(set(made))
+    return out, [acl.username(name)] if servers else []
 
 
 def join(db_url: str, proof: Any) -> dict[str, Any]:
@@ -152,8 +153,8 @@ def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
     from fedq.coordinator import acl
 
     cut_off(hosts)  # first, while they can still hear it
-    redis_urls = {u for u in (settings.broker_url, settings.result_backend, settings.blob_url)
-                  if acl.is_redis(u)}
+    redis_urls = {acl.server(u): u for u in (settings.broker_url, settings.result_backend,
+                                             settings.blob_url) if acl.is_redis(u)}.values()
     if hosts and redis_urls:
         time.sleep(1.0)  # the shutdown is read before the connections go
     for url in redis_urls:
@@ -196,12 +197,6 @@ def registry(db_url: str) -> Registry:
 def registry_if_required(settings: Settings) -> Registry | None:
     """The registry when FEDQ_IDENTITY=required (results must be signed), else None."""
     return registry(settings.database_url) if settings.identity == "required" else None
-
-
-def signer(raw: Any) -> str | None:
-    """The name a result says signed it (unchecked: for logs and cut-off only)."""
-    name = raw.get("signer") if isinstance(raw, dict) else None
-    return name if isinstance(name, str) and identity.NAME.fullmatch(name) else None
 
 
 def _member(row: RegisteredWorker) -> Member:

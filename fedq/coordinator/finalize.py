@@ -33,7 +33,7 @@ from sqlalchemy import select, update
 
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit
-from fedq.coordinator.enrol import cut_off, registry_if_required, signer
+from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits
 from fedq.coordinator.pipeline import (
     Outcome,
@@ -77,10 +77,7 @@ def collect(job_id: str, number: int, gen: int, attempts: int,
             meta = app.backend.get_task_meta(sent.task_id)
             if meta.get("status") != "SUCCESS":
                 continue
-            ref = admit(meta.get("result"), sent, known_limits(spec, client), registry)
-            if registry is not None and signer(meta.get("result")) in registry.revoked:
-                cut_off([ref.worker])
-            found.append(ref)
+            found.append(admit(meta.get("result"), sent, known_limits(spec, client), registry))
     return found
 
 

@@ -26,6 +26,7 @@ from typing import Literal
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
 from fedq.errors import ConfigError
 
@@ -44,6 +45,7 @@ def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) ->
     if not url.drivername.startswith("postgresql"):
         raise ConfigError("database roles are for PostgreSQL (FEDQ_DATABASE_URL is "
                           f"{url.drivername})")
+    import psycopg
     from psycopg import sql
 
     password = password or secrets.token_urlsafe(24)
@@ -90,7 +92,7 @@ def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) ->
             raw.commit()
         finally:
             raw.close()
-    except Exception as exc:  # psycopg's errors: one line, the owner's password redacted
+    except (psycopg.Error, SQLAlchemyError) as exc:  # one line, the password redacted
         from fedq.redaction import redact_text
 
         raise ConfigError(f"could not create role {name}: {redact_text(str(exc))}"
