@@ -92,6 +92,7 @@ class TrainStats:
     upload_seconds: float = 0.0  # encoding and storing the update
     codec: str = ""  # the update's codec (``codec: auto`` picks it per worker)
     uplink_mbit: float | None = None  # the worker's uplink (Mbit/s): its last large upload
+    yielded: bool = False  # a partial update: training stopped early for the machine's owner
 
 
 #: Uploads smaller than this say more about latency than about a link's rate: the
@@ -101,7 +102,9 @@ MEASURE_UPLINK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class UpdateRef:
-    """What a training task returns: status ok|error, where its update lies, what it did."""
+    """What a training task returns: status ok|error|yielded (stopped for the machine's
+    owner with too little done to send: fedq/worker/owner.py), where its update lies,
+    what it did."""
 
     status: str
     job: str

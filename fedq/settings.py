@@ -49,6 +49,20 @@ FEDQ_IMAGE_TORCH           set by fedq's images: ``release`` (the class's pin) o
                            ``default_index`` (its ``default_index`` pin, PyPI's build)
 FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
                            ``fedq doctor`` checks the image against
+FEDQ_RUN_WHEN              when this worker trains: ``always`` (default), ``idle`` (no user
+                           input for FEDQ_IDLE_AFTER_MIN), ``schedule`` (FEDQ_RUN_WINDOW)
+FEDQ_IDLE_AFTER_MIN        minutes without input before an ``idle`` worker trains (default 5)
+FEDQ_RUN_WINDOW            hours to train in, ``22:00-07:00`` (``HH:MM[:SS]``; over midnight)
+FEDQ_RUN_DAYS              days to train on, ``mon-fri`` or ``sat,sun`` (default every day)
+FEDQ_AC_ONLY               1: train on mains power only (a laptop on battery steps aside)
+FEDQ_MAX_OTHER_CPU         step aside while other programs use more than this % of the CPU
+FEDQ_MAX_OTHER_GPU         step aside while more than this many other processes use a GPU
+FEDQ_RESUME_AFTER_S        conditions must hold this long before training resumes (default 10)
+FEDQ_PARTIAL_MIN           a task stopped for the owner uploads what it did when it finished
+                           at least this fraction of its steps (default 0.25), else yields
+FEDQ_GPU_MEMORY_FRACTION   the share of each GPU's memory fedq's torch may allocate
+FEDQ_INPUT_DIR             where the idle probe reads input devices (default /dev/input)
+FEDQ_POWER_SUPPLY_DIR      where the power probe reads (default /sys/class/power_supply)
 =========================  ==============================================================
 """
 
@@ -103,6 +117,19 @@ class Settings(BaseModel):
     keys_dir: Path = Path(DEFAULT_HOME) / "keys"
     joined_as: str | None = None  # the registered name of a joined worker (worker.json)
     presign_endpoint: str | None = None
+    # the owner comes first (fedq/worker/owner.py; docs/owners.md)
+    run_when: Literal["always", "idle", "schedule"] = "always"
+    idle_after_min: float = Field(default=5.0, ge=0)
+    run_window: str | None = None
+    run_days: str | None = None
+    ac_only: bool = False
+    max_other_cpu: float | None = Field(default=None, ge=0, le=100)
+    max_other_gpu: int | None = Field(default=None, ge=0)
+    resume_after_s: float = Field(default=10.0, ge=0)
+    partial_min: float = Field(default=0.25, ge=0, le=1)
+    gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    input_dir: Path = Path("/dev/input")
+    power_dir: Path = Path("/sys/class/power_supply")
 
     @property
     def embedded_broker(self) -> bool:
@@ -119,6 +146,9 @@ _KNOWN = {
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT",
+    "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
+    "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "GPU_MEMORY_FRACTION", "INPUT_DIR",
+    "POWER_SUPPLY_DIR",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
@@ -188,6 +218,18 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "keys_dir": keys_dir,
         "joined_as": joined_as,
         "presign_endpoint": get("PRESIGN_ENDPOINT"),
+        "run_when": get("RUN_WHEN") or "always",
+        "idle_after_min": get("IDLE_AFTER_MIN") or 5.0,
+        "run_window": get("RUN_WINDOW"),
+        "run_days": get("RUN_DAYS"),
+        "ac_only": get("AC_ONLY") or False,
+        "max_other_cpu": get("MAX_OTHER_CPU"),
+        "max_other_gpu": get("MAX_OTHER_GPU"),
+        "resume_after_s": get("RESUME_AFTER_S") or 10.0,
+        "partial_min": get("PARTIAL_MIN") or 0.25,
+        "gpu_memory_fraction": get("GPU_MEMORY_FRACTION"),
+        "input_dir": get("INPUT_DIR") or "/dev/input",
+        "power_dir": get("POWER_SUPPLY_DIR") or "/sys/class/power_supply",
     }
     try:
         settings = Settings(**raw)

@@ -32,6 +32,7 @@ class UpdateStatus(StrEnum):
     MISSING = "missing"  # no result by the deadline, after every re-dispatch
     LATE = "late"  # arrived after its round committed (or its job stopped): not used
     CANCELLED = "cancelled"  # its job was cancelled, finished or resumed while it trained
+    YIELDED = "yielded"  # its worker stepped aside for the machine's owner: sent elsewhere
     # buffered jobs only
     TRAINING = "training"  # dispatched, no result yet
     BUFFERED = "buffered"  # absorbed: waiting for its version to fill and be applied
@@ -44,3 +45,12 @@ FINISHED = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 RESUMABLE = (JobStatus.FAILED, JobStatus.CANCELLED)
 #: Update states of a task that failed (a rejected update counts as failed).
 FAILED_UPDATES = (UpdateStatus.ERROR, UpdateStatus.REJECTED)
+
+
+def failed_status(reported: str) -> UpdateStatus:
+    """The row status of a result without a usable update: a worker that stepped aside
+    for its owner ``yielded`` (not a failure), one intake refused ``rejected``, else
+    ``error``."""
+    if reported == UpdateStatus.YIELDED:
+        return UpdateStatus.YIELDED
+    return UpdateStatus.REJECTED if reported == UpdateStatus.REJECTED else UpdateStatus.ERROR

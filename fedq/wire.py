@@ -155,12 +155,13 @@ class StatsModel(_Strict):
     upload_seconds: Seconds = 0.0
     codec: Literal["", "none", "fp16", "int8"] = ""
     uplink_mbit: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] | None = None
+    yielded: bool = False
 
 
 class ResultModel(_Strict):
     """A training task's result as a worker may send it (:class:`fedq.refs.UpdateRef`)."""
 
-    status: Literal["ok", "error"]
+    status: Literal["ok", "error", "yielded"]
     job: str = Field(max_length=32)
     round: Int32
     client: Int32

@@ -244,7 +244,8 @@ def _ago(iso: str | None) -> str:
 @click.option("--timeout", default=1.0, show_default=True, help="seconds to wait for replies")
 @expected_errors
 def workers(timeout: float) -> None:
-    """Workers: live status (Celery inspect), hardware, torch build, measured throughput,
+    """Workers: live status (Celery inspect; ``away`` with the reason while a worker
+    steps aside for its machine's owner), hardware, torch build, measured throughput,
     tasks done and failed, GPU memory and utilisation of the last task, last heartbeat."""
     from fedq.coordinator.roster import roster
 
@@ -256,6 +257,8 @@ def workers(timeout: float) -> None:
                   "done", "failed", "GPU MB / %", "uplink", "last task", "last seen")
     for w in rows:
         status = "[red]incompatible[/]" if w.problem else \
+            f"[yellow]away: {w.away_reason} ({_ago(w.available_since)})[/]" \
+            if w.live and w.available is False else \
             "[green]live[/]" if w.live else "[dim]gone[/]"
         gpu = f"{fmt(w.gpu_peak_mb, '.0f')} / {fmt(w.gpu_util, '.0f')}" \
             if w.gpu_peak_mb is not None else "-"
@@ -306,6 +309,7 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
         problems += incompatible_workers(_settings())
     if as_json and not smoke:
         click.echo(json.dumps({**report.to_json(), "image": image, "services": links,
+                               "owner": found.owner,
                                "fedq": {"version": FEDQ_VERSION,
                                         "message_format": MESSAGE_FORMAT},
                                "problems": problems}, indent=2))
@@ -347,6 +351,13 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
         out.print("jetson    yes: use NVIDIA's JetPack torch, not PyPI wheels (docs/hardware.md)")
     if links is not None:
         _print_links(links)
+    if found.owner is not None:
+        now = found.owner["now"]
+        out.print(f"owner     trains {found.owner['policy']}: "
+                  + (f"[yellow]stepping aside now ({now})[/]" if now else "may train now"),
+                  highlight=False)
+        for p in found.owner["probes"]:
+            out.print(f"  probe   {p['name']}: {p['reads']}", highlight=False)
     out.print(f"class     {cls}: start a worker with "
               f"[bold]celery -A fedq worker -Q {cls} -c 1[/] or the image {image_for(cls)}",
               highlight=False)

@@ -128,7 +128,8 @@ def clients_table(rows: list[dict[str, Any]]) -> Table:
                  fmt(r["weight"], ".3f")] if buffered else [str(r["round"])]
         done = (r.get("tokens") or 0) if text else r["processed"]
         rate = done / r["train_seconds"] if r.get("train_seconds") else None
-        note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "")
+        note = r["error"] or ("stopped by time budget" if r.get("stopped_by_budget") else "") \
+            or ("partial: stopped for the owner" if r.get("yielded") else "")
         table.add_row(*first, str(r["client"]), status_style(r["status"]),
                       r["worker"] or "-", r.get("device") or "-", r.get("amp") or "-",
                       str(r["steps"]), fmt(rate, ".0f"), _transfer(r),
@@ -173,7 +174,7 @@ STATUS_COLORS: dict[str, str] = {
     JobStatus.RUNNING: "cyan", JobStatus.COMPLETED: "green", JobStatus.FAILED: "red",
     JobStatus.CANCELLED: "yellow", RoundStatus.COMMITTED: "green",
     UpdateStatus.OK: "green", UpdateStatus.ERROR: "red", UpdateStatus.REJECTED: "red",
-    UpdateStatus.MISSING: "yellow", UpdateStatus.LATE: "yellow",
+    UpdateStatus.MISSING: "yellow", UpdateStatus.LATE: "yellow", UpdateStatus.YIELDED: "yellow",
     UpdateStatus.TRAINING: "cyan", UpdateStatus.BUFFERED: "cyan", UpdateStatus.STALE: "yellow",
 }
 

@@ -47,6 +47,7 @@ from fedq.coordinator.policy import (
     Wait,
     decide,
     pick_results,
+    yielded_clients,
 )
 from fedq.coordinator.roster import record_tasks, record_throughput
 from fedq.coordinator.rounds import redispatch, request_round, start_round
@@ -59,7 +60,7 @@ from fedq.process import PROCESS
 from fedq.refs import UpdateRef
 from fedq.settings import Settings, get_settings
 from fedq.spec import JobSpec
-from fedq.status import JobStatus, RoundStatus, UpdateStatus
+from fedq.status import JobStatus, RoundStatus, UpdateStatus, failed_status
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,10 @@ def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound 
             state=RoundState(job=job_id, number=round_number, gen=rnd.id, attempt=rnd.attempt,
                              clients=clients,
                              deadline=aware(rnd.deadline) if rnd.deadline else None,
-                             quorum=spec.quorum, max_redispatch=spec.max_redispatch),
+                             quorum=spec.quorum, max_redispatch=spec.max_redispatch,
+                             sent=dict(zip(clients, rnd.planned["sent"], strict=True))
+                             if "sent" in rnd.planned else None,
+                             yields=rnd.planned.get("yields", 0)),
             started_at=aware(rnd.started_at),
             queues=dict(zip(clients, rnd.planned["queues"], strict=True)),
             server_state=BlobRef(job.state_key, job.state_sha256 or "", job.state_size or 0)
@@ -132,8 +136,11 @@ def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[s
     now = utcnow()
     decision = decide(rnd.state, chosen, now)
     if isinstance(decision, Wait):
+        # a worker that stepped aside for its owner: its client goes again (watchdog)
+        yielded = list(yielded_clients(chosen, st))
         return {"status": "waiting", "pending": list(decision.pending), "attempt": st.attempt,
-                "gen": st.gen, "can_redispatch": st.attempt <= st.max_redispatch}
+                "gen": st.gen, "can_redispatch": st.can_redispatch,
+                "yielded": yielded}
     log.info("finalizing job %s round %d (attempt %d, %d results): %s", job_id, round_number,
              rnd.state.attempt, len(chosen), type(decision).__name__.lower())
     outcome = Outcome()
@@ -149,10 +156,14 @@ def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[s
             decision = decide(rnd.state, chosen, now, rejected=list(rnd.state.clients))
     else:  # below the quorum without reading a blob: record what arrived as it is
         outcome.records += [UpdateRecord(ref, UpdateStatus.OK) if ref.status == UpdateStatus.OK else
-                            UpdateRecord(ref, "error", ref.error or "task failed")
+                            UpdateRecord(ref, failed_status(ref.status),
+                                         ref.error or "task failed")
                             for ref in chosen.values()]
     if isinstance(decision, Redispatch):
-        if redispatch(settings, job_id, round_number, rnd.state.attempt, decision.clients):
+        for_yields = all(c in chosen and chosen[c].status == UpdateStatus.YIELDED
+                         for c in decision.clients)
+        if redispatch(settings, job_id, round_number, rnd.state.attempt, decision.clients,
+                      for_yields=for_yields):
             return {"status": "redispatched", "clients": list(decision.clients),
                     "attempt": decision.attempt}
         return {"status": "skipped", "reason": "re-dispatched by another delivery"}

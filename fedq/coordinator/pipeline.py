@@ -48,7 +48,7 @@ from fedq.errors import BlobError, UpdateRejected
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
-from fedq.status import UpdateStatus
+from fedq.status import UpdateStatus, failed_status
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
 
 if TYPE_CHECKING:
@@ -120,9 +120,7 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     limit = update_limit(reference, spec.compression.chunk)
     for ref, data in prefetched(store, refs, limit):
         if not _has_blob(ref):
-            outcome.record(ref, UpdateStatus.REJECTED if ref.status == UpdateStatus.REJECTED
-                           else UpdateStatus.ERROR,
-                           ref.error or "task failed")
+            outcome.record(ref, failed_status(ref.status), ref.error or "task failed")
             continue
         try:
             if isinstance(data, Exception):

@@ -10,13 +10,13 @@ watchdog call them and do the I/O; tests/test_policy.py drives every branch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
 from fedq.refs import UpdateRef
-from fedq.status import FAILED_UPDATES, RoundStatus, UpdateStatus
+from fedq.status import FAILED_UPDATES, RoundStatus, UpdateStatus, failed_status
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,18 @@ class RoundState:
     deadline: datetime | None
     quorum: int  # usable updates a commit needs
     max_redispatch: int  # re-dispatches allowed before the job fails
+    # client -> the last attempt it was sent as (None: a round from before this was
+    # kept, when every client counted as sent with ``attempt``)
+    sent: Mapping[int, int] | None = None
+    yields: int = 0  # re-dispatches made only for workers that stepped aside: not counted
+
+    @property
+    def can_redispatch(self) -> bool:
+        """Whether another re-dispatch is allowed (one for a yield does not count)."""
+        return self.attempt - self.yields <= self.max_redispatch
+
+    def sent_as(self, client: int) -> int:
+        return self.attempt if self.sent is None else self.sent.get(client, 1)
 
 
 @dataclass(frozen=True)
@@ -93,10 +105,17 @@ def _better(new: UpdateRef, have: UpdateRef) -> bool:
 
 def unsettled(chosen: dict[int, UpdateRef], state: RoundState) -> tuple[int, ...]:
     """Clients still owed a result: none yet, or only a failure of an earlier attempt
-    (the re-dispatched task has not reported)."""
+    than the one it was last sent as (the re-dispatched task has not reported)."""
     return tuple(c for c in state.clients
                  if c not in chosen or (chosen[c].status != "ok"
-                                        and chosen[c].attempt < state.attempt))
+                                        and chosen[c].attempt < state.sent_as(c)))
+
+
+def yielded_clients(chosen: dict[int, UpdateRef], state: RoundState) -> tuple[int, ...]:
+    """Clients whose worker stepped aside for its owner on the attempt they were last
+    sent as: to be sent again now (fedq/worker/owner.py), not at the deadline."""
+    return tuple(c for c, ref in chosen.items()
+                 if ref.status == UpdateStatus.YIELDED and ref.attempt == state.sent_as(c))
 
 
 def decide(state: RoundState, chosen: dict[int, UpdateRef], now: datetime,
@@ -111,7 +130,7 @@ def decide(state: RoundState, chosen: dict[int, UpdateRef], now: datetime,
     if len(usable) >= state.quorum:
         return Commit(usable, tuple(c for c in state.clients if c not in chosen))
     retry = tuple(c for c in state.clients if c not in usable)
-    if state.attempt <= state.max_redispatch:
+    if state.can_redispatch:
         return Redispatch(retry, state.attempt + 1)
     return Fail(retry, len(usable))
 
@@ -176,8 +195,7 @@ def absorb_status(ref_status: str, has_blob: bool, job_running: bool, version: i
     if not job_running:
         return UpdateStatus.LATE, "arrived after the job stopped"
     if ref_status != "ok" or not has_blob:
-        return (UpdateStatus.REJECTED if ref_status == UpdateStatus.REJECTED
-                else UpdateStatus.ERROR), None
+        return failed_status(ref_status), None
     if version > rounds:
         return UpdateStatus.LATE, "every version is full"
     if max_staleness is not None and staleness > max_staleness:

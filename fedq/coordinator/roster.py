@@ -12,9 +12,10 @@ from typing import Any
 from sqlalchemy import select
 
 from fedq.db import ClientUpdate, Worker, session_scope
-from fedq.db.models import aware, utcnow
+from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
+from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.status import FAILED_UPDATES, UpdateStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, QUEUE
@@ -53,6 +54,43 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
     if problem:
         log.warning("worker %s: %s", hostname, problem)
     return hostname
+
+
+def record_availability(db_url: str, hostname: Any, available: Any, reason: Any) -> str:
+    """A worker's report that it stepped aside for its owner (``available`` False, with
+    the reason) or came back: its row and one history row. From the worker: typed and
+    bounded here."""
+    if not isinstance(hostname, str) or not 0 < len(hostname) <= 200:
+        return "refused: hostname is not a string of 1..200 characters"
+    if not isinstance(available, bool):
+        return f"refused {hostname}: available is not true or false"
+    if reason is not None and not isinstance(reason, str):
+        return f"refused {hostname}: the reason is not a string"
+    reason = redact_text(reason)[:200] if reason and not available else None
+    ensure_schema(db_url)
+    now = utcnow()
+    with session_scope(db_url) as s:
+        row = s.get(Worker, hostname)
+        if row is None:
+            row = Worker(hostname=hostname, queues=[], hardware={}, tasks_done=0)
+            s.add(row)
+        row.available, row.away_reason, row.available_since = available, reason, now
+        s.add(Availability(hostname=hostname, available=available, reason=reason, at=now))
+    log.info("worker %s: %s", hostname, "available" if available else f"away ({reason})")
+    return hostname
+
+
+def availability(db_url: str, since: Any = None) -> dict[str, list[tuple[Any, bool, str | None]]]:
+    """Each worker's availability changes, oldest first: (time, available, reason)."""
+    ensure_schema(db_url)
+    with session_scope(db_url) as s:
+        query = select(Availability).order_by(Availability.at, Availability.id)
+        if since is not None:
+            query = query.where(Availability.at >= since)
+        out: dict[str, list[tuple[Any, bool, str | None]]] = {}
+        for a in s.scalars(query):
+            out.setdefault(a.hostname, []).append((aware(a.at), a.available, a.reason))
+        return out
 
 
 def incompatibility(version: str | None, message_format: int | None) -> str | None:
@@ -126,7 +164,10 @@ def list_workers(db_url: str) -> list[dict[str, Any]]:
                  if w.hardware else None,
                  "last_task": aware(w.last_task_at).isoformat(timespec="seconds")
                  if w.last_task_at else None,
-                 "last_seen": aware(w.last_seen).isoformat(timespec="seconds")}
+                 "last_seen": aware(w.last_seen).isoformat(timespec="seconds"),
+                 "available": w.available, "away_reason": w.away_reason,
+                 "available_since": aware(w.available_since).isoformat(timespec="seconds")
+                 if w.available_since else None}
                 for w in s.scalars(select(Worker).order_by(Worker.hostname))]
 
 
@@ -168,6 +209,9 @@ class WorkerRow:
     uplink: str  # measured uplink and the codec it chose
     last_task: str | None  # ISO time
     last_seen: str | None
+    available: bool | None = None  # its owner's conditions let it train (None: no policy)
+    away_reason: str | None = None  # why not ("owner active", "on battery", ...)
+    available_since: str | None = None  # ISO time of its last change
 
 
 def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
@@ -189,9 +233,11 @@ def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
                              for g in hw.get("gpus") or []) \
             or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
         live = host in queues
+        # a worker that stepped aside for its owner consumes nothing: its registered queues
+        consuming = [q["name"] for q in queues[host]] if live else []
         rows.append(WorkerRow(
             host=host, live=live, problem=info.get("problem"),
-            queues=[q["name"] for q in queues[host]] if live else list(info.get("queues") or []),
+            queues=consuming or list(info.get("queues") or []),
             running=len(active.get(host, [])) if live else None, hardware=hardware,
             torch=str(hw.get("torch", "-")), samples_per_second=info.get("samples_per_second"),
             tasks_done=info.get("tasks_done", 0), tasks_failed=info.get("tasks_failed", 0),
@@ -199,7 +245,9 @@ def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
             uplink=" ".join(x for x in (
                 f"{info['uplink_mbit']:.0f} Mbit/s" if info.get("uplink_mbit") else "",
                 info.get("codec") or "") if x) or "-",
-            last_task=info.get("last_task"), last_seen=info.get("last_seen")))
+            last_task=info.get("last_task"), last_seen=info.get("last_seen"),
+            available=info.get("available"), away_reason=info.get("away_reason"),
+            available_since=info.get("available_since")))
     return rows
 
 

@@ -33,6 +33,10 @@ from fedq.status import JobStatus, RoundStatus
 
 log = logging.getLogger(__name__)
 
+#: Re-dispatches a round may make for workers that stepped aside before they count
+#: against ``max_redispatch`` like any other.
+MAX_YIELDS = 100
+
 
 def round_task_ids(job_id: str, rnd: Round) -> dict[int, list[str]]:
     """Client -> task ids of every attempt so far, oldest first."""
@@ -60,7 +64,8 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
         rnd = Round(job_id=job_id, number=round_number, status=RoundStatus.TRAINING, attempt=1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s),
                     planned={"clients": [a.client for a in plan],
-                             "queues": [a.queue for a in plan]})
+                             "queues": [a.queue for a in plan],
+                             "sent": [1 for _ in plan]})
         s.add(rnd)
         try:
             s.flush()
@@ -73,10 +78,12 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
 
 
 def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt: int,
-               clients: Sequence[int]) -> bool:
+               clients: Sequence[int], for_yields: bool = False) -> bool:
     """Send ``clients`` of an open round again as attempt ``from_attempt + 1`` with a new
     deadline. Only one caller wins per attempt (a conditional UPDATE); returns whether
-    this one did."""
+    this one did. ``for_yields``: every one of them was handed back by a worker that
+    stepped aside for its owner, so this re-dispatch does not count against
+    ``max_redispatch``, up to :data:`MAX_YIELDS` a round."""
     with session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING:
@@ -92,6 +99,13 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
             return False
         rnd = s.query(Round).filter_by(job_id=job_id, number=round_number).one()
         queue_of = dict(zip(rnd.planned["clients"], rnd.planned["queues"], strict=True))
+        if "sent" in rnd.planned:  # each client's last attempt (policy.RoundState.sent)
+            again = set(clients)
+            yields = rnd.planned.get("yields", 0)
+            rnd.planned = {**rnd.planned, "sent": [
+                from_attempt + 1 if c in again else a
+                for c, a in zip(rnd.planned["clients"], rnd.planned["sent"], strict=True)],
+                "yields": yields + 1 if for_yields and yields < MAX_YIELDS else yields}
         model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
         gen = rnd.id
     plan = [Assignment(c, queue_of[c]) for c in clients]

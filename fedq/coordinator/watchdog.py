@@ -118,22 +118,28 @@ def _repair(settings: Settings, item: NextRound, now: datetime,
 
 def _rescue(settings: Settings, item: NextRound, waiting: dict[str, Any]
             ) -> list[dict[str, Any]]:
-    """Re-dispatch the clients of a waiting round whose worker is lost."""
+    """Re-dispatch the clients of a waiting round whose worker is lost, or stepped
+    aside for its owner (``yielded``: sent again now, not at the deadline)."""
     attempt, gen, pending = waiting["attempt"], waiting["gen"], waiting["pending"]
+    yielded = list(waiting.get("yielded") or [])
     tasks = {task_id(item.job, item.number, a, c, gen): c
              for c in pending for a in range(1, attempt + 1)}
     holders = liveness.observe(settings, item.job, tasks)
     lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], pending,
                         settings.worker_lost_s)
-    if not lost or not waiting["can_redispatch"]:
+    again = sorted({*lost, *yielded})
+    if not again or not waiting["can_redispatch"]:
         return []  # nothing lost, or out of attempts: the deadline decides
     hosts = sorted({h.host for h in holders if h.client in lost})
-    if not redispatch(settings, item.job, item.number, attempt, lost):
+    if not redispatch(settings, item.job, item.number, attempt, again,
+                      for_yields=not lost):
         return []
     liveness.mark_resent(settings, [h.task_id for h in holders if h.client in lost])
+    why = ", ".join(x for x in (f"lost {', '.join(hosts)}" if lost else "",
+                                "yielded" if yielded else "") if x)
     return [{"job": item.job, "round": item.number,
-             "action": f"redispatch (lost {', '.join(hosts)})"[:64],
-             "result": f"clients {list(lost)}, attempt {attempt + 1}"}]
+             "action": f"redispatch ({why})"[:64],
+             "result": f"clients {again}, attempt {attempt + 1}"}]
 
 
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:

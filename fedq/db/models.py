@@ -137,6 +137,7 @@ class ClientUpdate(Base):
     device: Mapped[str | None] = mapped_column(String(32), default=None)
     amp: Mapped[str | None] = mapped_column(String(8), default=None)
     stopped_by_budget: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    yielded: Mapped[bool | None] = mapped_column(Boolean, default=None)  # 0014: partial
     gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)
     gpu_util: Mapped[float | None] = mapped_column(Float, default=None)
     tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
@@ -183,6 +184,24 @@ class Worker(Base):
     message_format: Mapped[int | None] = mapped_column(Integer, default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Migration 0014: whether its owner's conditions let it train (fedq/worker/owner.py;
+    # None: it never reported, a worker without a run policy), why not, since when.
+    available: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    away_reason: Mapped[str | None] = mapped_column(String(200), default=None)
+    available_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                             default=None)
+
+
+class Availability(Base):
+    """One change of a worker's availability as it reported it (migration 0014)."""
+
+    __tablename__ = "worker_availability"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hostname: Mapped[str] = mapped_column(String(200), index=True)
+    available: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(String(200), default=None)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class RegisteredWorker(Base):

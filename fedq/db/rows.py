@@ -25,6 +25,7 @@ def fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
     row.device = ref.stats.device if ok else None
     row.amp = ref.stats.amp if ok else None
     row.stopped_by_budget = ref.stats.stopped_by_budget if ok else None
+    row.yielded = ref.stats.yielded if ok else None
     row.tokens = ref.stats.tokens if ok else None
     row.download_seconds = ref.stats.download_seconds if ok else None
     row.upload_seconds = ref.stats.upload_seconds if ok else None

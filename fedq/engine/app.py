@@ -21,6 +21,7 @@ from fedq.engine.names import (
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
     WATCHDOG_TASK,
+    WORKER_STATE_TASK,
 )
 from fedq.settings import Settings, get_settings
 
@@ -82,6 +83,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
             ABSORB_UPDATE_TASK: {"queue": CONTROL_QUEUE},
             REGISTER_WORKER_TASK: {"queue": CONTROL_QUEUE},
+            WORKER_STATE_TASK: {"queue": CONTROL_QUEUE},
             WATCHDOG_TASK: {"queue": CONTROL_QUEUE},
             "celery.chord_unlock": {"queue": CONTROL_QUEUE},
         },

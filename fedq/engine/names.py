@@ -16,6 +16,7 @@ START_ROUND_TASK = "fedq.start_round"
 FINALIZE_ROUND_TASK = "fedq.finalize_round"
 ABSORB_UPDATE_TASK = "fedq.absorb_update"
 REGISTER_WORKER_TASK = "fedq.register_worker"
+WORKER_STATE_TASK = "fedq.worker_state"
 JOIN_WORKER_TASK = "fedq.join_worker"
 WATCHDOG_TASK = "fedq.watchdog"
 

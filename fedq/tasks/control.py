@@ -18,6 +18,7 @@ from fedq.engine.names import (
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
     WATCHDOG_TASK,
+    WORKER_STATE_TASK,
 )
 from fedq.settings import get_settings
 
@@ -59,6 +60,16 @@ def register_worker(hostname: Any, queues: Any, hardware: Any, version: Any = No
 
     return roster.record_worker(get_settings().database_url, hostname, queues, hardware,
                                 version, message_format)
+
+
+@app.task(name=WORKER_STATE_TASK, time_limit=CONTROL_TIME_LIMIT)
+def worker_state(hostname: Any, available: Any, reason: Any = None) -> str:
+    """A worker with a run policy stepped aside for its owner, or came back
+    (fedq/worker/owner.py). Checked by the roster."""
+    from fedq.coordinator import roster
+
+    return roster.record_availability(get_settings().database_url, hostname, available,
+                                      reason)
 
 
 @app.task(name=WATCHDOG_TASK, time_limit=CONTROL_TIME_LIMIT)

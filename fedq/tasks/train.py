@@ -13,6 +13,7 @@ from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
 from fedq.settings import get_settings
+from fedq.worker import owner
 from fedq.worker.heartbeat import claim
 
 log = logging.getLogger(__name__)
@@ -48,4 +49,6 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
         PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s):
         result = run_training(ref, store, worker)
+    if result.get("status") == "yielded":  # take nothing more until the owner is done
+        owner.stepped_aside()
     return result if me is None else me.sign_result(result, task_id)

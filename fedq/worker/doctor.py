@@ -1,14 +1,18 @@
 """`fedq doctor`'s checks of this machine, as a library the CLI only prints: the
 hardware class, the torch build against the GPUs (and, inside a fedq image, against
-fedq/pins.toml), and with ``services`` the broker and a 10 MB blob each way."""
+fedq/pins.toml), the owner's run policy with what each of its probes can read here
+(fedq/worker/owner.py), and with ``services`` the broker and a 10 MB blob each way."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from fedq.errors import ConfigError
 from fedq.settings import Settings
 from fedq.worker.hardware import HardwareReport, diagnose, image_problems, pins, probe
+from fedq.worker.owner import Policy, Watch, describe, probes
 
 
 @dataclass
@@ -17,6 +21,7 @@ class Checkup:
     problems: list[str]  # one line each, with the fix; empty: this machine can train
     image: dict[str, Any] | None  # inside a fedq image: its class, pins and problems
     links: dict[str, Any] | None  # with services: the broker and blob store timings
+    owner: dict[str, Any] | None = None  # the run policy, its verdict now, its probes
 
 
 def checkup(settings: Settings, services: bool = False) -> Checkup:
@@ -36,4 +41,13 @@ def checkup(settings: Settings, services: bool = False) -> Checkup:
 
         links = check_services(settings)
         problems += links["problems"]
-    return Checkup(report, problems, image, links)
+    owner: dict[str, Any] | None = None
+    try:
+        policy = Policy.from_settings(settings)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    else:
+        owner = {"policy": describe(policy),
+                 "now": Watch(policy).check() if policy.active else None,
+                 "probes": [dataclasses.asdict(p) for p in probes(policy)]}
+    return Checkup(report, problems, image, links, owner)

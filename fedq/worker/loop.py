@@ -13,6 +13,7 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class LocalStats:
     gpu_peak_mb: float | None = None  # peak GPU memory torch allocated
     gpu_util: float | None = None  # mean GPU utilisation (%), sampled while training
     inner_step: int = 0  # the client's inner step count after this round (lr schedule)
+    planned_steps: int = 0  # the steps it would have taken without a budget or a yield
+    yielded: str | None = None  # why it stopped early for the machine's owner
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -89,7 +92,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 slowdown: float = 1.0, first_step: int = 0,
                 schedule_steps: int | None = None,
                 schedule_window: tuple[float, float] | None = None,
-                state_path: Path | None = None) -> LocalStats:
+                state_path: Path | None = None,
+                should_stop: Callable[[], str | None] | None = None) -> LocalStats:
     """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
     stopping early once ``time_budget`` seconds have passed (after at least one step).
 
@@ -103,6 +107,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     a slow worker is at the same point of the schedule as a fast one at the same moment.
     ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
     (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
+    ``should_stop``: asked before each step; a reason (the owner's machine is needed:
+    fedq/worker/owner.py) stops training there, reported as ``yielded``.
     Deterministic for a given seed, device and thread count (without a time budget).
     """
     n = len(y)
@@ -125,7 +131,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     loss_sum, seen, step, by_budget = 0.0, 0, 0, False
-    while step < total_steps and not by_budget:
+    yielded: str | None = None
+    while step < total_steps and not by_budget and yielded is None:
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, batch_size):
             if step >= total_steps:
@@ -133,6 +140,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             if time_budget is not None and step > 0 and \
                     time.perf_counter() - started >= time_budget:
                 by_budget = True
+                break
+            if should_stop is not None and (yielded := should_stop()) is not None:
                 break
             step_start = time.perf_counter()
             idx = order[start:start + batch_size]
@@ -175,6 +184,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     if state_path is not None:
         inner.save(opt, state_path, first_step + step)
     return LocalStats(inner_step=first_step + step, samples=n, steps=step, seen=seen,
+                      planned_steps=total_steps, yielded=yielded,
                       loss=loss_sum / max(step, 1),
                       seconds=seconds, stopped_by_budget=by_budget, amp=amp, device=str(device),
                       gpu_peak_mb=torch.cuda.max_memory_allocated(device) / 2**20

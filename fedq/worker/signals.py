@@ -6,7 +6,9 @@
   torch build first, and refuses to start (exit 3, one line) when it would fail at its
   first kernel or when its GPU belongs to another class.
 - ``worker_ready``: the worker reports its hardware to the control queue
-  (``fedq.register_worker``), which records it for ``fedq workers``.
+  (``fedq.register_worker``), which records it for ``fedq workers``; a worker with a
+  run policy (fedq/worker/owner.py) starts watching its owner's conditions: while one
+  fails it consumes nothing, and it tells the coordinator (``fedq.worker_state``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from celery.signals import celeryd_after_setup, worker_init, worker_ready
 
-from fedq.engine.names import CONTROL_QUEUE, REGISTER_WORKER_TASK
+from fedq.engine.names import CONTROL_QUEUE, REGISTER_WORKER_TASK, WORKER_STATE_TASK
 
 log = logging.getLogger(__name__)
 REFUSED_EXIT_CODE = 3
@@ -33,10 +35,12 @@ def prepare(**_: Any) -> None:
 
     import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
     from fedq.settings import get_settings
-
-    threads = get_settings().torch_threads
-    if threads:
-        torch.set_num_threads(threads)
+    settings = get_settings()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    if settings.gpu_memory_fraction and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):  # the owner's share stays free
+            torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_fraction, i)
 
 
 def _queues(app: Any) -> list[str]:
@@ -45,9 +49,16 @@ def _queues(app: Any) -> list[str]:
 
 @celeryd_after_setup.connect
 def check_hardware(sender: str, instance: Any, **_: Any) -> None:
+    from fedq.errors import ConfigError
     from fedq.settings import get_settings
     from fedq.worker.hardware import GPU_QUEUES, probe, queue_problems
+    from fedq.worker.owner import Policy
 
+    try:
+        Policy.from_settings(get_settings())
+    except ConfigError as exc:  # a run policy it cannot read: say so before consuming
+        print(f"fedq: worker {sender} refused to start: {exc}", file=sys.stderr, flush=True)
+        os._exit(REFUSED_EXIT_CODE)
     queues = _queues(instance.app)
     if not any(q in GPU_QUEUES for q in queues) or get_settings().skip_hardware_check:
         return
@@ -72,3 +83,37 @@ def register(sender: Any, **_: Any) -> None:
                                    FEDQ_VERSION, MESSAGE_FORMAT))
     except Exception as exc:  # registration is informative; never stop a worker for it
         log.warning("fedq: could not register worker %s: %s", sender.hostname, exc)
+
+
+@worker_ready.connect
+def mind_the_owner(sender: Any, **_: Any) -> None:
+    """With a run policy: stop consuming the training queues while the owner's
+    conditions fail, consume again once they hold, and report each change. Runs on the
+    consumer's own timer (the event loop's thread), where Celery's remote-control
+    ``cancel_consumer`` runs too; the running task stops itself (fedq/worker/loop.py)."""
+    from fedq.worker import owner
+
+    watch = owner.watch()
+    if watch is None:
+        return
+    queues = [q for q in _queues(sender.app) if q != CONTROL_QUEUE]
+    state: dict[str, bool | None] = {"consuming": True, "reported": None}
+
+    def apply() -> None:
+        reason = watch.reason
+        free = reason is None
+        if free != state["consuming"]:
+            for q in queues:
+                (sender.add_task_queue if free else sender.cancel_task_queue)(q)
+            state["consuming"] = free
+        if free != state["reported"]:
+            try:
+                sender.app.send_task(WORKER_STATE_TASK, queue=CONTROL_QUEUE,
+                                     args=(sender.hostname, free, reason))
+                state["reported"] = free
+            except Exception as exc:  # noqa: BLE001 - tried again at the next tick
+                log.warning("fedq: could not report availability: %s", exc)
+
+    apply()
+    owner.set_step_aside(apply)
+    sender.timer.call_repeatedly(owner.TICK_S, apply)

@@ -34,7 +34,7 @@ from fedq.refs import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, Updat
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
-from fedq.worker import inner, replica
+from fedq.worker import inner, owner, replica
 from fedq.worker.loop import local_train
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,13 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
                  result.stats.download_seconds, result.stats.train_seconds,
                  result.stats.upload_seconds)
         return result.to_json()
+    except Yielded as exc:  # the owner needs the machine: not a failure, sent elsewhere
+        log.warning("yielded: %s", exc)
+        return UpdateRef(status="yielded", job=ref.job, round=ref.round, task=ref.task,
+                         client=ref.client, queue=ref.queue, worker=worker,
+                         seconds=time.perf_counter() - start, attempt=ref.attempt,
+                         gen=ref.gen, stats=TrainStats(started=wall),
+                         error=str(exc)[:2000]).to_json()
     except Exception as exc:  # reported as data, never thrown through the chord
         log.warning("training failed: %s: %s", type(exc).__name__, exc)
         return UpdateRef(status="error", job=ref.job, round=ref.round, task=ref.task,
@@ -163,8 +170,15 @@ def _echo(value: object, default: Any, length: int = 0) -> Any:
     return value[:length] if isinstance(value, str) and value else default
 
 
+class Yielded(Exception):
+    """The task stopped for the machine's owner before it had enough to send."""
+
+
 def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
     spec = JobSpec.stored(ref.spec)
+    why = owner.away()
+    if why is not None:  # taken just as the owner came back: hand it on untouched
+        raise Yielded(f"{why}: not started")
     if spec.zero_compute:
         fetched = time.perf_counter()
         global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
@@ -201,7 +215,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         schedule_steps=spec.schedule_steps,
                         schedule_window=spec.schedule_window(ref.round),
                         state_path=inner.state_path(home, ref.job, ref.client)
-                        if spec.optimizer.keep_state else None)
+                        if spec.optimizer.keep_state else None,
+                        should_stop=owner.away)
+    if stats.yielded is not None and \
+            stats.steps < max(1, math.ceil(get_settings().partial_min * stats.planned_steps)):
+        raise Yielded(f"{stats.yielded}: after {stats.steps} of {stats.planned_steps} steps")
     if stats.loss is not None and not math.isfinite(stats.loss):  # nothing worth sending
         raise TrainingDiverged(
             f"training diverged: mean loss {stats.loss} over {stats.steps} steps "
@@ -229,6 +247,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                      stats=TrainStats(seen=stats.seen, train_seconds=stats.seconds,
                                       raw_bytes=raw_size(delta),
                                       stopped_by_budget=stats.stopped_by_budget, amp=stats.amp,
+                                      yielded=stats.yielded is not None,
                                       device=stats.device, gpu_peak_mb=stats.gpu_peak_mb,
                                       gpu_util=stats.gpu_util,
                                       tokens=stats.seen * ds.x_train.shape[1]

@@ -1,0 +1,356 @@
+"""The owner comes first (fedq/worker/owner.py): the run policy's probes and its watch,
+a training loop that stops at the next step, the coordinator's handling of a yielded
+task, and real workers that step aside for real CPU load and for a time window, let
+the job finish elsewhere, and come back.
+
+The CPU-load and time-window conditions use real load and the real clock; the input
+and battery probes read a folder laid out as Linux's /dev/input and
+/sys/class/power_supply (this machine has neither), through the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from sqlalchemy import select
+
+from fedq.cli import main
+from fedq.coordinator.policy import RoundState, Wait, absorb_status, decide
+from fedq.coordinator.roster import availability
+from fedq.db import ClientUpdate, session_scope
+from fedq.db.models import utcnow
+from fedq.errors import ConfigError
+from fedq.refs import UpdateRef
+from fedq.settings import get_settings
+from fedq.spec import OptimizerSpec
+from fedq.status import FAILED_UPDATES, UpdateStatus
+from fedq.testing.cluster import DIGITS, Cluster, record
+from fedq.testing.wait import wait_until
+from fedq.worker import owner
+from fedq.worker.loop import local_train
+from fedq.worker.owner import CpuLoad, Policy, Watch, in_window, parse_days, parse_window
+
+# -- the probes and the policy ---------------------------------------------------------
+
+
+def test_windows_and_days_parse_and_wrap_midnight() -> None:
+    assert parse_window("22:00-07:00") == (22 * 3600, 7 * 3600)
+    assert parse_window("09:30:15 - 17:00") == (9 * 3600 + 30 * 60 + 15, 17 * 3600)
+    assert parse_days("mon-fri") == frozenset(range(5))
+    assert parse_days("sat,sun") == frozenset({5, 6})
+    assert parse_days("fri-mon") == frozenset({4, 5, 6, 0})
+    night = parse_window("22:00-07:00")
+    weekdays = parse_days("mon-fri")
+    assert in_window(datetime(2026, 11, 23, 23, 0), night, weekdays)  # Monday night
+    assert in_window(datetime(2026, 11, 24, 6, 59), night, weekdays)  # ... its morning
+    assert not in_window(datetime(2026, 11, 24, 7, 0), night, weekdays)
+    assert not in_window(datetime(2026, 11, 28, 23, 0), night, weekdays)  # Saturday
+    assert in_window(datetime(2026, 11, 28, 3, 0), night, weekdays)  # Friday's night
+    assert not in_window(datetime(2026, 11, 30, 3, 0), night, weekdays)  # Sunday's
+    for bad, says in (("22-07", "not a window"), ("10:00-10:00", "starts where it ends"),
+                      ("25:00-07:00", "not a window")):
+        with pytest.raises(ConfigError, match=says):
+            parse_window(bad)
+    with pytest.raises(ConfigError, match="FEDQ_RUN_DAYS: 'mo-fri' is not a day"):
+        parse_days("mo-fri")
+
+
+def _supply(root: Path, name: str, kind: str, online: str | None) -> None:
+    (root / name).mkdir(parents=True, exist_ok=True)
+    (root / name / "type").write_text(kind + "\n")
+    if online is not None:
+        (root / name / "online").write_text(online + "\n")
+
+
+def test_power_and_input_probes_read_linux_layouts(tmp_path: Path) -> None:
+    power = tmp_path / "power_supply"
+    assert owner.on_mains(power) is None  # nothing to read: treated as mains
+    _supply(power, "BAT0", "Battery", None)
+    _supply(power, "AC", "Mains", "0")
+    assert owner.on_mains(power) is False
+    (power / "AC" / "online").write_text("1\n")
+    assert owner.on_mains(power) is True
+    inputs = tmp_path / "input"
+    inputs.mkdir()
+    assert owner.input_idle_s(inputs) is None  # no devices: cannot tell
+    (inputs / "event3").write_text("")
+    old = time.time() - 600
+    os.utime(inputs / "event3", (old, old))
+    assert 590 < owner.input_idle_s(inputs) < 700  # type: ignore[operator]
+    (inputs / "event3").touch()  # the owner pressed a key
+    assert owner.input_idle_s(inputs) < 5  # type: ignore[operator]
+
+
+def test_the_watch_steps_aside_at_once_and_returns_after_the_conditions_held(
+        tmp_path: Path) -> None:
+    power = tmp_path / "power"
+    _supply(power, "AC", "Mains", "1")
+    _supply(power, "BAT0", "Battery", None)
+    inputs = tmp_path / "input"
+    inputs.mkdir()
+    (inputs / "event0").write_text("")
+    old = time.time() - 3600
+    os.utime(inputs / "event0", (old, old))
+    changes: list[str | None] = []
+    watch = Watch(Policy(when="idle", idle_after_s=60, ac_only=True, resume_after_s=0.3,
+                         input_dir=inputs, power_dir=power), listeners=[changes.append])
+    watch.tick()
+    assert watch.reason is None and changes == []
+    (power / "AC" / "online").write_text("0")  # unplugged
+    watch.tick()
+    assert watch.reason == "on battery" and changes == ["on battery"]
+    (power / "AC" / "online").write_text("1")
+    watch.tick()
+    assert watch.reason == "on battery"  # not yet: the conditions must hold a while
+    time.sleep(0.35)
+    watch.tick()
+    assert watch.reason is None and changes == ["on battery", None]
+    (inputs / "event0").touch()  # the owner is back at the keyboard
+    watch.tick()
+    assert watch.reason is not None and watch.reason.startswith("owner active")
+
+
+def test_a_schedule_outside_its_window_keeps_the_worker_away() -> None:
+    now = datetime(2026, 11, 25, 12, 0)
+    policy = Policy(when="schedule", window=parse_window("22:00-07:00"), resume_after_s=0)
+    assert Watch(policy, clock=lambda: now).check() == "outside 22:00-07:00"
+    assert Watch(policy, clock=lambda: now.replace(hour=23)).check() is None
+
+
+def _spin(*argv: str) -> subprocess.Popen[bytes]:
+    """A process that keeps one CPU busy (the owner's program), named by ``argv``."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass", *argv])
+
+
+def test_other_cpu_counts_the_owners_programs_not_fedqs_workers() -> None:
+    ncpu = os.cpu_count() or 1
+    load = CpuLoad()
+
+    def settle() -> float:
+        reading = None
+        for _ in range(8):
+            time.sleep(owner.TICK_S)
+            reading = load.read()
+        assert reading is not None
+        return reading
+
+    fedq_like = _spin("celery", "-A", "fedq", "worker")  # another fedq worker: not the owner
+    try:
+        ours = settle()
+    finally:
+        fedq_like.kill()
+        fedq_like.wait()
+    owners = _spin()
+    try:
+        theirs = settle()
+    finally:
+        owners.kill()
+        owners.wait()
+    one_core = 100 / ncpu
+    assert theirs > 0.7 * one_core, (theirs, ours)
+    assert ours < theirs - 0.5 * one_core, (theirs, ours)
+
+
+def test_the_training_loop_stops_at_the_next_step_when_asked() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    asked: list[int] = []
+
+    def stop() -> str | None:
+        asked.append(1)
+        return "owner active" if len(asked) > 3 else None
+
+    stats = local_train(model, x, y, optimizer=OptimizerSpec(name="sgd", lr=0.1),
+                        batch_size=8, epochs=2, steps=None, seed=1,
+                        device=torch.device("cpu"), should_stop=stop)
+    assert (stats.steps, stats.planned_steps, stats.seen) == (3, 16, 24)
+    assert stats.yielded == "owner active"
+
+
+def test_a_yielded_task_is_not_a_failure_and_its_client_goes_again() -> None:
+    assert absorb_status("yielded", False, True, 1, 5, 0, None) == \
+        (UpdateStatus.YIELDED, None)
+    assert UpdateStatus.YIELDED not in FAILED_UPDATES
+    state = RoundState(job="j", number=1, gen=1, attempt=1, clients=(0, 1), deadline=None,
+                       quorum=2, max_redispatch=2)
+    ok = UpdateRef(status="ok", job="j", round=1, client=0, queue="cpu", worker="w",
+                   key="k", sha256="0" * 64)
+    yielded = UpdateRef(status="yielded", job="j", round=1, client=1, queue="cpu",
+                        worker="w", error="on battery: not started")
+    decision = decide(state, {0: ok, 1: yielded}, utcnow())
+    assert not isinstance(decision, Wait)  # settled for this attempt: sent again now
+    assert list(decision.clients) == [1]  # type: ignore[union-attr]
+
+
+def test_a_policy_it_cannot_read_is_one_line_from_doctor(tmp_path: Path) -> None:
+    env = {"FEDQ_HOME": str(tmp_path), "FEDQ_RUN_WHEN": "schedule",
+           "FEDQ_RUN_WINDOW": "22-07"}
+    get_settings.cache_clear()
+    shown = CliRunner().invoke(main, ["doctor"], env=env)
+    assert shown.exit_code == 1
+    assert "FEDQ_RUN_WINDOW: '22-07' is not a window such as 22:00-07:00" in shown.output
+    env["FEDQ_RUN_WINDOW"] = "22:00-07:00"
+    get_settings.cache_clear()
+    shown = CliRunner().invoke(main, ["doctor", "--json"], env=env)
+    get_settings.cache_clear()
+    report = json.loads(shown.output)
+    assert report["owner"]["policy"].startswith("inside 22:00-07:00")
+    assert [p["name"] for p in report["owner"]["probes"]] == \
+        ["input idle", "power", "other CPU", "other GPU"]
+
+
+# -- real workers ----------------------------------------------------------------------
+
+POLITE = {"FEDQ_SLOWDOWN": "40", "FEDQ_RESUME_AFTER_S": "2"}
+# 20 local epochs: a few seconds on the steady worker, minutes at FEDQ_SLOWDOWN=40
+OWNER_JOB = {**DIGITS, "name": "owner", "num_clients": 2, "clients_per_round": 2,
+             "min_clients": 2, "rounds": 1, "local_epochs": 20, "max_redispatch": 3,
+             "round_timeout_s": 300}
+
+
+def _received(cluster: Cluster, name: str) -> bool:
+    return re.search(rb"Task fedq\.train\[[^\]]+\] received",
+                     cluster.by_name(name).log_path.read_bytes()) is not None
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _owners_wait(pid: int, since: float) -> float:
+    """Seconds from ``since`` (a time.monotonic()) until process ``pid`` stopped
+    training: the start of the first half second in which it used under 5% of a core
+    (its owner watch reads /proc five times a second)."""
+    samples = [(time.monotonic(), _cpu_seconds(pid))]
+    while time.monotonic() - since < 60:
+        time.sleep(0.05)
+        samples.append((time.monotonic(), _cpu_seconds(pid)))
+        first = next(i for i, (t, _) in enumerate(samples) if t >= samples[-1][0] - 0.5)
+        (t0, c0), (t1, c1) = samples[first], samples[-1]
+        if t1 - t0 >= 0.45 and (c1 - c0) / (t1 - t0) < 0.05:
+            return max(0.0, t0 - since)
+    raise AssertionError("the worker kept using the CPU for 60 s")
+
+
+def _rows(cluster: Cluster, job: str) -> list[ClientUpdate]:
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        rows = list(s.scalars(select(ClientUpdate).where(ClientUpdate.job_id == job)
+                              .order_by(ClientUpdate.client, ClientUpdate.attempt)))
+        s.expunge_all()
+        return rows
+
+
+@pytest.mark.slow
+def test_a_worker_steps_aside_for_cpu_load_and_the_job_completes_elsewhere(
+        redis_cluster: Cluster) -> None:
+    """The owner starts a program that keeps a core busy while the polite worker
+    trains: it yields at the next step (too little done to send), consumes nothing
+    while the load lasts, the watchdog re-sends its client, the steady worker trains
+    it, and the polite worker comes back when the load ends."""
+    cluster = redis_cluster
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    ncpu = os.cpu_count() or 1
+    # the owner's programs keep every core busy, six processes a core (so that they
+    # hold ~85% of the machine beside a training fedq worker); fedq steps aside above
+    # 75% (fedq's CLI and the test's own processes starting can cross it too: the
+    # polite worker then comes back, and the test waits)
+    polite = cluster.add("polite", ["cpu"], **POLITE, FEDQ_PARTIAL_MIN="1",
+                         FEDQ_MAX_OTHER_CPU="75")
+    job = cluster.submit(OWNER_JOB)
+    wait_until(lambda: _received(cluster, "polite"), 120, what=polite.tail)
+    time.sleep(1.0)  # training, slowly
+    loads = [_spin() for _ in range(6 * ncpu)]
+    started = time.monotonic()
+    try:
+        assert polite.proc is not None
+        waited = _owners_wait(polite.proc.pid, started)
+        wait_until(lambda: b"stepping aside: other programs use" in polite.log_path.read_bytes(),
+                   10, what=polite.tail)
+        cluster.add("steady", ["cpu"])  # the job goes on without the polite worker
+        view = cluster.wait(job, timeout=240)
+        assert view.status == "completed", view.error
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+    rows = _rows(cluster, job)
+    shown = [(r.client, r.attempt, r.status, r.worker, r.error) for r in rows]
+    done = {r.client: r for r in rows if r.status == UpdateStatus.OK}
+    assert sorted(done) == [0, 1] and all(r.worker == "steady@test" for r in done.values())
+    # what the polite worker took, it yielded; each such client was sent again (a later
+    # attempt) and trained once (one ok row per client)
+    log = polite.log_path.read_text()
+    took = {(int(c), int(a)) for c, a in re.findall(rf"fedq-{job}-g\d+-r1-c(\d+)-a(\d+)\] "
+                                                     r"received", log)}
+    assert took and log.count("'status': 'yielded'") == len(took), log[-3000:]
+    assert "yielded: other programs use" in log
+    for client, attempt in took:
+        assert done[client].attempt > attempt, shown
+    wait_until(lambda: b"training resumes" in polite.log_path.read_bytes(), 30,
+               what=polite.tail)
+
+    def bands() -> list[tuple[object, bool, str | None]] | None:
+        seen = availability(cluster.env["FEDQ_DATABASE_URL"]).get("polite@test") or []
+        return seen if len(seen) >= 3 else None
+
+    changes = wait_until(bands, 20)
+    assert [a for _, a, _ in changes][:3] == [True, False, True], changes
+    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers"], text=True,
+                           capture_output=True, env={**cluster.env, "COLUMNS": "300"},
+                           check=True).stdout
+    line = next(x for x in shown.splitlines() if "polite@test" in x)
+    assert "live" in line and "away" not in line, shown
+    record("owners", condition="other programs' CPU (a busy process)",
+           outcome="yielded, re-sent, trained elsewhere; came back",
+           owners_wait_s=round(waited, 3))
+
+
+@pytest.mark.slow
+def test_a_worker_stops_at_the_end_of_its_window_with_a_partial_update(
+        redis_cluster: Cluster) -> None:
+    """The polite worker may train until a window's end a few seconds away: when it
+    closes mid-task the worker uploads what it did (FEDQ_PARTIAL_MIN=0) with the samples
+    it processed, and takes nothing more while outside the window."""
+    cluster = redis_cluster
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    end = datetime.now() + timedelta(seconds=40)
+    window = f"{(end - timedelta(hours=2)):%H:%M:%S}-{end:%H:%M:%S}"
+    polite = cluster.add("polite", ["cpu"], **POLITE, FEDQ_PARTIAL_MIN="0",
+                         FEDQ_RUN_WHEN="schedule", FEDQ_RUN_WINDOW=window)
+    job = cluster.submit(OWNER_JOB)
+    wait_until(lambda: _received(cluster, "polite"), 30, what=polite.tail)
+    wait_until(lambda: b"stepping aside: outside" in polite.log_path.read_bytes(), 60,
+               what=polite.tail)
+    closed = time.monotonic() - (datetime.now() - end).total_seconds()  # the window's end
+    assert polite.proc is not None
+    waited = _owners_wait(polite.proc.pid, closed)
+    cluster.add("steady", ["cpu"])
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    rows = _rows(cluster, job)
+    partial = [r for r in rows if r.status == UpdateStatus.OK and r.worker == "polite@test"]
+    assert len(partial) == 1 and partial[0].yielded, \
+        [(r.client, r.status, r.worker, r.yielded, r.steps) for r in rows]
+    assert 0 < partial[0].processed < 20 * partial[0].samples  # less than its 20 epochs
+    steady = [r for r in rows if r.status == UpdateStatus.OK and r.worker == "steady@test"]
+    assert len(steady) == 1 and not steady[0].yielded
+    log = polite.log_path.read_bytes()
+    taken = re.findall(rb"Task fedq\.train\[[^\]]+\] received", log)
+    assert len(taken) == 1, log[-3000:]  # nothing taken outside the window
+    record("owners", condition="end of the run window (the real clock)",
+           outcome="partial update sent; nothing taken outside the window",
+           owners_wait_s=round(waited, 3))
