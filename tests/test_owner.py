@@ -354,3 +354,43 @@ def test_a_worker_stops_at_the_end_of_its_window_with_a_partial_update(
     record("owners", condition="end of the run window (the real clock)",
            outcome="partial update sent; nothing taken outside the window",
            owners_wait_s=round(waited, 3))
+
+
+def test_availability_is_kept_for_fedq_workers_and_prometheus(tmp_path: Path) -> None:
+    """A worker's reports (typed and bounded on arrival) become its row, its history
+    and the fedq_worker_available gauge."""
+    from fedq.coordinator.roster import list_workers, record_availability
+    from fedq.db import upgrade
+    from fedq.observe.metrics import FedqCollector
+    from fedq.settings import load_settings
+
+    settings = load_settings({"FEDQ_HOME": str(tmp_path)})
+    upgrade(settings.database_url)
+    db = settings.database_url
+    assert record_availability(db, "w1@a", True, None) == "w1@a"
+    assert record_availability(db, "w1@a", False, "on battery") == "w1@a"
+    assert record_availability(db, "w2@a", True, "ignored while available") == "w2@a"
+    assert record_availability(db, "w1@a", "yes", None).startswith("refused w1@a")
+    assert record_availability(db, "x" * 201, True, None).startswith("refused")
+    assert record_availability(db, "w1@a", False, ["not", "text"]).startswith("refused")
+    rows = {w["hostname"]: w for w in list_workers(db)}
+    assert (rows["w1@a"]["available"], rows["w1@a"]["away_reason"]) == (False, "on battery")
+    assert (rows["w2@a"]["available"], rows["w2@a"]["away_reason"]) == (True, None)
+    assert [(a, r) for _, a, r in availability(db)["w1@a"]] == \
+        [(True, None), (False, "on battery")]
+    gauges = {tuple(s.labels.values()): s.value
+              for family in FedqCollector(settings, [], broker=False).collect()
+              if family.name == "fedq_worker_available" for s in family.samples}
+    assert gauges == {("w1@a",): 0.0, ("w2@a",): 1.0}
+
+
+def test_a_worker_refuses_to_start_with_a_policy_it_cannot_read(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
+    env.update({"FEDQ_HOME": str(tmp_path), "FEDQ_RUN_WHEN": "schedule",
+                "FEDQ_RUN_DAYS": "weekdays"})
+    proc = subprocess.run([sys.executable, "-m", "celery", "-A", "fedq", "worker", "-Q", "cpu",
+                           "--pool", "solo", "-n", "bad@test"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "fedq: worker bad@test refused to start: FEDQ_RUN_DAYS: 'weekdays' is not a day" \
+        in proc.stderr

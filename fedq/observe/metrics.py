@@ -85,7 +85,8 @@ class FedqCollector:
                                 .group_by(WatchdogAction.action)).all()
             worker_rows = [(w.hostname, ",".join(w.queues or []), w.tasks_done or 0,
                             w.tasks_failed or 0, w.samples_per_second, w.gpu_peak_mb,
-                            w.gpu_util, aware(w.last_seen).timestamp()) for w in workers]
+                            w.gpu_util, aware(w.last_seen).timestamp(), w.available)
+                           for w in workers]
 
         job_status = GaugeMetricFamily("fedq_jobs", "Jobs by status", labels=["status"])
         for status in JobStatus:
@@ -168,7 +169,13 @@ class FedqCollector:
         gpu_util = GaugeMetricFamily("fedq_worker_gpu_utilization_ratio",
                                      "Mean GPU utilisation sampled during the last task",
                                      labels=["worker"])
-        for host, queues, done, failed, sps, peak, util, last_seen in worker_rows:
+        available = GaugeMetricFamily("fedq_worker_available",
+                                      "1 while the worker's run policy lets it train, 0 while "
+                                      "it steps aside for its owner (docs/owners.md)",
+                                      labels=["worker"])
+        for host, queues, done, failed, sps, peak, util, last_seen, free in worker_rows:
+            if free is not None:
+                available.add_metric([host], 1.0 if free else 0.0)
             if sps is not None:
                 rate.add_metric([host, queues], sps)
             tasks.add_metric([host, "done"], done)
@@ -178,7 +185,7 @@ class FedqCollector:
                 gpu_mem.add_metric([host], peak * 2**20)
             if util is not None:
                 gpu_util.add_metric([host], util / 100)
-        yield from (rate, tasks, seen, gpu_mem, gpu_util)
+        yield from (rate, tasks, seen, gpu_mem, gpu_util, available)
 
         repaired = CounterMetricFamily("fedq_watchdog_repairs", "Repairs the watchdog made",
                                        labels=["action"])
