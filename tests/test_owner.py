@@ -308,6 +308,9 @@ def test_a_worker_steps_aside_for_cpu_load_and_the_job_completes_elsewhere(
 
     changes = wait_until(bands, 20)
     assert [a for _, a, _ in changes][:3] == [True, False, True], changes
+    plots = cluster.home / "plots"  # the polite worker's band in fedq plot
+    written = cluster.fedq("plot", job, "--out", str(plots), "--format", "png").stdout
+    assert f"{job}-availability.png" in written and (plots / f"{job}-availability.png").exists()
     shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers"], text=True,
                            capture_output=True, env={**cluster.env, "COLUMNS": "300"},
                            check=True).stdout

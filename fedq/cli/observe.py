@@ -22,6 +22,21 @@ def _job_data(job_id: str) -> tuple[dict, list[dict], list[dict]]:
     return job, round_results(settings, job_id), client_results(settings, job_id)
 
 
+def _availability(job: dict) -> dict:
+    """Each worker's availability changes from the job's start (workers with a run
+    policy; docs/owners.md), with the state it was in when the job began."""
+    from datetime import datetime
+
+    from fedq.coordinator.roster import availability
+
+    begun = datetime.fromisoformat(job["created_at"])
+    bands = availability(_settings().database_url)
+    return {host: [c for i, c in enumerate(changes)
+                   if c[0] >= begun or (i + 1 < len(changes) and changes[i + 1][0] > begun)
+                   or i + 1 == len(changes)]
+            for host, changes in bands.items()}
+
+
 @main.command()
 @click.argument("job_id")
 @click.option("--out", "folder", default="fedq-plots", show_default=True,
@@ -30,7 +45,8 @@ def _job_data(job_id: str) -> tuple[dict, list[dict], list[dict]]:
               help="comma-separated: png, svg, pdf")
 @expected_errors
 def plot(job_id: str, folder: Path, formats: str) -> None:
-    """Write the job's figures: progress, task timeline, bytes, staleness (buffered)."""
+    """Write the job's figures: progress, task timeline, bytes, staleness (buffered),
+    and when each worker's owner let it train (workers with a run policy)."""
     from fedq.observe.plots import figures, write_figures
 
     require_extra("matplotlib", "plot", "fedq plot")
@@ -42,7 +58,8 @@ def plot(job_id: str, folder: Path, formats: str) -> None:
     job, rounds, clients = _job_data(job_id)
     if not rounds:
         raise ConfigError(f"job {job_id} has no rounds yet: nothing to plot")
-    for path in write_figures(figures(job, rounds, clients), folder, job_id, wanted):
+    figs = figures(job, rounds, clients, _availability(job))
+    for path in write_figures(figs, folder, job_id, wanted):
         click.echo(path)
 
 
@@ -59,7 +76,7 @@ def report(job_id: str, path: Path | None) -> None:
 
     require_extra("matplotlib", "plot", "fedq report")
     job, rounds, clients = _job_data(job_id)
-    figs = figures(job, rounds, clients) if rounds else {}
+    figs = figures(job, rounds, clients, _availability(job)) if rounds else {}
     page = render(job, rounds, clients, list_workers(_settings().database_url), figs)
     close(figs)
     path = path or Path(f"fedq-report-{job_id}.html")

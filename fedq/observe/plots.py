@@ -182,15 +182,58 @@ def staleness_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
     return fig
 
 
+Band = tuple[Any, bool, str | None]  # (datetime, available, reason)
+
+
+def availability_figure(bands: dict[str, list[Band]], start: float, end: float,
+                        title: str = "") -> Any:
+    """One band per worker with a run policy over [start, end] (Unix seconds): green
+    while its owner's conditions let it train, grey while it stepped aside (the
+    reason is written on the first few grey spans). Seconds on the x axis count from
+    ``start``."""
+    plt = _pyplot()
+    hosts = sorted(bands)
+    fig, ax = plt.subplots(figsize=(11, max(2.0, 0.45 * len(hosts) + 1.2)),
+                           constrained_layout=True)
+    for y, host in enumerate(hosts):
+        changes = [(at.timestamp(), free, why) for at, free, why in bands[host]]
+        for i, (at, free, why) in enumerate(changes):
+            until = changes[i + 1][0] if i + 1 < len(changes) else end
+            left, right = max(at, start), min(until, end)
+            if right <= left:
+                continue
+            ax.barh(y, right - left, left=left - start, height=0.6,
+                    color="#2ca02c" if free else "#bbbbbb")
+            if not free and why and right - left > 0.08 * (end - start):
+                ax.text(left - start + 0.5, y, why[:48], va="center", fontsize=7)
+    ax.set_yticks(range(len(hosts)), [h.split("@")[0] for h in hosts], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(end - start, 1.0))
+    ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#2ca02c", "#bbbbbb")]
+    ax.legend(handles, ["may train", "stepped aside for its owner"], loc="lower right",
+              fontsize=8)
+    ax.set_title(title or "when each worker's owner let it train")
+    return fig
+
+
 def figures(job: dict[str, Any], rounds: list[dict[str, Any]],
-            clients: list[dict[str, Any]]) -> dict[str, Any]:
-    """Name -> Figure for one job (``staleness`` only for buffered jobs)."""
+            clients: list[dict[str, Any]],
+            availability: dict[str, list[Band]] | None = None) -> dict[str, Any]:
+    """Name -> Figure for one job (``staleness`` only for buffered jobs;
+    ``availability`` only where workers with a run policy reported during it)."""
     name = f"{job['name']} ({job['id']})"
     out = {"progress": progress_figure(rounds, f"{name}: progress"),
            "timeline": timeline_figure(rounds, clients, f"{name}: where the time went"),
            "bytes": bytes_figure(clients, f"{name}: bytes per round")}
     if any(c.get("staleness") is not None for c in clients):
         out["staleness"] = staleness_figure(clients, f"{name}: staleness")
+    begun = _when(job.get("created_at"))
+    ended = max([t for r in rounds if (t := _when(r.get("finished_at"))) is not None]
+                or [begun or 0.0])
+    if availability and begun is not None:
+        out["availability"] = availability_figure(
+            availability, begun, ended, f"{name}: when each worker's owner let it train")
     return out
 
 
