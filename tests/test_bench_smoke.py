@@ -372,3 +372,22 @@ def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
 
     size = raw_size(state_of(lm.fresh_model_shapes()))
     assert abs(float(plain[5]) - float(plain[3]) - lm.WORKERS * size / 1e6) <= 0.1, plain
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_owners_wait_smoke_run_renders_its_table(redis_db: str) -> None:
+    """bench/owners.py with two yields: it unplugs the polite worker's machine twice,
+    the job counts every round and update once, and the table renders (never a speed
+    assertion: the figures are the full run's, in docs/owners.md)."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.owners", "--yields", "2",
+                           "--no-write"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 10 and all(c.endswith(" s") for c in cells[1:5])
+    assert int(cells[6]) + int(cells[7]) >= 1  # a partial update or a task handed back
+    assert int(cells[8]) >= 1 and int(cells[9]) == 2 * int(cells[8])  # two clients a round
+    assert proc.stderr.count("the owner waited") == 2
