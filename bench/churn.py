@@ -1,8 +1,8 @@
 """Machines that come and go: time to the target accuracy under churn, per mode, into
 docs/owners.md.
 
-    .venv/bin/python -m bench.churn                      # about 10 minutes on 2 cores
-    .venv/bin/python -m bench.churn --slowdown 3 --target 0.9 --mean-s 15  # 4 minutes
+    .venv/bin/python -m bench.churn                      # about 4 minutes on 2 cores
+    .venv/bin/python -m bench.churn --slowdown 3 --target 0.9 --mean-s 15  # short jobs
     .venv/bin/python -m bench.churn --trace trace.csv    # replay your own availability
 
 Four polite workers (``FEDQ_AC_ONLY=1``), each with a power-supply folder the harness
