@@ -346,11 +346,11 @@ class Watch:
 class Watcher:
     """A worker process's view of its watch, which runs in a helper process of its own
     (``python -m fedq.worker.owner``, started with the worker's environment) and
-    writes a line each time the verdict changes. In a thread of the worker, the
-    probes' file reads would each wait for Python's GIL while the training thread
-    holds it (measured here: 3-4 s to notice a busy machine instead of under one);
-    the helper never waits for it, and the worker's reader thread wakes only on a
-    change. The helper exits when the worker does (its stdin closes)."""
+    writes a line each time the verdict changes. In a thread of the worker, each
+    probe file read would take the GIL back from the training thread, itself waiting
+    for a core when the machine is busy; the helper never waits for the GIL, and the
+    worker's reader thread wakes only on a change (docs/owners.md says what was and
+    was not measured). The helper exits when the worker does (its stdin closes)."""
 
     def __init__(self, policy: Policy) -> None:
         first = Watch(policy)
