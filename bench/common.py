@@ -227,3 +227,11 @@ def as_json(obj: Any) -> Any:
     if isinstance(obj, Stat):
         return {"median": obj.median, "min": obj.low, "max": obj.high, "n": obj.n}
     return obj
+
+
+def write_section(doc: Path, begin: str, end: str, lines: Sequence[str]) -> None:
+    """Replace what stands between the markers ``begin`` and ``end`` of ``doc`` (a
+    generated table inside hand-written prose) with ``lines``."""
+    head, _, rest = doc.read_text().partition(begin)
+    _, _, tail = rest.partition(end)
+    doc.write_text(f"{head}{begin}\n" + "\n".join(lines) + f"\n{end}{tail}")

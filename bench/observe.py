@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.common import ROOT, pg_database, redis_database
+from bench.common import ROOT, pg_database, redis_database, write_section
 from bench.fedq_run import run_job, zero_compute_spec
 from fedq.testing.cluster import Cluster, base_env
 from fedq.testing.procs import start_workers
@@ -196,10 +196,7 @@ def main() -> int:
 
 
 def _write(lines: list[str]) -> None:
-    text = DOC.read_text()
-    head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    DOC.write_text(f"{head}{BEGIN}\n" + "\n".join(lines) + f"\n{END}{tail}")
+    write_section(DOC, BEGIN, END, lines)
 
 
 if __name__ == "__main__":

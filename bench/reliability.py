@@ -25,6 +25,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
 MARKER = "<!-- end of generated table -->"
@@ -34,14 +36,6 @@ TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.
 
 def _seconds(values: list[float]) -> str:
     return ", ".join(f"{v:.1f} s" for v in values) or "-"
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The q-quantile of sorted ``values``, by linear interpolation (numpy's default)."""
-    at = (len(values) - 1) * q
-    low = int(at)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (at - low)
 
 
 def main() -> int:
@@ -74,8 +68,8 @@ def main() -> int:
     times = sorted(t for r in rows for t in r.get("redispatch_s") or [])
     if times:
         lines += ["", f"Kill (or pause, or link cut) to re-dispatch over the {len(times)} "
-                  f"lost workers above: median {_quantile(times, 0.5):.1f} s, "
-                  f"p99 {_quantile(times, 0.99):.1f} s, longest {times[-1]:.1f} s "
+                  f"lost workers above: median {float(np.quantile(times, 0.5)):.1f} s, "
+                  f"p99 {float(np.quantile(times, 0.99)):.1f} s, longest {times[-1]:.1f} s "
                   f"(the bound with the tests' 1 s watchdog is 1 + 15 + 1 s; with the "
                   f"shipped 5 s, 25 s)."]
     prose = DOC.read_text().split(MARKER, 1)[1] if DOC.exists() and MARKER in DOC.read_text() \

@@ -24,6 +24,7 @@ import torch
 from click.testing import CliRunner
 from sqlalchemy import select
 
+from bench.owners import stopped_after
 from fedq.cli import main
 from fedq.coordinator.policy import RoundState, Wait, absorb_status, decide
 from fedq.coordinator.roster import availability
@@ -224,24 +225,10 @@ def _received(cluster: Cluster, name: str) -> bool:
                      cluster.by_name(name).log_path.read_bytes()) is not None
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _owners_wait(pid: int, since: float) -> float:
-    """Seconds from ``since`` (a time.monotonic()) until process ``pid`` stopped
-    training: the start of the first half second in which it used under 5% of a core
-    (its owner watch reads /proc five times a second)."""
-    samples = [(time.monotonic(), _cpu_seconds(pid))]
-    while time.monotonic() - since < 60:
-        time.sleep(0.05)
-        samples.append((time.monotonic(), _cpu_seconds(pid)))
-        first = next(i for i, (t, _) in enumerate(samples) if t >= samples[-1][0] - 0.5)
-        (t0, c0), (t1, c1) = samples[first], samples[-1]
-        if t1 - t0 >= 0.45 and (c1 - c0) / (t1 - t0) < 0.05:
-            return max(0.0, t0 - since)
-    raise AssertionError("the worker kept using the CPU for 60 s")
+    """Seconds from ``since`` until the worker ``pid`` stopped training (bench.owners'
+    measure, over half a second here: the test's own processes share the cores)."""
+    return stopped_after(pid, since, limit=60.0, window=0.5)
 
 
 def _rows(cluster: Cluster, job: str) -> list[ClientUpdate]:

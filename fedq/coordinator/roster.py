@@ -80,13 +80,11 @@ def record_availability(db_url: str, hostname: Any, available: Any, reason: Any)
     return hostname
 
 
-def availability(db_url: str, since: Any = None) -> dict[str, list[tuple[Any, bool, str | None]]]:
+def availability(db_url: str) -> dict[str, list[tuple[Any, bool, str | None]]]:
     """Each worker's availability changes, oldest first: (time, available, reason)."""
     ensure_schema(db_url)
     with session_scope(db_url) as s:
         query = select(Availability).order_by(Availability.at, Availability.id)
-        if since is not None:
-            query = query.where(Availability.at >= since)
         out: dict[str, list[tuple[Any, bool, str | None]]] = {}
         for a in s.scalars(query):
             out.setdefault(a.hostname, []).append((aware(a.at), a.available, a.reason))
