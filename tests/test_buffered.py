@@ -275,7 +275,11 @@ def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
     view = cluster.wait(job, timeout=180)
     assert view.status == "completed", view.error
     rows = _assert_versions(cluster, job, versions=3)
-    assert b"'action': 'apply (stuck)'" in cluster.by_name("control").log_path.read_bytes()
+    # the watchdog logs what it did after its apply returns, which may be after the
+    # job reads completed
+    restarted = cluster.by_name("control")
+    wait_until(lambda: b"'action': 'apply (stuck)'" in restarted.log_path.read_bytes(), 30,
+               what=lambda: f"the watchdog to log its apply\n{restarted.tail()}")
     lost = sum(1 for u in rows if u.status in ("training", "buffered"))  # 0: asserted
     record_outcome("buffered job (K=2, C=4), control worker SIGKILLed mid-apply, restarted",
                    "the control worker while it applied version 2", "completed",

@@ -437,8 +437,8 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
         actions.append({"job": job_id, "action": "start", "result": result})
     if full_since is not None and now - full_since > grace:
         for result in apply_ready(settings, job_id):
-            actions.append({"job": job_id, "version": version, "action": "apply (stuck)",
-                            "result": result["status"]})
+            actions.append({"job": job_id, "version": result.get("version", version),
+                            "action": "apply (stuck)", "result": result["status"]})
     for index, attempt in overdue:
         actions.append(_overdue(settings, job_id, spec, index, attempt))
     # a task whose worker is lost (its heartbeat stopped: fedq/coordinator/liveness.py)
