@@ -96,6 +96,51 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
                           f"(celery -A fedq worker -Q {queue})", highlight=False)
 
 
+def _inference(job_id: str) -> Any:
+    """The inference job ``job_id``'s view, or None (a training job, or none)."""
+    from fedq.inference.jobs import find
+
+    return find(_settings(), job_id)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="follow the job with a progress bar until it finishes")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="with --wait: write the outputs here when it completes (JSONL)")
+@click.option("--timeout", default=0.0, help="--wait: give up after this many seconds")
+@expected_errors
+def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) -> None:
+    """Start a batch inference job from SPEC (kind: inference); prints its id.
+
+    Its shards run on the training queues' workers; paths in SPEC are relative to it."""
+    from fedq.cli.infer import follow as follow_inference
+    from fedq.inference.jobs import merge
+    from fedq.inference.jobs import submit as submit_inference
+    from fedq.inference.spec import load_inference
+
+    spec = load_inference(spec_path)
+    settings = _settings()
+    job_id = submit_inference(settings, spec, spec_path.parent)
+    click.echo(job_id)
+    if not wait:
+        return
+    view = follow_inference(settings, job_id, timeout=timeout or None, console=err)
+    if view.status == JobStatus.FAILED:
+        raise JobFailed(f"job {job_id} failed: {view.error}")
+    if view.status == JobStatus.CANCELLED:
+        raise JobCancelled(f"job {job_id} was cancelled")
+    if view.status == JobStatus.RUNNING:
+        from fedq.errors import WatchTimeout
+
+        raise WatchTimeout(f"job {job_id} still running after {timeout:g}s "
+                           f"(fedq watch {job_id})")
+    if out_path is not None:
+        lines = merge(settings, job_id, out_path)
+        err.print(f"{lines} outputs written to {out_path}", highlight=False)
+
+
 @main.command()
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -153,7 +198,17 @@ def generate(job_id: str, prompt: str, tokens: int, temperature: float, top_k: i
 def watch(job_id: str, interval: float, timeout: float) -> None:
     """Follow JOB round by round until it finishes. Exits 0 when it completed, 5 when
     it failed, 6 when it was cancelled, 7 on --timeout, 4 for an unknown JOB."""
-    view = follow(job_id, interval=interval, timeout=timeout or None)
+    inference = _inference(job_id)
+    if inference is not None:
+        from fedq.cli.infer import follow as follow_inference
+
+        view = follow_inference(_settings(), job_id, interval=interval, timeout=timeout or None)
+        if view.status == JobStatus.RUNNING:
+            from fedq.errors import WatchTimeout
+
+            raise WatchTimeout(f"job {job_id} still running after {timeout:g}s")
+    else:
+        view = follow(job_id, interval=interval, timeout=timeout or None)
     if view.status == JobStatus.FAILED:
         raise JobFailed(f"job {job_id} failed: {view.error}")
     if view.status == JobStatus.CANCELLED:
@@ -164,8 +219,15 @@ def watch(job_id: str, interval: float, timeout: float) -> None:
 @click.argument("job_id")
 @expected_errors
 def cancel(job_id: str) -> None:
-    """Stop JOB: no more rounds, outstanding training tasks revoked."""
+    """Stop JOB: no more rounds (or shards), outstanding tasks revoked."""
     from fedq.coordinator.jobs import cancel as cancel_job
+
+    if _inference(job_id) is not None:
+        from fedq.inference.jobs import cancel as cancel_inference
+
+        revoked = cancel_inference(_settings(), job_id)
+        click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
+        return
 
     revoked = cancel_job(_settings(), job_id)
     click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
@@ -175,8 +237,16 @@ def cancel(job_id: str) -> None:
 @click.argument("job_id")
 @expected_errors
 def resume(job_id: str) -> None:
-    """Restart a failed or cancelled JOB from its last committed round."""
+    """Restart a failed or cancelled JOB from its last committed round (an inference
+    job: its unfinished shards)."""
     from fedq.coordinator.jobs import resume as resume_job
+
+    if _inference(job_id) is not None:
+        from fedq.inference.jobs import resume as resume_inference
+
+        left = resume_inference(_settings(), job_id)
+        click.echo(f"job {job_id} resumed: {left} shard(s) to go")
+        return
 
     start = resume_job(_settings(), job_id)
     click.echo(f"job {job_id} resumed at round {start}")
@@ -188,13 +258,33 @@ def resume(job_id: str) -> None:
 @click.option("--csv", "as_csv", is_flag=True, help="print CSV (one line per round)")
 @click.option("--clients", "per_client", is_flag=True,
               help="also a table per client update: device, AMP, samples/s, GPU use")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="an inference job: write its outputs here (JSONL, in input order)")
 @expected_errors
-def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool) -> None:
-    """Per-round table of JOB: accuracy, loss, seconds, participants, bytes."""
+def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool,
+            out_path: Path | None) -> None:
+    """Per-round table of JOB: accuracy, loss, seconds, participants, bytes. For an
+    inference job: items and throughput per worker; --out FILE merges its outputs."""
     from fedq.coordinator.jobs import ROUND_FIELDS, client_results, get_job, round_results
 
     settings = _settings()
+    inference = _inference(job_id)
+    if inference is not None:
+        from fedq.cli.infer import summary as inference_table
+        from fedq.inference.jobs import merge
+
+        if out_path is not None:
+            lines = merge(settings, job_id, out_path)
+            click.echo(f"{lines} outputs of job {job_id} written to {out_path}")
+        elif as_json:
+            click.echo(json.dumps(inference.to_json(), indent=2))
+        else:
+            out.print(inference_table(inference))
+        return
     view = get_job(settings, job_id)
+    if out_path is not None:
+        raise FedqError(f"--out: job {job_id} is a training job; --out writes an inference "
+                        "job's outputs")
     rows = round_results(settings, job_id)
     if as_json:
         click.echo(json.dumps({"job": job_json(view), "rounds": rows,

@@ -162,6 +162,14 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
             log.exception("fedq watchdog: repairing job %s failed", item.job)
             actions.append({"job": item.job, "round": item.number, "action": "error (repair)",
                             "result": "error", "error": _why(exc)})
+    try:  # batch inference jobs (fedq/inference/jobs.py)
+        from fedq.inference.jobs import repair as repair_inference
+
+        actions += repair_inference(settings)
+    except Exception as exc:  # noqa: BLE001 - never stops the training repairs
+        log.exception("fedq watchdog: repairing inference jobs failed")
+        actions.append({"job": "inference", "action": "error (repair)", "result": "error",
+                        "error": _why(exc)})
     for action in actions:
         log.warning("fedq watchdog: %s", action)
     if actions:

@@ -250,3 +250,59 @@ class WatchdogAction(Base):
     action: Mapped[str] = mapped_column(String(64))
     result: Mapped[str | None] = mapped_column(String(32), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)  # a failed repair's reason
+
+
+class InferenceJob(Base):
+    """A batch inference job (migration 0015; fedq/inference/jobs.py)."""
+
+    __tablename__ = "inference_jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # fedq.status.JobStatus
+    items: Mapped[int] = mapped_column(Integer)
+    shards: Mapped[int] = mapped_column(Integer)
+    model_key: Mapped[str] = mapped_column(String(300))
+    model_sha256: Mapped[str] = mapped_column(String(64))
+    model_size: Mapped[int] = mapped_column(BigInteger)
+    # the model's registry name, data set and arguments (from the training job or spec)
+    arch: Mapped[dict[str, Any]] = mapped_column(JSON)
+    classes: Mapped[int] = mapped_column(Integer)
+    inputs_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    inputs_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    inputs_size: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class InferenceShard(Base):
+    """One shard of an inference job: items ``start..stop-1``; its output blob once done
+    (written once: a re-sent shard's second answer is dropped)."""
+
+    __tablename__ = "inference_shards"
+    __table_args__ = (UniqueConstraint("job_id", "shard"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("inference_jobs.id"), index=True)
+    shard: Mapped[int] = mapped_column(Integer)
+    start: Mapped[int] = mapped_column(Integer)
+    stop: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # queued running done failed cancelled
+    attempt: Mapped[int] = mapped_column(Integer, default=0)  # dispatches so far
+    # dispatches that do not count against max_redispatch: yields to an owner, and
+    # those before a resume
+    spared: Mapped[int] = mapped_column(Integer, default=0)
+    queue: Mapped[str | None] = mapped_column(String(32), default=None)
+    worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    key: Mapped[str | None] = mapped_column(String(300), default=None)
+    sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    size: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    seconds: Mapped[float | None] = mapped_column(Float, default=None)
+    device: Mapped[str | None] = mapped_column(String(32), default=None)
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)

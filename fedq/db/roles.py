@@ -9,8 +9,9 @@ database role at all.
 =============  =================================================================
 coordinator    SELECT, INSERT, UPDATE, DELETE on every table of the schema but
                alembic_version (SELECT: only migrations move the revision)
-submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds and
-               client_updates (submit, cancel, resume); INSERT, UPDATE on
+submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds,
+               client_updates, inference_jobs and inference_shards (submit, infer,
+               cancel, resume); INSERT, UPDATE on
                registered_workers (``fedq worker add`` / ``revoke``)
 =============  =================================================================
 
@@ -32,7 +33,7 @@ from fedq.errors import ConfigError
 
 Kind = Literal["coordinator", "submitter"]
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-SUBMITTER_WRITES = ("jobs", "rounds", "client_updates")
+SUBMITTER_WRITES = ("jobs", "rounds", "client_updates", "inference_jobs", "inference_shards")
 SUBMITTER_ADDS = ("registered_workers",)
 
 

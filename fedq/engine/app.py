@@ -14,6 +14,7 @@ from kombu import Exchange, Queue
 
 from fedq.engine import logs  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
 from fedq.engine.names import (
+    ABSORB_SHARD_TASK,
     ABSORB_UPDATE_TASK,
     ALL_QUEUES,
     CONTROL_QUEUE,
@@ -82,6 +83,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             START_ROUND_TASK: {"queue": CONTROL_QUEUE},
             FINALIZE_ROUND_TASK: {"queue": CONTROL_QUEUE},
             ABSORB_UPDATE_TASK: {"queue": CONTROL_QUEUE},
+            ABSORB_SHARD_TASK: {"queue": CONTROL_QUEUE},
             REGISTER_WORKER_TASK: {"queue": CONTROL_QUEUE},
             WORKER_STATE_TASK: {"queue": CONTROL_QUEUE},
             WATCHDOG_TASK: {"queue": CONTROL_QUEUE},
@@ -102,7 +104,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                                           "expires": settings.watchdog_interval}},
         },
         "beat_schedule_filename": str(settings.home / "beat-schedule"),
-        "include": ["fedq.tasks.train", "fedq.tasks.control", "fedq.worker.signals"],
+        "include": ["fedq.tasks.train", "fedq.tasks.infer", "fedq.tasks.control",
+                    "fedq.worker.signals"],
     }
 
 

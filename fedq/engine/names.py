@@ -24,3 +24,8 @@ WATCHDOG_TASK = "fedq.watchdog"
 TRAIN_SOFT_TIME_LIMIT = 3600
 TRAIN_TIME_LIMIT = 3900
 CONTROL_TIME_LIMIT = 600
+
+# Batch inference (fedq/inference/): one shard per task on a hardware queue; its
+# answer's callback on the control queue.
+INFER_TASK = "fedq.infer_shard"
+ABSORB_SHARD_TASK = "fedq.absorb_shard"

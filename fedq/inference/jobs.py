@@ -1,0 +1,626 @@
+"""Inference jobs as the coordinator runs them: submit, dispatch by throughput, absorb
+each shard's answer once, repair, cancel, resume, and the merged outputs.
+
+Who does how much: each queue of the job keeps ``in_flight`` shards out; when one
+comes back, the next queued shard goes to the same queue. A queue whose workers are
+faster returns sooner and so takes more shards (with ``worker_prefetch_multiplier``
+1, a worker holds one shard at a time). The last shards are smaller
+(:func:`plan_shards`), so the tail does not wait on a slow machine's big shard.
+
+Exactly once: a shard's row moves to ``done`` once, under the job's row lock; a
+re-sent shard's second answer (or a straggler's) is dropped. A shard's output is
+written under a key per attempt, so a straggler cannot overwrite the blob the
+done row points at. Every answer is checked before it counts (its format, its blob's
+sha256 and size bound, each line: :func:`fedq.inference.messages.check_output`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from fedq.blobs import BlobRef, open_store
+from fedq.blobs.keys import job_prefix
+from fedq.db import Job, session_scope
+from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow
+from fedq.db.session import ensure_schema
+from fedq.engine.app import app
+from fedq.engine.broker import check_broker
+from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
+from fedq.errors import BlobError, FedqError, JobNotFound, SpecError
+from fedq.inference.messages import (
+    LINE_BYTES,
+    check_output,
+    inputs_key,
+    model_key,
+    output_key,
+    parse_result,
+)
+from fedq.inference.spec import InferenceSpec
+from fedq.process import PROCESS
+from fedq.redaction import redact_text
+from fedq.settings import Settings
+from fedq.status import JobStatus
+from fedq.wire import MESSAGE_FORMAT, FormatError
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+#: Yields to an owner a shard may take before they count as failures.
+MAX_YIELDS = 100
+
+
+def plan_shards(items: int, size: int, tail: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each shard: ``size`` items each, then the last ``tail``
+    shards' worth of items cut into halves, quarters, ... (at least one item each), so
+    the job's last shards are short."""
+    cuts: list[tuple[int, int]] = []
+    body = max(0, items - tail * size)
+    lo = 0
+    while lo < body:
+        cuts.append((lo, min(lo + size, body)))
+        lo = cuts[-1][1]
+    step = size
+    while lo < items:
+        step = max(1, step // 2)
+        n = min(step, items - lo)
+        cuts.append((lo, lo + n))
+        lo += n
+    return cuts
+
+
+def task_id(job: str, shard: int, attempt: int) -> str:
+    return f"fedq-{job}-i{shard}-a{attempt}"
+
+
+def _lock(s: Session, job_id: str) -> InferenceJob | None:
+    s.execute(update(InferenceJob).where(InferenceJob.id == job_id)
+              .values(updated_at=utcnow()))
+    return s.get(InferenceJob, job_id)
+
+
+# -- submit -----------------------------------------------------------------------
+
+def _read_prompts(path: Path, limit: int) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"inputs.prompts: cannot read {path}: {exc}") from None
+    prompts: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if path.suffix == ".jsonl":
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise SpecError(f"{path}:{n}: not a JSON line") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise SpecError(f"{path}:{n}: expected an object with a \"prompt\" string")
+            prompts.append(row["prompt"])
+        elif line:
+            prompts.append(line)
+    if limit:
+        prompts = prompts[:limit]
+    if not prompts:
+        raise SpecError(f"inputs.prompts: {path} holds no prompts")
+    return prompts
+
+
+def _model_source(settings: Settings, spec: InferenceSpec, base: Path
+                  ) -> tuple[dict[str, Any], BlobRef | None, bytes | None]:
+    """The model's arch and its blob (from a training job) or bytes (from a file)."""
+    src = spec.model
+    if src.job is not None:
+        with session_scope(settings.database_url) as s:
+            job = s.get(Job, src.job)
+            if job is None:
+                raise JobNotFound(f"model.job: no training job {src.job}")
+            if job.status != JobStatus.COMPLETED:
+                raise SpecError(f"model.job: job {src.job} is {job.status}, not completed: "
+                                "its final model is not there yet")
+            trained = job.spec
+            arch = {"name": trained["model"], "dataset": trained["dataset"],
+                    "args": trained.get("model_args") or {},
+                    "dataset_args": trained.get("dataset_args") or {}}
+            return arch, BlobRef(job.global_key, job.global_sha256, job.global_size), None
+    path = Path(src.weights or "")
+    path = path if path.is_absolute() else base / path
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"model.weights: cannot read {path}: {exc.strerror}") from None
+    arch = {"name": src.name, "dataset": src.dataset, "args": src.args,
+            "dataset_args": src.dataset_args}
+    return arch, None, data
+
+
+def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> str:
+    """Check the spec against what it names, write the job and its shards, and send the
+    first shards; the job id. Nothing is left behind when a check fails."""
+    if settings.identity == "required":
+        raise FedqError("inference jobs do not run with FEDQ_IDENTITY=required yet: their "
+                        "tasks are not sealed and their results not signed "
+                        "(docs/inference.md, 'Not done')")
+    check_broker()
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store.check()
+    ensure_schema(settings.database_url)
+    arch, blob, weights_bytes = _model_source(settings, spec, base)
+
+    # Deferred: torch (the check that the model can be built and fits its weights).
+    from fedq.data import load_dataset
+    from fedq.inference.run import load_model
+    from fedq.weights import loads
+
+    try:
+        ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
+    except FedqError as exc:
+        raise SpecError(f"model.dataset: {exc}") from None
+    if spec.op == "classify" and ds.is_text:
+        raise SpecError(f"op: classify needs an image classifier; {arch['name']} on "
+                        f"{arch['dataset']} is a language model (score or generate)")
+    if spec.op != "classify" and not ds.is_text:
+        raise SpecError(f"op: {spec.op} needs a language model; {arch['name']} on "
+                        f"{arch['dataset']} is a classifier (classify)")
+    if weights_bytes is not None:
+        import torch
+
+        try:
+            load_model(arch, loads(weights_bytes, what=str(spec.model.weights)),
+                       torch.device("cpu"))
+        except (FedqError, TypeError, ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SpecError(f"model.weights: {spec.model.weights} is not a {arch['name']} for "
+                            f"{arch['dataset']}: {first[:300]}") from None
+    prompts: list[str] | None = None
+    if spec.inputs.prompts is not None:
+        path = Path(spec.inputs.prompts)
+        prompts = _read_prompts(path if path.is_absolute() else base / path, spec.inputs.limit)
+        items = len(prompts)
+    else:
+        if spec.inputs.dataset != arch["dataset"]:
+            raise SpecError(f"inputs.dataset: {spec.inputs.dataset}, but the model reads "
+                            f"{arch['dataset']}")
+        x = ds.x_test if spec.inputs.split == "test" else ds.x_train
+        items = min(len(x), spec.inputs.limit) if spec.inputs.limit else len(x)
+    shards = plan_shards(items, spec.shard_size, tail=len(spec.queues) * spec.in_flight)
+    job_id = uuid.uuid4().hex[:12]
+    try:
+        if weights_bytes is not None:
+            blob = store.put(model_key(job_id), weights_bytes)
+        assert blob is not None
+        inputs = store.put(inputs_key(job_id), json.dumps(prompts).encode()) \
+            if prompts is not None else None
+        with session_scope(settings.database_url) as s:
+            s.add(InferenceJob(
+                id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
+                items=items, shards=len(shards), model_key=blob.key,
+                model_sha256=blob.sha256, model_size=blob.size, arch=arch,
+                classes=ds.num_classes, inputs_key=inputs.key if inputs else None,
+                inputs_sha256=inputs.sha256 if inputs else None,
+                inputs_size=inputs.size if inputs else None))
+            s.flush()
+            s.add_all(InferenceShard(job_id=job_id, shard=n, start=lo, stop=hi, status=QUEUED,
+                                     attempt=0, spared=0) for n, (lo, hi) in enumerate(shards))
+    except BaseException:
+        _remove(settings, job_id)
+        raise
+    fill(settings, job_id)
+    return job_id
+
+
+def _remove(settings: Settings, job_id: str) -> None:
+    try:
+        with session_scope(settings.database_url) as s:
+            for row in s.scalars(select(InferenceShard).where(InferenceShard.job_id == job_id)):
+                s.delete(row)
+            s.flush()
+            job = s.get(InferenceJob, job_id)
+            if job is not None:
+                s.delete(job)
+    finally:
+        open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
+
+
+# -- dispatch ---------------------------------------------------------------------
+
+def _message(job: InferenceJob, row: InferenceShard) -> dict[str, Any]:
+    spec = job.spec
+    msg: dict[str, Any] = {
+        "format": MESSAGE_FORMAT, "job": job.id, "shard": row.shard, "attempt": row.attempt,
+        "queue": row.queue, "op": spec["op"], "start": row.start, "stop": row.stop,
+        "batch_size": spec["batch_size"],
+        "model": {"key": job.model_key, "sha256": job.model_sha256, "size": job.model_size},
+        "arch": job.arch}
+    if job.inputs_key is not None:
+        msg["inputs"] = {"key": job.inputs_key, "sha256": job.inputs_sha256,
+                         "size": job.inputs_size}
+    else:
+        msg["split"] = spec["inputs"]["split"]
+    if spec["op"] == "generate":
+        msg["sampling"] = dict(spec["generate"])
+    return msg
+
+
+def _take(s: Session, job: InferenceJob, row: InferenceShard, queue: str
+          ) -> tuple[str, str, dict[str, Any], int]:
+    row.status, row.queue, row.attempt = RUNNING, queue, row.attempt + 1
+    row.sent_at, row.error = utcnow(), None
+    return (queue, task_id(job.id, row.shard, row.attempt), _message(job, row), row.shard)
+
+
+def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
+          ) -> list[tuple[str, str, dict[str, Any], int]]:
+    """Shards to send so that each queue has ``in_flight`` out (lowest first)."""
+    spec = job.spec
+    running: dict[str, int] = defaultdict(int)
+    for q in s.scalars(select(InferenceShard.queue).where(
+            InferenceShard.job_id == job.id, InferenceShard.status == RUNNING)):
+        running[q or ""] += 1
+    waiting = list(s.scalars(select(InferenceShard).where(
+        InferenceShard.job_id == job.id, InferenceShard.status == QUEUED)
+        .order_by(InferenceShard.shard)))
+    out = []
+    for queue in queues or spec["queues"]:
+        while waiting and running[queue] < spec["in_flight"]:
+            out.append(_take(s, job, waiting.pop(0), queue))
+            running[queue] += 1
+    return out
+
+
+def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
+    for queue, tid, msg, shard in tasks:
+        app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
+                      link=app.signature(ABSORB_SHARD_TASK, args=(job_id, shard, msg["attempt"]),
+                                         queue=CONTROL_QUEUE))
+
+
+def fill(settings: Settings, job_id: str) -> int:
+    """Send queued shards until each queue has its ``in_flight``; how many were sent."""
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        if job is None or job.status != JobStatus.RUNNING:
+            return 0
+        tasks = _fill(s, job)
+    _send(job_id, tasks)
+    return len(tasks)
+
+
+# -- absorb -----------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    status: str  # ok | error | yielded | rejected
+    error: str | None = None
+    result: Any = None
+
+
+def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShard,
+            attempt: int) -> Verdict:
+    """What a worker's answer for (shard, attempt) is worth, checked to the last line."""
+    try:
+        r = parse_result(data)
+    except FormatError as exc:
+        return Verdict("rejected", str(exc))
+    if (r.job, r.shard, r.attempt) != (job.id, row.shard, attempt):
+        return Verdict("rejected", f"a result for job {r.job} shard {r.shard} attempt "
+                       f"{r.attempt}, sent as shard {row.shard} attempt {attempt}")
+    if r.status != "ok":
+        return Verdict(r.status, redact_text(r.error or r.status), r)
+    expected = output_key(job.id, row.shard, attempt)
+    if r.key != expected or r.sha256 is None:
+        return Verdict("rejected", f"output key {str(r.key)[:120]!r} is not {expected}", r)
+    items = row.stop - row.start
+    bound = LINE_BYTES[job.spec["op"]] * items
+    if r.items != items or not 0 < r.size <= bound:
+        return Verdict("rejected", f"{r.items} item(s) in {r.size} bytes for a shard of "
+                       f"{items} (at most {bound} bytes)", r)
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    try:
+        body = store.get(BlobRef(r.key, r.sha256, r.size), limit=bound)
+        check_output(body, job.spec["op"], row.start, row.stop, job.classes,
+                     job.spec["generate"]["max_tokens"])
+    except (BlobError, FormatError) as exc:
+        return Verdict("rejected", f"output of shard {row.shard}: {exc}", r)
+    return Verdict("ok", None, r)
+
+
+def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int
+           ) -> dict[str, Any]:
+    """A shard's answer: counted once if it checks out, else the shard is sent again
+    (or, after ``max_redispatch`` failures, the job fails with the reason)."""
+    with session_scope(settings.database_url) as s:
+        job = s.get(InferenceJob, job_id)
+        row = s.scalar(select(InferenceShard).where(InferenceShard.job_id == job_id,
+                                                    InferenceShard.shard == shard))
+        if job is None or row is None or not 0 < attempt <= row.attempt:
+            return {"status": "dropped", "reason": "no such shard or attempt"}
+        if row.status == DONE or job.status != JobStatus.RUNNING:
+            return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
+        s.expunge_all()
+    return settle(settings, job_id, shard, attempt, _verify(settings, data, job, row, attempt))
+
+
+def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: Verdict
+           ) -> dict[str, Any]:
+    """Record what (shard, attempt) came to, under the job's lock."""
+    revoke: list[str] = []
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        row = s.scalar(select(InferenceShard).where(InferenceShard.job_id == job_id,
+                                                    InferenceShard.shard == shard))
+        assert job is not None and row is not None
+        if row.status == DONE or job.status != JobStatus.RUNNING:
+            return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
+        tasks: list[tuple[str, str, dict[str, Any], int]] = []
+        if verdict.status == "ok":
+            r = verdict.result
+            row.status, row.key, row.sha256, row.size = DONE, r.key, r.sha256, r.size
+            row.worker, row.seconds, row.device = r.worker, r.seconds, r.device
+            row.started_at = aware(_utc(r.started)) if r.started else None
+            row.done_at, row.error = utcnow(), None
+            if not s.scalar(select(InferenceShard.id).where(
+                    InferenceShard.job_id == job_id, InferenceShard.status != DONE).limit(1)):
+                job.status, job.finished_at = JobStatus.COMPLETED, utcnow()
+            else:
+                tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
+        elif attempt != row.attempt:  # an older attempt failed; a newer one is out
+            return {"status": "dropped", "reason": f"attempt {attempt} failed, "
+                    f"{row.attempt} is out", "error": verdict.error}
+        else:
+            if verdict.status == "yielded" and row.spared < MAX_YIELDS:
+                row.spared += 1
+            row.error = verdict.error
+            failed = row.attempt - row.spared
+            if failed > job.spec["max_redispatch"]:
+                row.status = FAILED
+                job.status, job.finished_at = JobStatus.FAILED, utcnow()
+                job.error = (f"shard {row.shard} (items {row.start}..{row.stop - 1}) failed "
+                             f"{failed} time(s), last on {row.queue}: {verdict.error}")[:2000]
+                revoke = _close(s, job_id, CANCELLED, "the job failed")
+            else:
+                row.status = QUEUED
+                tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
+        status = row.status
+    _send(job_id, tasks)
+    _revoke(revoke)
+    return {"status": status if verdict.status == "ok" else verdict.status, "shard": shard,
+            "error": verdict.error}
+
+
+def _utc(ts: float) -> Any:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:
+    ids = []
+    for row in s.scalars(select(InferenceShard).where(InferenceShard.job_id == job_id,
+                                                      InferenceShard.status == RUNNING)):
+        ids += [task_id(job_id, row.shard, a) for a in range(1, row.attempt + 1)]
+        row.status, row.error = status, why
+    return ids
+
+
+def _revoke(ids: list[str]) -> None:
+    if not ids:
+        return
+    try:
+        app.control.revoke(ids)
+    except Exception:  # noqa: BLE001 - the shards finish and are dropped: only compute lost
+        log.warning("could not revoke %d inference task(s)", len(ids))
+
+
+# -- repair, cancel, resume ---------------------------------------------------------
+
+def repair(settings: Settings) -> list[dict[str, Any]]:
+    """The watchdog's pass over running inference jobs: a shard out longer than
+    ``shard_timeout_s`` is absorbed from the result backend (its callback was lost) or
+    sent again; queues short of their ``in_flight`` are filled (a lost dispatch)."""
+    now = utcnow()
+    actions: list[dict[str, Any]] = []
+    with session_scope(settings.database_url) as s:
+        jobs = [(j.id, j.spec) for j in s.scalars(select(InferenceJob).where(
+            InferenceJob.status == JobStatus.RUNNING))]
+        late = {j: [(r.shard, r.attempt) for r in s.scalars(select(InferenceShard).where(
+            InferenceShard.job_id == j, InferenceShard.status == RUNNING))
+            if r.sent_at is not None and
+            aware(r.sent_at) < now - timedelta(seconds=spec["shard_timeout_s"])]
+            for j, spec in jobs}
+    for job_id, _ in jobs:
+        for shard, attempt in late[job_id]:
+            meta = app.backend.get_task_meta(task_id(job_id, shard, attempt))
+            if meta.get("status") == "SUCCESS":
+                out = absorb(settings, meta.get("result"), job_id, shard, attempt)
+                actions.append({"job": job_id, "shard": shard, "action": "absorb (lost callback)",
+                                "result": out["status"]})
+                continue
+            out = settle(settings, job_id, shard, attempt, Verdict(
+                "error", "no answer within shard_timeout_s"))
+            actions.append({"job": job_id, "shard": shard, "action": "resend (timeout)",
+                            "result": out["status"]})
+        sent = fill(settings, job_id)
+        if sent:
+            actions.append({"job": job_id, "action": "fill", "result": f"{sent} sent"})
+    return actions
+
+
+def cancel(settings: Settings, job_id: str) -> int:
+    """Stop a running inference job; how many task ids were revoked."""
+    check_broker()
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        if job is None:
+            raise JobNotFound(f"no inference job {job_id}")
+        if job.status != JobStatus.RUNNING:
+            raise FedqError(f"job {job_id} is {job.status}, not running")
+        job.status, job.error, job.finished_at = JobStatus.CANCELLED, "cancelled by user", utcnow()
+        ids = _close(s, job_id, QUEUED, "cancelled")
+    _revoke(ids)
+    return len(ids)
+
+
+def resume(settings: Settings, job_id: str) -> int:
+    """Run a failed or cancelled inference job's unfinished shards again (each with
+    ``max_redispatch`` fresh tries); how many shards are left."""
+    check_broker()
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        if job is None:
+            raise JobNotFound(f"no inference job {job_id}")
+        if job.status not in (JobStatus.FAILED, JobStatus.CANCELLED):
+            raise FedqError(f"job {job_id} is {job.status}: only a failed or cancelled job "
+                            "resumes")
+        left = 0
+        for row in s.scalars(select(InferenceShard).where(InferenceShard.job_id == job_id,
+                                                          InferenceShard.status != DONE)):
+            row.status, row.spared, row.error = QUEUED, row.attempt, None
+            left += 1
+        job.status, job.error, job.finished_at = JobStatus.RUNNING, None, None
+    fill(settings, job_id)
+    return left
+
+
+# -- what a person reads ------------------------------------------------------------
+
+@dataclass
+class WorkerLine:
+    worker: str
+    device: str
+    shards: int = 0
+    items: int = 0
+    seconds: float = 0.0
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class InferenceView:
+    id: str
+    name: str
+    status: str
+    op: str
+    items: int
+    done_items: int
+    shards: int
+    done_shards: int
+    resent: int
+    elapsed_s: float
+    error: str | None
+    workers: list[WorkerLine] = field(default_factory=list)
+    shard_rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.done_items == 0 or self.status != JobStatus.RUNNING:
+            return None
+        return self.elapsed_s * (self.items - self.done_items) / self.done_items
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "status": self.status, "op": self.op,
+                "items": self.items, "done_items": self.done_items, "shards": self.shards,
+                "done_shards": self.done_shards, "resent": self.resent,
+                "elapsed_s": round(self.elapsed_s, 3), "eta_s": self.eta_s, "error": self.error,
+                "workers": [{"worker": w.worker, "device": w.device, "shards": w.shards,
+                             "items": w.items, "seconds": round(w.seconds, 3),
+                             "items_per_s": round(w.items_per_s, 1)} for w in self.workers],
+                "shard_rows": self.shard_rows}
+
+
+def find(settings: Settings, job_id: str) -> InferenceView | None:
+    """The inference job ``job_id``, or None if there is none (it may be a training job)."""
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        job = s.get(InferenceJob, job_id)
+        if job is None:
+            return None
+        rows = list(s.scalars(select(InferenceShard).where(InferenceShard.job_id == job_id)
+                              .order_by(InferenceShard.shard)))
+        end = aware(job.finished_at) if job.finished_at else utcnow()
+        view = InferenceView(job.id, job.name, job.status, job.spec["op"], job.items,
+                             sum(r.stop - r.start for r in rows if r.status == DONE),
+                             job.shards, sum(r.status == DONE for r in rows),
+                             sum(max(0, r.attempt - 1) for r in rows),
+                             (end - aware(job.created_at)).total_seconds(), job.error)
+        by: dict[str, WorkerLine] = {}
+        for r in rows:
+            view.shard_rows.append({
+                "shard": r.shard, "start": r.start, "stop": r.stop, "status": r.status,
+                "attempt": r.attempt, "queue": r.queue, "worker": r.worker, "device": r.device,
+                "seconds": r.seconds, "error": r.error,
+                "started": aware(r.started_at).timestamp() if r.started_at else None,
+                "done": aware(r.done_at).timestamp() if r.done_at else None})
+            if r.status == DONE and r.worker:
+                line = by.setdefault(r.worker, WorkerLine(r.worker, r.device or "?"))
+                line.shards += 1
+                line.items += r.stop - r.start
+                line.seconds += r.seconds or 0.0
+        view.workers = sorted(by.values(), key=lambda w: w.worker)
+    return view
+
+
+def merge(settings: Settings, job_id: str, out: Path) -> int:
+    """Write the completed job's outputs to ``out`` (JSONL, input order), each shard's
+    blob checked against its sha256; written to a temporary file and renamed, so ``out``
+    is whole or untouched. The lines written."""
+    with session_scope(settings.database_url) as s:
+        job = s.get(InferenceJob, job_id)
+        if job is None:
+            raise JobNotFound(f"no inference job {job_id}")
+        if job.status != JobStatus.COMPLETED:
+            raise FedqError(f"job {job_id} is {job.status}, not completed: its outputs are "
+                            f"not all there (fedq watch {job_id})")
+        refs = [BlobRef(r.key or "", r.sha256 or "", r.size or 0) for r in s.scalars(
+            select(InferenceShard).where(InferenceShard.job_id == job_id)
+            .order_by(InferenceShard.shard))]
+        items = job.items
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    lines = 0
+    try:
+        with open(tmp, "wb") as fh:
+            for ref in refs:
+                body = store.get(ref, limit=ref.size)
+                fh.write(body)
+                lines += body.count(b"\n")
+        if lines != items:
+            raise FedqError(f"job {job_id}: {lines} output lines for {items} items")
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise FedqError(f"--out {out}: {exc.strerror or exc}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return lines
+
+
+def wait(settings: Settings, job_id: str, timeout: float = 0, interval: float = 0.5,
+         on_poll: Any = None) -> InferenceView:
+    """Poll until the job has finished (``on_poll(view)`` each time)."""
+    start = time.monotonic()
+    while True:
+        view = find(settings, job_id)
+        if view is None:
+            raise JobNotFound(f"no inference job {job_id}")
+        if on_poll is not None:
+            on_poll(view)
+        if view.status != JobStatus.RUNNING:
+            return view
+        if timeout and time.monotonic() - start > timeout:
+            return view
+        time.sleep(interval)

@@ -1,0 +1,185 @@
+"""Running a model over items: what a worker does with one shard, and the same code a
+person calls in one process (``fedq.inference.run.run_items``) to check the outputs.
+
+The model is built once per worker process and job (kept under its weights' sha256,
+like a training worker keeps the global model): the shards after the first of a job
+pay no download and no build."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from fedq.blobs import BlobRef, BlobStore
+from fedq.data import load_dataset
+from fedq.data import text as text_data
+from fedq.inference.messages import ShardTask, output_key, parse_task
+from fedq.models import build_model
+from fedq.models.device import pick_device
+from fedq.process import PROCESS
+from fedq.redaction import redact_text
+from fedq.weights import loads
+
+log = logging.getLogger(__name__)
+
+_BUILT: dict[str, torch.nn.Module] = {}  # weights sha256 -> the model, loaded (one kept)
+
+
+def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
+               device: torch.device) -> torch.nn.Module:
+    ds = load_dataset(arch["dataset"], None, arch.get("dataset_args") or {})
+    model = build_model(arch["name"], ds.input_shape, ds.num_classes, **(arch.get("args") or {}))
+    model.load_state_dict(weights)
+    return model.to(device).eval()
+
+
+def _model(task: ShardTask, store: BlobStore, device: torch.device) -> tuple[torch.nn.Module, int]:
+    """The task's model, built here once per weights; the bytes downloaded."""
+    sha = task.model.sha256
+    if sha in _BUILT:
+        return _BUILT[sha], 0
+    weights = PROCESS.model(sha)
+    downloaded = 0
+    if weights is None:
+        ref = BlobRef(task.model.key, sha, task.model.size)
+        weights = loads(store.get(ref, limit=ref.size), what=f"blob {ref.key}")
+        downloaded = ref.size
+    _BUILT.clear()
+    _BUILT[sha] = load_model(task.arch.model_dump(), weights, device)
+    return _BUILT[sha], downloaded
+
+
+def _batches(n: int, size: int) -> Iterator[slice]:
+    for lo in range(0, n, size):
+        yield slice(lo, min(n, lo + size))
+
+
+@torch.no_grad()
+def classify(model: torch.nn.Module, x: torch.Tensor, start: int, batch_size: int,
+             device: torch.device) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for sl in _batches(len(x), batch_size):
+        probs = F.softmax(model(x[sl].to(device)).float(), dim=-1).cpu()
+        for k, (p, label) in enumerate(zip(probs.tolist(), probs.argmax(-1).tolist())):
+            rows.append({"i": start + sl.start + k, "label": label, "probs": p})
+    return rows
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size: int,
+          device: torch.device) -> list[dict[str, Any]]:
+    """Each prompt's log-likelihood in nats, byte by byte. A prompt longer than the
+    model's context is scored in pieces of ``block_size`` predictions (the context
+    starts again at each piece); pieces of all prompts are batched together."""
+    block = cast(int, model.block_size)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for n, prompt in enumerate(prompts):
+        ids = text_data.encode(prompt)
+        for lo in range(0, max(len(ids) - 1, 0), block):
+            pieces.append((n, ids[lo:lo + block + 1]))
+    logprob = [0.0] * len(prompts)
+    for sl in _batches(len(pieces), batch_size):
+        batch = pieces[sl]
+        width = max(len(ids) for _, ids in batch)
+        x = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width - 1, dtype=torch.bool)
+        for r, (_, ids) in enumerate(batch):
+            x[r, :len(ids)] = ids
+            mask[r, :len(ids) - 1] = True
+        x = x.to(device)
+        logp = F.log_softmax(model(x[:, :-1]).float(), dim=-1)
+        got = logp.gather(-1, x[:, 1:, None])[..., 0].cpu().masked_fill(~mask, 0.0).sum(-1)
+        for (n, _), value in zip(batch, got.tolist()):
+            logprob[n] += value
+    return [{"i": start + n, "logprob": min(lp, 0.0),
+             "tokens": max(len(text_data.encode(p)) - 1, 0)}
+            for n, (p, lp) in enumerate(zip(prompts, logprob))]
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device: torch.device,
+             max_tokens: int, temperature: float, top_k: int, seed: int) -> list[dict[str, Any]]:
+    """Each prompt continued by ``max_tokens`` bytes; item ``i`` samples with seed
+    ``seed + i``, so the text does not depend on how the items were sharded."""
+    rows = []
+    for n, prompt in enumerate(prompts):
+        ids = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+        gen = torch.Generator(device=device).manual_seed(seed + start + n)
+        out = model.generate(ids[None, :].to(device), max_tokens,  # type: ignore[operator]
+                             temperature=temperature, top_k=top_k or None, generator=gen)
+        rows.append({"i": start + n, "text": text_data.decode(out[0, len(ids):].cpu())})
+    return rows
+
+
+def run_items(model: torch.nn.Module, op: str, items: Any, start: int, batch_size: int,
+              device: torch.device, sampling: dict[str, Any] | None = None
+              ) -> list[dict[str, Any]]:
+    if op == "classify":
+        return classify(model, items, start, batch_size, device)
+    if op == "score":
+        return score(model, items, start, batch_size, device)
+    s = sampling or {}
+    return generate(model, items, start, device, int(s.get("max_tokens", 32)),
+                    float(s.get("temperature", 0.8)), int(s.get("top_k", 40)),
+                    int(s.get("seed", 0)))
+
+
+def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
+
+
+def _items(task: ShardTask, store: BlobStore) -> Any:
+    if task.split is not None:
+        ds = load_dataset(task.arch.dataset, None, task.arch.dataset_args)
+        x = ds.x_test if task.split == "test" else ds.x_train
+        if task.stop > len(x):
+            raise ValueError(f"items {task.start}..{task.stop} beyond the {len(x)} of "
+                             f"{task.arch.dataset}/{task.split}")
+        return x[task.start:task.stop]
+    assert task.inputs is not None
+    ref = BlobRef(task.inputs.key, task.inputs.sha256, task.inputs.size)
+    kept = _PROMPTS.get(ref.sha256)
+    if kept is None:
+        kept = json.loads(store.get(ref, limit=ref.size))
+        if not isinstance(kept, list) or not all(isinstance(p, str) for p in kept):
+            raise ValueError(f"{ref.key} is not a list of prompts")
+        _PROMPTS.clear()
+        _PROMPTS[ref.sha256] = kept
+    if task.stop > len(kept):
+        raise ValueError(f"items {task.start}..{task.stop} beyond the {len(kept)} prompts")
+    return kept[task.start:task.stop]
+
+
+_PROMPTS: dict[str, list[str]] = {}
+
+
+def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
+              ) -> dict[str, Any]:
+    """One shard: its outputs written under its own key; the result as JSON (never raises)."""
+    start, wall = time.perf_counter(), time.time()
+    head = data if isinstance(data, dict) else {}
+    base = {"job": head.get("job") if isinstance(head.get("job"), str) else "unknown",
+            "shard": head.get("shard", 0), "attempt": head.get("attempt", 1),
+            "worker": worker, "queue": queue or str(head.get("queue", "cpu"))[:32],
+            "started": wall}
+    try:
+        task = parse_task(data)
+        device = pick_device()
+        model, _ = _model(task, store, device)
+        items = _items(task, store)
+        rows = run_items(model, task.op, items, task.start, task.batch_size, device,
+                         task.sampling)
+        ref = store.put(output_key(task.job, task.shard, task.attempt), encode_rows(rows))
+        return {**base, "status": "ok", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
+                "items": len(rows), "seconds": time.perf_counter() - start,
+                "device": device.type}
+    except Exception as exc:  # noqa: BLE001 - reported as data, the shard is re-sent
+        log.warning("inference shard failed: %s", exc)
+        return {**base, "status": "error", "error": redact_text(f"{type(exc).__name__}: {exc}"),
+                "seconds": time.perf_counter() - start}

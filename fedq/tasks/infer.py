@@ -1,0 +1,58 @@
+"""Batch inference tasks: one shard on a hardware queue, and its answer's callback on
+the control queue (fedq/inference/)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+
+import fedq.identity as identity
+from fedq.engine.app import app
+from fedq.engine.names import (
+    ABSORB_SHARD_TASK,
+    CONTROL_TIME_LIMIT,
+    INFER_TASK,
+    TRAIN_SOFT_TIME_LIMIT,
+    TRAIN_TIME_LIMIT,
+)
+from fedq.process import PROCESS
+from fedq.settings import get_settings
+from fedq.worker import owner
+
+log = logging.getLogger(__name__)
+
+
+@app.task(name=INFER_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
+          time_limit=TRAIN_TIME_LIMIT)
+def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
+    """Run one shard; returns a shard result (never raises)."""
+    from fedq.inference.run import run_shard
+
+    settings = get_settings()
+    worker = self.request.hostname or "unknown"
+    head = ref if isinstance(ref, dict) else {}
+    base = {"job": head.get("job"), "shard": head.get("shard"), "attempt": head.get("attempt"),
+            "worker": worker, "queue": str(head.get("queue", ""))[:32]}
+    if identity.joined(settings.keys_dir) is not None:
+        # a joined worker takes only sealed tasks, and inference tasks are not sealed yet
+        log.warning("refused inference task %s: a joined worker takes only sealed tasks",
+                    self.request.id)
+        return {**base, "status": "error", "error": "refused: inference tasks are not sealed"}
+    reason = owner.away()
+    if reason is not None:  # the owner is back: not started
+        owner.stepped_aside()
+        return {**base, "status": "yielded", "error": f"not started: {reason}"}
+    delivered = (self.request.delivery_info or {}).get("routing_key")
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    return run_shard(ref, store, worker, delivered)
+
+
+@app.task(name=ABSORB_SHARD_TASK, time_limit=CONTROL_TIME_LIMIT)
+def absorb_shard(result: Any, job_id: str, shard: int, attempt: int) -> dict[str, Any]:
+    """A shard's answer came back (the task's ``link``, naming the shard and attempt
+    it was sent as)."""
+    from fedq.inference.jobs import absorb
+
+    return absorb(get_settings(), result, job_id, shard, attempt)

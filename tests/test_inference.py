@@ -1,0 +1,318 @@
+"""Batch inference jobs (fedq/inference/): shard plans, the spec, every check on what a
+worker sends back, and jobs on real workers: the embedded default, and Redis +
+PostgreSQL with a worker SIGKILLed mid-job, cancel and resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from fedq.blobs import open_store
+from fedq.data import load_dataset
+from fedq.data import text as text_data
+from fedq.errors import SpecError
+from fedq.inference import jobs
+from fedq.inference.messages import check_output, output_key, parse_task
+from fedq.inference.run import encode_rows
+from fedq.inference.spec import load_inference
+from fedq.models import build_model, seeded_model
+from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.wait import wait_until
+from fedq.weights import dumps, state_of
+from fedq.wire import FormatError
+
+SMALL_TEXT = {"block_size": 32, "max_works": 3, "eval_windows": 64}
+TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32}
+PROMPTS = [f"{w} my lord, the {n} of" for n in ("king", "queen", "night", "sea", "crown")
+           for w in ("Good", "Now", "Alas", "Hark")] + ["", "x"]
+
+
+def test_shards_cover_every_item_once_and_the_tail_is_short() -> None:
+    for items, size, tail in [(1000, 64, 4), (10, 64, 4), (1, 1, 1), (257, 16, 2), (0, 8, 2)]:
+        cuts = jobs.plan_shards(items, size, tail)
+        assert [i for lo, hi in cuts for i in range(lo, hi)] == list(range(items))
+        assert all(hi > lo for lo, hi in cuts) and all(hi - lo <= size for lo, hi in cuts)
+    cuts = jobs.plan_shards(1000, 64, 4)
+    sizes = [hi - lo for lo, hi in cuts]
+    assert sizes[0] == 64 and sizes[-1] < 16, sizes  # the last shards are short
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def _spec(tmp_path: Path, **fields: Any) -> Path:
+    path = tmp_path / "infer.yaml"
+    path.write_text(yaml.safe_dump({"kind": "inference", **fields}, sort_keys=False))
+    return path
+
+
+def test_a_spec_mistake_is_one_line_with_its_place(tmp_path: Path) -> None:
+    path = _spec(tmp_path, model={"job": "abc"}, inputs={"prompts": "p.txt"}, op="classify",
+                 shard_sise=3)
+    with pytest.raises(SpecError) as exc:
+        load_inference(path)
+    lines = str(exc.value).splitlines()
+    assert any(line.startswith(f"{path}:7:1: shard_sise: unknown field") for line in lines), lines
+    path = _spec(tmp_path, model={"job": "abc", "weights": "w.safetensors"},
+                 inputs={"dataset": "digits"}, op="classify")
+    with pytest.raises(SpecError, match="give exactly one of model.job"):
+        load_inference(path)
+    path = _spec(tmp_path, model={"job": "abc"}, inputs={"prompts": "p.txt"}, op="classify")
+    with pytest.raises(SpecError, match="classify reads images"):
+        load_inference(path)
+
+
+def test_every_output_line_is_checked() -> None:
+    good = encode_rows([{"i": 5, "label": 1, "probs": [0.25, 0.75]},
+                        {"i": 6, "label": 0, "probs": [1.0, 0.0]}])
+    check_output(good, "classify", 5, 7, 2)
+    bad = {
+        "a line short": good.split(b"\n")[0] + b"\n",
+        "out of order": encode_rows([{"i": 6, "label": 0, "probs": [1.0, 0.0]},
+                                     {"i": 5, "label": 1, "probs": [0.25, 0.75]}]),
+        "label out of range": good.replace(b'"label":1', b'"label":7'),
+        "a probability above 1": good.replace(b"0.75", b"1.75"),
+        "NaN": good.replace(b"0.75", b"NaN"),
+        "an extra field": good.replace(b'{"i":5,', b'{"i":5,"x":1,'),
+        "not JSON": b"{\n" + good.split(b"\n")[1] + b"\n",
+    }
+    for what, data in bad.items():
+        with pytest.raises(FormatError):
+            check_output(data, "classify", 5, 7, 2)
+            pytest.fail(f"{what}: accepted")
+    with pytest.raises(FormatError, match="not {i, logprob <= 0, tokens}"):
+        check_output(b'{"i":0,"logprob":3.5,"tokens":2}\n', "score", 0, 1, 256)
+    with pytest.raises(FormatError, match="bytes"):
+        check_output(json.dumps({"i": 0, "text": "x" * 5000}).encode() + b"\n", "generate",
+                     0, 1, 256)
+
+
+def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
+    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+            "op": "classify", "start": 0, "stop": 4, "batch_size": 2, "split": "test",
+            "model": {"key": "jobs/abc123/r00001/global.safetensors", "sha256": "0" * 64,
+                      "size": 10},
+            "arch": {"name": "small_cnn", "dataset": "digits"}}
+    parse_task(task)
+    for bad in ({"job": "../etc"}, {"stop": 0}, {"model": {**task["model"], "key": "/etc/x"}},
+                {"op": "shell"}, {"format": 2}, {"extra": 1}, {"split": None}):
+        with pytest.raises(FormatError):
+            parse_task({**task, **bad})
+
+
+def _classifier_file(tmp_path: Path) -> Path:
+    ds = load_dataset("digits")
+    path = tmp_path / "cnn.safetensors"
+    path.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape, ds.num_classes,
+                                                 3))))
+    return path
+
+
+def _reference_classify(weights: Path) -> list[list[float]]:
+    from fedq.weights import loads
+
+    ds = load_dataset("digits")
+    model = build_model("small_cnn", ds.input_shape, ds.num_classes)
+    model.load_state_dict(loads(weights.read_bytes()))
+    with torch.no_grad():
+        return F.softmax(model.eval()(ds.x_test), dim=-1).tolist()
+
+
+def _read_out(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp_path = tmp_path_factory.mktemp("inference")
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    yield cluster
+    cluster.stop()
+
+
+def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
+        tmp_path: Path) -> None:
+    """The coordinator's side alone, on the embedded default (no worker runs: the test
+    answers as one would, honestly and not)."""
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    weights = _classifier_file(tmp_path)
+    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": 12}, op="classify",
+                                shard_size=4, in_flight=1, max_redispatch=1))
+    job = jobs.submit(settings, spec, tmp_path)
+    store = open_store(settings.blob_url)
+    view = jobs.find(settings, job)
+    assert view is not None and [r["status"] for r in view.shard_rows] == [
+        "running", "queued", "queued", "queued", "queued"]  # 4, 4, then 2, 1, 1 items
+    rows = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in range(4)]
+
+    def answer(shard: int, attempt: int, body: bytes, **over: Any) -> dict[str, Any]:
+        ref = store.put(output_key(job, shard, attempt), body)
+        result = {"status": "ok", "job": job, "shard": shard, "attempt": attempt,
+                  "worker": "w@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,
+                  "size": ref.size, "items": 4, "seconds": 0.1, **over}
+        return jobs.absorb(settings, result, job, shard, attempt)
+
+    short = answer(0, 1, encode_rows(rows[:3]))
+    assert short["status"] == "rejected" and "3 line(s)" in short["error"]
+    # re-sent at once as attempt 2; an answer for an attempt never sent is dropped
+    assert jobs.absorb(settings, {}, job, 0, 3)["status"] == "dropped"
+    other = answer(0, 2, encode_rows(rows), key=output_key(job, 1, 2))
+    assert other["status"] == "rejected" and "is not" in other["error"]
+    view = jobs.find(settings, job)
+    assert view is not None and view.status == "failed" and "shard 0" in (view.error or "")
+    assert jobs.resume(settings, job) == 5
+    view = jobs.find(settings, job)
+    assert view is not None and view.shard_rows[0]["attempt"] == 3
+    assert answer(0, 3, encode_rows(rows))["status"] == "done"
+    again = answer(0, 3, encode_rows(rows))
+    assert again["status"] == "dropped"  # written once
+    forged = {"status": "ok", "job": job, "shard": 0, "attempt": 3, "worker": "w@test",
+              "queue": "cpu", "key": output_key(job, 0, 3), "sha256": "f" * 64, "size": 10,
+              "items": 4}
+    assert jobs.absorb(settings, forged, job, 0, 3)["status"] == "dropped"
+    view = jobs.find(settings, job)
+    assert view is not None and view.done_items == 4 and view.shard_rows[1]["status"] == "running"
+    bad_hash = answer(1, 1, encode_rows([{**r, "i": r["i"] + 4} for r in rows]),
+                      sha256="0" * 64)
+    assert bad_hash["status"] == "rejected" and "sha256" in bad_hash["error"]
+
+
+@pytest.mark.slow
+def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
+        embedded: Cluster, tmp_path: Path) -> None:
+    weights = _classifier_file(tmp_path)
+    spec = _spec(tmp_path, name="digits-test", model={"weights": weights.name, "name": "small_cnn",
+                                                      "dataset": "digits"},
+                 inputs={"dataset": "digits", "split": "test"}, op="classify", shard_size=40,
+                 batch_size=16)
+    out = tmp_path / "out.jsonl"
+    proc = embedded.fedq("infer", str(spec), "--out", str(out), timeout=240)
+    job = proc.stdout.strip()
+    got = _read_out(out)
+    want = _reference_classify(weights)
+    assert [r["i"] for r in got] == list(range(len(want)))
+    worst = max(abs(a - b) for r, w in zip(got, want) for a, b in zip(r["probs"], w))
+    assert worst <= 1e-5, worst
+    assert all(r["label"] == max(range(10), key=w.__getitem__) for r, w in zip(got, want)
+               if sorted(w)[-1] - sorted(w)[-2] > 1e-4)
+    data = json.loads(embedded.fedq("results", job, "--json").stdout)
+    assert data["status"] == "completed" and data["done_items"] == len(want)
+    assert {w["worker"].split("@")[0] for w in data["workers"]} == {"w1", "w2"}
+    table = embedded.fedq("results", job).stdout
+    assert "items/s" in table and "w1@test" in table
+    # bad input: one line, non-zero, nothing written
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(spec.read_text().replace("op: classify", "op: score"))
+    proc = embedded.fedq("infer", str(bad), check=False)
+    assert proc.returncode == 2 and "inputs.prompts, not inputs.dataset" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    missing = embedded.fedq("results", "abcdef012345", "--out", str(tmp_path / "x"), check=False)
+    assert missing.returncode == 4 and not (tmp_path / "x").exists()
+
+
+def _gpt_file(tmp_path: Path) -> Path:
+    ds = load_dataset("shakespeare", None, SMALL_TEXT)
+    path = tmp_path / "gpt.safetensors"
+    path.write_bytes(dumps(state_of(seeded_model("gpt", ds.input_shape, ds.num_classes, 5,
+                                                 **TINY_GPT))))
+    return path
+
+
+def _gpt(weights: Path) -> torch.nn.Module:
+    from fedq.weights import loads
+
+    ds = load_dataset("shakespeare", None, SMALL_TEXT)
+    model = build_model("gpt", ds.input_shape, ds.num_classes, **TINY_GPT)
+    model.load_state_dict(loads(weights.read_bytes()))
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_generate_on_redis_survives_a_worker_sigkill_cancel_and_resume(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    cluster.start_beat()
+    weights = _gpt_file(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    many = PROMPTS * 10
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in many))
+    spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
+                                  "args": TINY_GPT, "dataset_args": SMALL_TEXT},
+                 inputs={"prompts": prompts.name}, op="generate",
+                 generate={"max_tokens": 150, "temperature": 0.9, "top_k": 20, "seed": 11},
+                 shard_size=4, batch_size=4, shard_timeout_s=3, max_redispatch=3)
+    job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
+
+    def done_by(worker: str) -> bool:
+        view = jobs.find(cluster.settings, job)
+        return view is not None and any(w.worker == worker for w in view.workers)
+
+    wait_until(lambda: done_by("w1@test"), 120, what="w1 to finish a shard")
+    cluster.by_name("w1").kill()  # SIGKILL: it holds its next shard (prefetch 1)
+
+    def resent_and_done() -> bool:
+        view = jobs.find(cluster.settings, job)
+        return view is not None and any(r["attempt"] >= 2 and r["status"] == "done"
+                                        for r in view.shard_rows)
+
+    wait_until(resent_and_done, 120, what="the killed worker's shard to be re-sent and done")
+    cluster.fedq("cancel", job)
+    view = jobs.find(cluster.settings, job)
+    assert view is not None and view.status == "cancelled"
+    refused = cluster.fedq("results", job, "--out", str(tmp_path / "early.jsonl"), check=False)
+    assert refused.returncode == 1 and "not completed" in refused.stderr
+    assert not (tmp_path / "early.jsonl").exists()
+    cluster.replace("w1")
+    assert "resumed" in cluster.fedq("resume", job).stdout
+    watched = cluster.fedq("watch", job, timeout=240)
+    assert "completed" in watched.stdout, watched.stdout + watched.stderr
+    out = tmp_path / "out.jsonl"
+    cluster.fedq("results", job, "--out", str(out))
+    got = _read_out(out)
+    assert [r["i"] for r in got] == list(range(len(many)))  # in order, none missing or doubled
+    model = _gpt(weights)
+    for i, row in enumerate(got):
+        ids = text_data.encode(many[i]) if many[i] else torch.tensor([ord("\n")])
+        gen = torch.Generator().manual_seed(11 + i)
+        want = model.generate(ids[None, :], 150, temperature=0.9, top_k=20, generator=gen)
+        assert row["text"] == text_data.decode(want[0, len(ids):]), i
+
+
+@pytest.mark.slow
+def test_score_on_redis_matches_one_prompt_at_a_time(redis_cluster: Cluster,
+                                                     tmp_path: Path) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], control=["control"])
+    weights = _gpt_file(tmp_path)
+    long = "It is a wise father that knows his own child. " * 3  # beyond one context
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([*PROMPTS[:-2], long]) + "\n")
+    spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
+                                  "args": TINY_GPT, "dataset_args": SMALL_TEXT},
+                 inputs={"prompts": prompts.name}, op="score", shard_size=7, batch_size=5)
+    out = tmp_path / "out.jsonl"
+    cluster.fedq("infer", str(spec), "--out", str(out), timeout=240)
+    got = _read_out(out)
+    model = _gpt(weights)
+    texts = [*PROMPTS[:-2], long]
+    assert [r["i"] for r in got] == list(range(len(texts)))
+    for row, text in zip(got, texts):
+        ids = text_data.encode(text)
+        total = 0.0
+        with torch.no_grad():
+            for lo in range(0, len(ids) - 1, 32):  # the model's context: 32 predictions
+                piece = ids[lo:lo + 33]
+                logp = F.log_softmax(model(piece[None, :-1])[0], dim=-1)
+                total += float(logp.gather(-1, piece[1:, None]).sum())
+        assert row["tokens"] == len(ids) - 1
+        assert row["logprob"] == pytest.approx(total, abs=1e-3), text
