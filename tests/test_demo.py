@@ -24,7 +24,16 @@ def test_demo_trains_digits_and_stops_its_workers(tmp_path: Path) -> None:
         assert re.search(rf"round\s+{n}\s+committed", proc.stdout), proc.stdout
     match = re.search(r"final test accuracy (\d\.\d+)", proc.stdout)
     assert match and float(match.group(1)) >= 0.90, proc.stdout
+    accuracy = float(match.group(1))
     assert (home / "fedq.db").exists()
+    # then the trained model classifies the test images on the same workers
+    match = re.search(r"classified (\d+) test images on \d worker\(s\) .*; (\d\.\d+) right",
+                      proc.stdout.replace("\n", " "))
+    assert match, proc.stdout
+    lines = (home / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == int(match.group(1)) == 360
+    # the predictions agree with the job's own evaluation of its final model
+    assert abs(float(match.group(2)) - accuracy) < 1e-3, proc.stdout
     left = subprocess.run(["pgrep", "-f", "celery.*-n train1@demo.*"], capture_output=True)
     leftover = [line for line in left.stdout.decode().split() if line]
     # any surviving worker of *this* demo would have its home in its environment

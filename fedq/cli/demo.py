@@ -3,12 +3,14 @@
 It points every ``FEDQ_*`` URL at the embedded default under ``home`` (SQLite,
 local blobs, Celery's filesystem broker and file result backend), starts real
 ``celery worker`` subprocesses (training workers on the ``cpu`` queue plus a
-control worker), submits the digits job, follows it, prints the per-round table
-and stops the workers.
+control worker), submits the digits job, follows it, prints the per-round table,
+classifies the test images with the trained model on the same workers (a batch
+inference job) and stops the workers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -85,15 +87,46 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
         start_workers(workers)
     console.print(f"workers ready after {time.perf_counter() - started:.1f}s: "
                   + ", ".join(w.hostname for w in workers), highlight=False)
+    predicted = None
     try:
         job_id = submit(settings, spec)
         console.print(f"submitted job {job_id}", highlight=False)
         view = follow(job_id, interval=0.2, timeout=600, console=console)
+        console.print(results_table(view, round_results(settings, job_id)))
+        final = get_job(settings, job_id)
+        console.print(f"final test accuracy {final.accuracy or 0:.4f}", highlight=False)
+        if final.status == JobStatus.COMPLETED:
+            predicted = _use_the_model(settings, job_id, home, console)
     finally:
         stop_workers(workers)
-    console.print(results_table(view, round_results(settings, job_id)))
-    final = get_job(settings, job_id)
-    console.print(f"final test accuracy {final.accuracy or 0:.4f}; "
-                  f"demo took {time.perf_counter() - started:.1f}s "
-                  f"(worker logs in {logs})", highlight=False)
-    return 0 if final.status == JobStatus.COMPLETED else 1
+    console.print(f"demo took {time.perf_counter() - started:.1f}s (worker logs in {logs})",
+                  highlight=False)
+    return 0 if final.status == JobStatus.COMPLETED and predicted else 1
+
+
+def _use_the_model(settings: Settings, job_id: str, home: Path, console: Console) -> bool:
+    """The trained model classifies the test images on the same workers (a batch
+    inference job, docs/inference.md); the predictions go to ``home``."""
+    from fedq.cli.infer import follow as follow_inference
+    from fedq.data import load_dataset
+    from fedq.inference.jobs import merge
+    from fedq.inference.jobs import submit as submit_inference
+    from fedq.inference.spec import parse_inference
+
+    spec = parse_inference({"kind": "inference", "name": "digits-demo-predictions",
+                            "model": {"job": job_id}, "op": "classify", "shard_size": 32,
+                            "inputs": {"dataset": "digits", "split": "test"}}, "demo spec")
+    infer_id = submit_inference(settings, spec)
+    view = follow_inference(settings, infer_id, interval=0.2, timeout=300, console=console)
+    if view.status != JobStatus.COMPLETED:
+        return False
+    out = home / "predictions.jsonl"
+    merge(settings, infer_id, out)
+    labels = load_dataset("digits").y_test.tolist()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    right = sum(r["label"] == labels[r["i"]] for r in rows)
+    rates = ", ".join(f"{w.worker} {w.items} ({w.items_per_s:.0f}/s)" for w in view.workers)
+    console.print(f"inference job {infer_id}: the trained model classified {len(rows)} test "
+                  f"images on {len(view.workers)} worker(s) ({rates}); "
+                  f"{right / len(rows):.4f} right; predictions in {out}", highlight=False)
+    return True

@@ -63,8 +63,9 @@ MAX_YIELDS = 100
 
 def plan_shards(items: int, size: int, tail: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each shard: ``size`` items each, then the last ``tail``
-    shards' worth of items cut into halves, quarters, ... (at least one item each), so
-    the job's last shards are short."""
+    shards' worth of items cut into ``tail`` shards of half the size, ``tail`` of a
+    quarter, ... down to one item (about ``tail * log2(size)`` short shards), so the
+    job's last shards are short and the tail does not wait on one slow machine."""
     cuts: list[tuple[int, int]] = []
     body = max(0, items - tail * size)
     lo = 0
@@ -72,11 +73,13 @@ def plan_shards(items: int, size: int, tail: int) -> list[tuple[int, int]]:
         cuts.append((lo, min(lo + size, body)))
         lo = cuts[-1][1]
     step = size
-    while lo < items:
+    while lo < items:  # ``tail`` shards of each size: size/2, size/4, ..., 1
         step = max(1, step // 2)
-        n = min(step, items - lo)
-        cuts.append((lo, lo + n))
-        lo += n
+        for _ in range(tail):
+            n = min(step, items - lo)
+            if n > 0:
+                cuts.append((lo, lo + n))
+                lo += n
     return cuts
 
 
@@ -124,7 +127,11 @@ def _model_source(settings: Settings, spec: InferenceSpec, base: Path
     src = spec.model
     if src.job is not None:
         with session_scope(settings.database_url) as s:
-            job = s.get(Job, src.job)
+            job = s.get(Job, src.job) if src.job != "latest" else _latest(s, spec)
+            if job is None and src.job == "latest":
+                raise JobNotFound("model.job: latest: no completed training job "
+                                  + (f"on {spec.inputs.dataset}" if spec.inputs.dataset
+                                     else "of a language model") + " yet")
             if job is None:
                 raise JobNotFound(f"model.job: no training job {src.job}")
             if job.status != JobStatus.COMPLETED:
@@ -144,6 +151,17 @@ def _model_source(settings: Settings, spec: InferenceSpec, base: Path
     arch = {"name": src.name, "dataset": src.dataset, "args": src.args,
             "dataset_args": src.dataset_args}
     return arch, None, data
+
+
+def _latest(s: Session, spec: InferenceSpec) -> Job | None:
+    """The newest completed training job whose model fits the spec's inputs: one on
+    ``inputs.dataset``, or (prompts) a language model."""
+    for job in s.scalars(select(Job).where(Job.status == JobStatus.COMPLETED)
+                         .order_by(Job.created_at.desc())):
+        dataset = job.spec.get("dataset")
+        if (dataset == spec.inputs.dataset) if spec.inputs.dataset else dataset == "shakespeare":
+            return job
+    return None
 
 
 def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> str:

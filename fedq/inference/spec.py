@@ -22,8 +22,9 @@ class _Model(BaseModel):
 
 
 class ModelSource(_Model):
-    """Where the weights come from: a finished training job's final global model, or a
-    safetensors file with the registry model it fits."""
+    """Where the weights come from: a finished training job's final global model (its
+    id, or ``latest``: the newest completed job that fits the inputs), or a safetensors
+    file with the registry model it fits."""
 
     job: str | None = Field(default=None, max_length=32)
     weights: str | None = None
