@@ -39,6 +39,8 @@ FEDQ_UPLINK_MBIT           this worker's uplink in Mbit/s, for ``codec: auto`` (
 FEDQ_IDENTITY              ``off`` (default) or ``required``: the coordinator signs its tasks
                            and admits only results signed by a registered worker
                            (``fedq worker add`` / ``join``; docs/security.md)
+FEDQ_SERVE_API_KEY         ``fedq serve``: the key every request must carry
+                           (``Authorization: Bearer KEY``; ``_FILE``: read from a file)
 FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
                            coordinator's, or a joined worker's with its ``worker.json``,
                            whose service URLs are used where the variables are not set
@@ -114,6 +116,7 @@ class Settings(BaseModel):
     blob_cache: Path | None = None
     uplink_mbit: float | None = Field(default=None, gt=0)
     identity: Literal["off", "required"] = "off"
+    serve_api_key: str | None = None
     keys_dir: Path = Path(DEFAULT_HOME) / "keys"
     joined_as: str | None = None  # the registered name of a joined worker (worker.json)
     presign_endpoint: str | None = None
@@ -150,10 +153,11 @@ _KNOWN = {
     "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "GPU_MEMORY_FRACTION", "INPUT_DIR",
     "POWER_SUPPLY_DIR",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
+    "SERVE_API_KEY", "SERVE_API_KEY_FILE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
 #: the convention of Docker's secrets), so that `docker inspect` shows no password.
-_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL")
+_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "SERVE_API_KEY")
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 #: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
@@ -215,6 +219,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "blob_cache": get("BLOB_CACHE"),
         "uplink_mbit": get("UPLINK_MBIT"),
         "identity": get("IDENTITY") or "off",
+        "serve_api_key": get("SERVE_API_KEY"),
         "keys_dir": keys_dir,
         "joined_as": joined_as,
         "presign_endpoint": get("PRESIGN_ENDPOINT"),

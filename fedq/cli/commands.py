@@ -143,6 +143,70 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
 
 @main.command()
 @click.argument("job_id", required=False)
+@click.option("--weights", type=click.Path(dir_okay=False, path_type=Path),
+              help="serve a safetensors file instead of a job's model (with --model, --dataset)")
+@click.option("--model", "model_name", help="--weights: the registry model it fits")
+@click.option("--dataset", help="--weights: the data set that fixes its shapes")
+@click.option("--model-args", default="{}", help="--weights: the model's arguments (JSON)")
+@click.option("--dataset-args", default="{}", help="--weights: the data set's arguments (JSON)")
+@click.option("--queues", default="gpu_new,gpu_sm61,cpu", show_default=True,
+              help="queues batches may go to; the fastest class with a live worker is used")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--max-batch", default=32, show_default=True, help="items per batch at most")
+@click.option("--max-wait-ms", default=5.0, show_default=True,
+              help="how long a batch waits for more items after its first")
+@click.option("--max-queue", default=1024, show_default=True,
+              help="items waiting or out before requests get 503")
+@click.option("--batch-timeout-s", default=30.0, show_default=True,
+              help="a batch with no answer by then is sent once more, then fails (504)")
+@expected_errors
+def serve(job_id: str | None, weights: Path | None, model_name: str | None,
+          dataset: str | None, model_args: str, dataset_args: str, queues: str, host: str,
+          port: int, max_batch: int, max_wait_ms: float, max_queue: int,
+          batch_timeout_s: float) -> None:
+    """Serve a trained model over HTTP: JOB (a completed training job's id, or latest)
+    or --weights. POST /v1/predict (classifiers) or /v1/completions (GPT, OpenAI-style);
+    GET /health, /metrics. FEDQ_SERVE_API_KEY set: requests need
+    'Authorization: Bearer KEY'. Batches run on the workers of --queues."""
+    from pydantic import ValidationError
+
+    from fedq.errors import SpecError
+    from fedq.inference.serve import prepare, run
+    from fedq.inference.spec import ModelSource
+
+    try:
+        args = {"model_args": json.loads(model_args), "dataset_args": json.loads(dataset_args)}
+        src = ModelSource(job=job_id, weights=str(weights) if weights else None,
+                          name=model_name, dataset=dataset, args=args["model_args"],
+                          dataset_args=args["dataset_args"])
+    except ValueError as exc:  # JSON, or the model source's own check
+        text = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise SpecError(f"fedq serve: {text.removeprefix('Value error, ')}") from None
+    wanted = [q.strip() for q in queues.split(",") if q.strip()]
+    unknown = [q for q in wanted if q not in ("gpu_new", "gpu_sm61", "cpu")]
+    if unknown or not wanted:
+        raise SpecError(f"--queues: {', '.join(unknown) or 'none given'}: not a training queue "
+                        "(gpu_new, gpu_sm61, cpu)")
+    for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue)):
+        if value < 1:
+            raise SpecError(f"{name}: at least 1")
+    if max_wait_ms < 0 or batch_timeout_s <= 0:
+        raise SpecError("--max-wait-ms: 0 or more; --batch-timeout-s: more than 0")
+    served = prepare(_settings(), src, Path("."), wanted, max_batch=max_batch,
+                     max_wait_ms=max_wait_ms, max_queue=max_queue,
+                     batch_timeout_s=batch_timeout_s,
+                     api_key=_settings().serve_api_key)
+    err.print(f"fedq serve: {served.name} ({served.op}, {served.arch['name']}) on "
+              f"http://{host}:{port} — POST /v1/"
+              f"{'predict' if served.op == 'classify' else 'completions'}; batches of at most "
+              f"{max_batch} after {max_wait_ms:g} ms to {', '.join(wanted)}"
+              + ("; API key required" if served.api_key else ""), highlight=False)
+    run(served, host, port)
+
+
+@main.command()
+@click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @expected_errors
 def status(job_id: str | None, as_json: bool) -> None:

@@ -29,3 +29,5 @@ CONTROL_TIME_LIMIT = 600
 # answer's callback on the control queue.
 INFER_TASK = "fedq.infer_shard"
 ABSORB_SHARD_TASK = "fedq.absorb_shard"
+# fedq serve: one batch of requests per task on a hardware queue.
+SERVE_TASK = "fedq.serve_batch"

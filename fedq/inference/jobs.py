@@ -47,7 +47,7 @@ from fedq.inference.messages import (
     output_key,
     parse_result,
 )
-from fedq.inference.spec import InferenceSpec
+from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
 from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import Settings
@@ -121,17 +121,18 @@ def _read_prompts(path: Path, limit: int) -> list[str]:
     return prompts
 
 
-def _model_source(settings: Settings, spec: InferenceSpec, base: Path
-                  ) -> tuple[dict[str, Any], BlobRef | None, bytes | None]:
-    """The model's arch and its blob (from a training job) or bytes (from a file)."""
-    src = spec.model
+def model_source(settings: Settings, src: ModelSource, base: Path,
+                 fits: Inputs | None = None) -> tuple[dict[str, Any], BlobRef | None, bytes | None]:
+    """The model's arch and its blob (from a training job) or bytes (from a file).
+    ``latest``: the newest completed training job whose model ``fits`` the inputs (any,
+    when None)."""
     if src.job is not None:
         with session_scope(settings.database_url) as s:
-            job = s.get(Job, src.job) if src.job != "latest" else _latest(s, spec)
+            job = s.get(Job, src.job) if src.job != "latest" else _latest(s, fits)
             if job is None and src.job == "latest":
                 raise JobNotFound("model.job: latest: no completed training job "
-                                  + (f"on {spec.inputs.dataset}" if spec.inputs.dataset
-                                     else "of a language model") + " yet")
+                                  + ("" if fits is None else f"on {fits.dataset}"
+                                     if fits.dataset else "of a language model") + " yet")
             if job is None:
                 raise JobNotFound(f"model.job: no training job {src.job}")
             if job.status != JobStatus.COMPLETED:
@@ -153,13 +154,14 @@ def _model_source(settings: Settings, spec: InferenceSpec, base: Path
     return arch, None, data
 
 
-def _latest(s: Session, spec: InferenceSpec) -> Job | None:
-    """The newest completed training job whose model fits the spec's inputs: one on
-    ``inputs.dataset``, or (prompts) a language model."""
+def _latest(s: Session, fits: Inputs | None) -> Job | None:
+    """The newest completed training job whose model fits ``fits``: one on its
+    ``dataset``, or (prompts) a language model; any when None."""
     for job in s.scalars(select(Job).where(Job.status == JobStatus.COMPLETED)
                          .order_by(Job.created_at.desc())):
         dataset = job.spec.get("dataset")
-        if (dataset == spec.inputs.dataset) if spec.inputs.dataset else dataset == "shakespeare":
+        if fits is None or ((dataset == fits.dataset) if fits.dataset
+                            else dataset == "shakespeare"):
             return job
     return None
 
@@ -175,7 +177,7 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
     ensure_schema(settings.database_url)
-    arch, blob, weights_bytes = _model_source(settings, spec, base)
+    arch, blob, weights_bytes = model_source(settings, spec.model, base, spec.inputs)
 
     # Deferred: torch (the check that the model can be built and fits its weights).
     from fedq.data import load_dataset

@@ -77,6 +77,24 @@ class ShardTask(_Strict):
     sampling: dict[str, float | int] = Field(default_factory=dict)
 
 
+class Completion(_Strict):
+    prompt: str = Field(max_length=16_384)
+    max_tokens: Annotated[int, Field(ge=1, le=4096)]
+    temperature: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)]
+    seed: Int32
+
+
+class ServeBatch(_Strict):
+    """A batch of ``fedq serve`` requests (fedq/inference/serve.py)."""
+
+    format: Literal[MESSAGE_FORMAT] = MESSAGE_FORMAT  # type: ignore[valid-type]
+    op: Literal["classify", "generate"]
+    model: Blob
+    arch: Arch
+    items: list[Any] = Field(min_length=1, max_length=4096)
+
+
 class ShardResult(_Strict):
     status: Literal["ok", "error", "yielded"]
     job: JobId
@@ -172,3 +190,25 @@ def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
             text = row.get("text")
             if set(row) != {"i", "text"} or not isinstance(text, str):
                 raise FormatError(f"output line {n + 1}: not {{i, text}}")
+
+
+def parse_batch(data: Any) -> ServeBatch:
+    """A serve batch, its items checked for its operation (images: flat lists of finite
+    numbers; completions: :class:`Completion`)."""
+    if not isinstance(data, dict):
+        raise FormatError(f"serve batch is a {type(data).__name__}, not an object")
+    try:
+        batch = ServeBatch.model_validate(data)
+    except ValidationError as exc:
+        raise FormatError(_first_error(exc, "serve batch")) from None
+    for n, item in enumerate(batch.items):
+        if batch.op == "classify":
+            if not isinstance(item, list) or len(item) > 1 << 20 or \
+                    not all(_finite(v) for v in item):
+                raise FormatError(f"serve batch item {n}: not a list of finite numbers")
+        else:
+            try:
+                Completion.model_validate(item)
+            except ValidationError as exc:
+                raise FormatError(_first_error(exc, f"serve batch item {n}")) from None
+    return batch

@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from fedq.blobs import BlobRef, BlobStore
 from fedq.data import load_dataset
 from fedq.data import text as text_data
-from fedq.inference.messages import ShardTask, output_key, parse_task
+from fedq.inference.messages import (
+    Arch,
+    Blob,
+    ShardTask,
+    output_key,
+    parse_batch,
+    parse_task,
+)
 from fedq.models import build_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
@@ -39,19 +46,20 @@ def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
     return model.to(device).eval()
 
 
-def _model(task: ShardTask, store: BlobStore, device: torch.device) -> tuple[torch.nn.Module, int]:
-    """The task's model, built here once per weights; the bytes downloaded."""
-    sha = task.model.sha256
+def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
+           ) -> tuple[torch.nn.Module, int]:
+    """The model of ``blob``, built here once per weights; the bytes downloaded."""
+    sha = blob.sha256
     if sha in _BUILT:
         return _BUILT[sha], 0
     weights = PROCESS.model(sha)
     downloaded = 0
     if weights is None:
-        ref = BlobRef(task.model.key, sha, task.model.size)
+        ref = BlobRef(blob.key, sha, blob.size)
         weights = loads(store.get(ref, limit=ref.size), what=f"blob {ref.key}")
         downloaded = ref.size
     _BUILT.clear()
-    _BUILT[sha] = load_model(task.arch.model_dump(), weights, device)
+    _BUILT[sha] = load_model(arch.model_dump(), weights, device)
     return _BUILT[sha], downloaded
 
 
@@ -171,7 +179,7 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
     try:
         task = parse_task(data)
         device = pick_device()
-        model, _ = _model(task, store, device)
+        model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
         rows = run_items(model, task.op, items, task.start, task.batch_size, device,
                          task.sampling)
@@ -183,3 +191,30 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         log.warning("inference shard failed: %s", exc)
         return {**base, "status": "error", "error": redact_text(f"{type(exc).__name__}: {exc}"),
                 "seconds": time.perf_counter() - start}
+
+
+def serve_batch(data: Any, store: BlobStore, worker: str) -> dict[str, Any]:
+    """One batch of ``fedq serve`` requests: classify images or continue prompts; the
+    outputs in order (never raises). The model stays loaded between batches."""
+    start = time.perf_counter()
+    try:
+        msg = parse_batch(data)
+        device = pick_device()
+        task = ShardTask.model_construct(model=msg.model, arch=msg.arch)
+        model, _ = _model(task.model, task.arch, store, device)
+        if msg.op == "classify":
+            ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
+            x = torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
+            rows = classify(model, x, 0, len(msg.items), device)
+        else:
+            rows = []
+            for n, item in enumerate(msg.items):
+                out = generate(model, [item["prompt"]], 0, device, item["max_tokens"],
+                               item["temperature"], item["top_k"], item["seed"])
+                rows.append({**out[0], "i": n})
+        return {"status": "ok", "outputs": rows, "worker": worker,
+                "seconds": time.perf_counter() - start}
+    except Exception as exc:  # noqa: BLE001 - reported as data; the gateway sends it again
+        log.warning("serve batch failed: %s", exc)
+        return {"status": "error", "error": redact_text(f"{type(exc).__name__}: {exc}"),
+                "worker": worker, "seconds": time.perf_counter() - start}

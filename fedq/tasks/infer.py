@@ -14,6 +14,7 @@ from fedq.engine.names import (
     ABSORB_SHARD_TASK,
     CONTROL_TIME_LIMIT,
     INFER_TASK,
+    SERVE_TASK,
     TRAIN_SOFT_TIME_LIMIT,
     TRAIN_TIME_LIMIT,
 )
@@ -56,3 +57,20 @@ def absorb_shard(result: Any, job_id: str, shard: int, attempt: int) -> dict[str
     from fedq.inference.jobs import absorb
 
     return absorb(get_settings(), result, job_id, shard, attempt)
+
+
+@app.task(name=SERVE_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
+          time_limit=TRAIN_TIME_LIMIT)
+def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
+    """One batch of ``fedq serve`` requests (never raises)."""
+    from fedq.inference.run import serve_batch as run_batch
+
+    settings = get_settings()
+    worker = self.request.hostname or "unknown"
+    if identity.joined(settings.keys_dir) is not None:
+        log.warning("refused serve batch %s: a joined worker takes only sealed tasks",
+                    self.request.id)
+        return {"status": "error", "error": "refused: serve batches are not sealed",
+                "worker": worker}
+    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    return run_batch(batch, store, worker)

@@ -1,0 +1,412 @@
+"""``fedq serve``: an HTTP gateway (Starlette on uvicorn) in front of the workers.
+
+Requests are collected into batches (at most ``max_batch`` items, or whatever has come
+within ``max_wait_ms`` of a batch's first item, as Ray Serve's ``@serve.batch``); each
+batch is one ``fedq.serve_batch`` task on a hardware queue, to a worker that keeps the
+model loaded; its answer comes back through the result backend and is checked like a
+shard's (fedq/inference/messages.py) before any of it is returned.
+
+- Routing: the fastest class with a live worker among the queues given
+  (gpu_new, then gpu_sm61, then cpu), looked up again every ``ROUTE_EVERY_S``.
+- Back-pressure: past ``max_queue`` items waiting or out, a request is answered 503
+  with ``Retry-After``; the gateway never holds more.
+- A lost batch (no answer within ``batch_timeout_s``, or a refused one) is sent once
+  more; then its requests get 504 (no answer) or 502 (a refused answer).
+- ``FEDQ_SERVE_API_KEY`` set: every request but ``/health`` needs
+  ``Authorization: Bearer KEY`` (compared in constant time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedq.engine.app import app
+from fedq.engine.names import SERVE_TASK, TRAINING_QUEUES
+from fedq.inference.messages import check_output
+from fedq.inference.run import encode_rows
+from fedq.wire import MESSAGE_FORMAT, FormatError
+
+log = logging.getLogger(__name__)
+
+ROUTE_EVERY_S = 15.0
+MAX_ITEMS_PER_REQUEST = 256
+MAX_PROMPT_BYTES = 16_384
+
+
+class Refused(Exception):
+    """A batch's answer that did not check out (status 502), or none came (504)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Served:
+    """What is served: the model's blob and shape, and how to batch and route."""
+
+    name: str
+    op: str  # classify | generate
+    model: dict[str, Any]  # blob ref
+    arch: dict[str, Any]
+    classes: int
+    input_shape: tuple[int, ...]
+    queues: list[str]
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_queue: int = 1024
+    batch_timeout_s: float = 30.0
+    api_key: str | None = None
+    max_tokens: int = 256
+
+
+@dataclass
+class _Item:
+    body: Any
+    future: asyncio.Future[tuple[Any, int]]
+
+
+@dataclass
+class Batcher:
+    served: Served
+    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    pending: int = 0  # items waiting or out
+    route: str | None = None
+    batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
+    metrics: Any = None
+
+    def admit(self, bodies: list[Any]) -> list[asyncio.Future[tuple[Any, int]]] | None:
+        """Queue the items, or None when that would pass ``max_queue`` (a 503)."""
+        if self.pending + len(bodies) > self.served.max_queue:
+            return None
+        loop = asyncio.get_running_loop()
+        futures = []
+        for body in bodies:
+            item = _Item(body, loop.create_future())
+            self.queue.put_nowait(item)
+            futures.append(item.future)
+        self.pending += len(bodies)
+        return futures
+
+    async def run(self) -> None:
+        """Collect batches forever; each is sent without waiting for the one before."""
+        while True:
+            first = await self.queue.get()
+            batch = [first]
+            deadline = time.monotonic() + self.served.max_wait_ms / 1000
+            while len(batch) < self.served.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            asyncio.create_task(self._dispatch(batch))
+
+    async def _dispatch(self, batch: list[_Item]) -> None:
+        n = len(batch)
+        self.batches = (self.batches + [n])[-1000:]
+        if self.metrics is not None:
+            self.metrics.batch.observe(n)
+        error = Refused(504, "no answer")
+        try:
+            for attempt in (1, 2):
+                try:
+                    outputs = await self._send(batch, attempt)
+                except Refused as exc:
+                    error = exc
+                    log.warning("fedq serve: batch of %d, attempt %d: %s", n, attempt, exc)
+                    continue
+                for item, out in zip(batch, outputs):
+                    if not item.future.done():
+                        item.future.set_result((out, n))
+                return
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+        finally:
+            self.pending -= n
+
+    async def _send(self, batch: list[_Item], attempt: int) -> list[dict[str, Any]]:
+        s = self.served
+        tid = f"fedq-serve-{uuid.uuid4().hex[:16]}-a{attempt}"
+        msg = {"format": MESSAGE_FORMAT, "op": s.op, "model": s.model, "arch": s.arch,
+               "items": [item.body for item in batch]}
+        queue = self.route or s.queues[0]
+        await asyncio.to_thread(app.send_task, SERVE_TASK, args=(msg,), queue=queue,
+                                task_id=tid)
+        deadline = time.monotonic() + s.batch_timeout_s
+        wait = 0.001
+        while time.monotonic() < deadline:
+            meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
+            if meta.get("status") == "SUCCESS":
+                return check_batch(meta.get("result"), s, len(batch))
+            if meta.get("status") in ("FAILURE", "REVOKED"):
+                raise Refused(502, f"the batch task ended {meta.get('status')}")
+            await asyncio.sleep(wait)
+            wait = min(wait * 1.5, 0.02)
+        app.control.revoke(tid)
+        raise Refused(504, f"no answer within {s.batch_timeout_s:g}s on queue {queue}")
+
+    def reroute(self) -> None:
+        """The fastest class with a live worker among the served queues."""
+        from fedq.engine.broker import live_queues
+
+        try:
+            live = live_queues(timeout=1.0)
+        except Exception:  # noqa: BLE001 - keep the route we had
+            return
+        order = [q for q in TRAINING_QUEUES if q in self.served.queues]
+        self.route = next((q for q in order if live.get(q)), self.served.queues[0])
+
+
+def check_batch(data: Any, served: Served, n: int) -> list[dict[str, Any]]:
+    """A worker's answer to a batch of ``n`` items, checked item by item."""
+    if not isinstance(data, dict) or set(data) - {"status", "outputs", "worker", "seconds",
+                                                  "error"}:
+        raise Refused(502, "the answer is not {status, outputs, worker, seconds}")
+    if data.get("status") != "ok":
+        raise Refused(502, f"the worker says: {str(data.get('error'))[:300]}")
+    outputs = data.get("outputs")
+    if not isinstance(outputs, list) or len(outputs) != n:
+        raise Refused(502, f"{len(outputs) if isinstance(outputs, list) else 'no'} outputs "
+                      f"for {n} items")
+    try:
+        check_output(encode_rows(outputs), served.op, 0, n, served.classes)
+    except FormatError as exc:
+        raise Refused(502, str(exc)) from None
+    return [{k: v for k, v in out.items() if k != "i"} for out in outputs]
+
+
+def _flat(value: Any, out: list[float]) -> None:
+    if isinstance(value, list):
+        for v in value:
+            _flat(v, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value):
+        out.append(float(value))
+    else:
+        raise ValueError(f"{str(value)[:40]!r} is not a finite number")
+
+
+def parse_predict(body: Any, served: Served) -> list[list[float]]:
+    """``{"inputs": [image, ...]}``, each image nested or flat, ``input_shape`` numbers."""
+    size = math.prod(served.input_shape)
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list) or \
+            set(body) != {"inputs"}:
+        raise ValueError('expected {"inputs": [image, ...]}')
+    images = body["inputs"]
+    if not 0 < len(images) <= MAX_ITEMS_PER_REQUEST:
+        raise ValueError(f"inputs: 1 to {MAX_ITEMS_PER_REQUEST} images")
+    out = []
+    for n, image in enumerate(images):
+        flat: list[float] = []
+        _flat(image, flat)
+        if len(flat) != size:
+            raise ValueError(f"inputs[{n}]: {len(flat)} numbers, the model takes {size} "
+                             f"(shape {list(served.input_shape)})")
+        out.append(flat)
+    return out
+
+
+def parse_completion(body: Any, served: Served) -> dict[str, Any]:
+    """An OpenAI-style completion request: prompt, max_tokens, temperature, top_k, seed."""
+    allowed = {"prompt", "max_tokens", "temperature", "top_k", "seed", "model"}
+    if not isinstance(body, dict) or not isinstance(body.get("prompt"), str) or \
+            set(body) - allowed:
+        raise ValueError(f"expected an object with a \"prompt\" string (fields: "
+                         f"{', '.join(sorted(allowed))})")
+    prompt = body["prompt"]
+    if len(prompt.encode()) > MAX_PROMPT_BYTES:
+        raise ValueError(f"prompt: more than {MAX_PROMPT_BYTES} bytes")
+    item = {"prompt": prompt, "max_tokens": body.get("max_tokens", 16),
+            "temperature": body.get("temperature", 1.0), "top_k": body.get("top_k", 0),
+            "seed": body.get("seed", 0)}
+    for key, lo, hi in (("max_tokens", 1, served.max_tokens), ("top_k", 0, 1_000_000),
+                        ("seed", 0, 2**31 - 1)):
+        value = item[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ValueError(f"{key}: an integer in {lo}..{hi}")
+    temp = item["temperature"]
+    if not isinstance(temp, (int, float)) or isinstance(temp, bool) or not 0 < temp <= 10:
+        raise ValueError("temperature: a number in (0, 10]")
+    item["temperature"] = float(temp)
+    return item
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("fedq_serve_request_seconds", "request latency", ["route"],
+                                 registry=self.registry,
+                                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1,
+                                          2.5, 5, 10, 30))
+        self.batch = Histogram("fedq_serve_batch_size", "items per batch sent",
+                               registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.pending = Gauge("fedq_serve_pending_items", "items waiting or out",
+                             registry=self.registry)
+        self.rejected = Counter("fedq_serve_rejected_total", "requests answered 503",
+                                registry=self.registry)
+
+
+def build_app(served: Served) -> Any:
+    """The Starlette application."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    batcher = Batcher(served)
+    try:
+        batcher.metrics = _Metrics()
+    except ImportError:  # prometheus-client (fedq[metrics]) not installed: no /metrics
+        batcher.metrics = None
+
+    def error(status: int, message: str, **headers: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status,
+                            headers=headers or None)
+
+    def authorised(request: Request) -> bool:
+        if served.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {served.api_key}".encode())
+
+    async def answer(request: Request, route: str, parse: Any, shape: Any) -> Response:
+        start = time.perf_counter()
+        if not authorised(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        try:
+            body = json.loads(await request.body())
+            items = parse(body, served)
+        except ValueError as exc:
+            return error(400, str(exc))
+        bodies = items if isinstance(items, list) else [items]
+        futures = batcher.admit(bodies)
+        if futures is None:
+            if batcher.metrics is not None:
+                batcher.metrics.rejected.inc()
+            return error(503, f"busy: {batcher.pending} items waiting or out (at most "
+                         f"{served.max_queue})", **{"Retry-After": "1"})
+        if batcher.metrics is not None:
+            batcher.metrics.pending.set(batcher.pending)
+        try:
+            done = await asyncio.gather(*futures)
+        except Refused as exc:
+            return error(exc.status, str(exc))
+        if batcher.metrics is not None:
+            batcher.metrics.latency.labels(route).observe(time.perf_counter() - start)
+        return JSONResponse(shape(done))
+
+    async def predict(request: Request) -> Response:
+        if served.op != "classify":
+            return error(404, f"{served.name} is a language model: POST /v1/completions")
+        return await answer(request, "predict", parse_predict, lambda done: {
+            "model": served.name, "predictions": [out for out, _ in done],
+            "batch_sizes": [n for _, n in done]})
+
+    async def completions(request: Request) -> Response:
+        if served.op != "generate":
+            return error(404, f"{served.name} is a classifier: POST /v1/predict")
+        return await answer(request, "completions", parse_completion, lambda done: {
+            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+            "created": int(time.time()), "model": served.name,
+            "choices": [{"text": done[0][0]["text"], "index": 0, "finish_reason": "length"}],
+            "batch_size": done[0][1]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": served.name, "op": served.op,
+                             "queue": batcher.route or served.queues[0],
+                             "pending": batcher.pending})
+
+    async def metrics(request: Request) -> Response:
+        if not authorised(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        if batcher.metrics is None:
+            return error(501, "metrics need prometheus-client: pip install 'fedq[metrics]'")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        batcher.metrics.pending.set(batcher.pending)
+        return Response(generate_latest(batcher.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(application: Any) -> AsyncIterator[None]:
+        collector = asyncio.get_running_loop().create_task(batcher.run())
+
+        def routes() -> None:
+            while True:
+                batcher.reroute()
+                time.sleep(ROUTE_EVERY_S)
+
+        threading.Thread(target=routes, name="fedq-serve-route", daemon=True).start()
+        yield
+        collector.cancel()
+
+    application = Starlette(routes=[
+        Route("/v1/predict", predict, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health), Route("/metrics", metrics)], lifespan=lifespan)
+    application.state.batcher = batcher
+    return application
+
+
+def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: Any) -> Served:
+    """What to serve: the model of ``src`` (a ModelSource) checked to build, its weights
+    in the blob store where the workers read them."""
+    import torch
+
+    from fedq.blobs import open_store
+    from fedq.data import load_dataset
+    from fedq.db.session import ensure_schema
+    from fedq.engine.broker import check_broker
+    from fedq.errors import FedqError, SpecError
+    from fedq.inference.jobs import model_source
+    from fedq.inference.messages import model_key
+    from fedq.inference.run import load_model
+    from fedq.weights import loads
+
+    if settings.identity == "required":
+        raise FedqError("fedq serve does not run with FEDQ_IDENTITY=required yet: its "
+                        "batches are not sealed (docs/inference.md, 'Not done')")
+    check_broker()
+    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store.check()
+    if src.job is not None:
+        ensure_schema(settings.database_url)
+    arch, blob, data = model_source(settings, src, base)
+    ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
+    if data is not None:
+        try:
+            load_model(arch, loads(data, what=str(src.weights)), torch.device("cpu"))
+        except (FedqError, TypeError, ValueError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise SpecError(f"--weights: {src.weights} is not a {arch['name']} for "
+                            f"{arch['dataset']}: {first[:300]}") from None
+        blob = store.put(model_key(f"serve-{uuid.uuid4().hex[:12]}"), data)
+    assert blob is not None
+    name = src.job if src.job not in (None, "latest") else \
+        (blob.key.split("/")[1] if src.job == "latest" else str(src.weights))
+    return Served(name=str(name), op="generate" if ds.is_text else "classify",
+                  model=blob.to_json(), arch=arch, classes=ds.num_classes,
+                  input_shape=tuple(ds.input_shape), queues=queues, **options)
+
+
+def run(served: Served, host: str, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(build_app(served), host=host, port=port, log_level="warning")

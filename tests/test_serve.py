@@ -1,0 +1,169 @@
+"""``fedq serve``: a real gateway process (uvicorn) in front of real workers on Redis:
+requests batched (the batch sizes the workers saw), outputs equal to the model in one
+process, 503 past the bound, a stopped worker's batch sent again, API keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedq.data import load_dataset
+from fedq.inference.serve import Refused, Served, check_batch, parse_completion, parse_predict
+from fedq.models import build_model, seeded_model
+from fedq.testing.cluster import Cluster
+from fedq.testing.wait import wait_until
+from fedq.weights import dumps, loads, state_of
+
+from .conftest import free_port
+
+SERVED = Served(name="m", op="classify", model={}, arch={}, classes=3, input_shape=(1, 2, 2),
+                queues=["cpu"])
+
+
+def test_requests_and_answers_are_checked() -> None:
+    assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
+        [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]
+    for bad in ({"inputs": [[1, 2, 3]]}, {"inputs": [[1, 2, 3, "x"]]}, {"inputs": []},
+                {"inputs": [[1, 2, 3, float("nan")]]}, {"inputs": [[1, 2, 3, 4]], "x": 1}, []):
+        with pytest.raises(ValueError):
+            parse_predict(bad, SERVED)
+    gpt = Served(**{**SERVED.__dict__, "op": "generate"})
+    assert parse_completion({"prompt": "Hi", "max_tokens": 4}, gpt)["max_tokens"] == 4
+    for bad_c in ({"prompt": 3}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_k": -1},
+                  {"prompt": "a", "temperature": 0}, {"prompt": "a", "stream": True}):
+        with pytest.raises(ValueError):
+            parse_completion(bad_c, gpt)
+    good = {"status": "ok", "worker": "w", "seconds": 0.1,
+            "outputs": [{"i": 0, "label": 2, "probs": [0.1, 0.2, 0.7]}]}
+    assert check_batch(good, SERVED, 1) == [{"label": 2, "probs": [0.1, 0.2, 0.7]}]
+    for wrong in ({**good, "outputs": []}, {**good, "status": "error"}, {**good, "extra": 1},
+                  {**good, "outputs": [{"i": 0, "label": 5, "probs": [0.1, 0.2, 0.7]}]}):
+        with pytest.raises(Refused):
+            check_batch(wrong, SERVED, 1)
+
+
+def _post(port: int, path: str, body: Any, key: str | None = None,
+          timeout: float = 60) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+class Gateway:
+    def __init__(self, cluster: Cluster, args: list[str], **env: str) -> None:
+        self.port = free_port()
+        self.log = cluster.home / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedq.cli", "serve", *args, "--port", str(self.port),
+             "--queues", "cpu"], env={**cluster.env, **env}, stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return True
+            except OSError:
+                assert self.proc.poll() is None, self.log.read_text()
+                return False
+
+        wait_until(up, 60, what=lambda: f"fedq serve to listen\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Iterator[Path]:
+    ds = load_dataset("digits")
+    path = tmp_path / "cnn.safetensors"
+    path.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape, ds.num_classes,
+                                                 3))))
+    yield path
+
+
+def _reference(weights: Path, x: torch.Tensor) -> list[list[float]]:
+    ds = load_dataset("digits")
+    model = build_model("small_cnn", ds.input_shape, ds.num_classes)
+    model.load_state_dict(loads(weights.read_bytes()))
+    with torch.no_grad():
+        return F.softmax(model.eval()(x), dim=-1).tolist()
+
+
+@pytest.mark.slow
+def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
+        redis_cluster: Cluster, weights: Path) -> None:
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"], w2=["cpu"])
+    args = ["--weights", str(weights), "--model", "small_cnn", "--dataset", "digits"]
+    gateway = Gateway(cluster, [*args, "--max-batch", "8", "--max-wait-ms", "50",
+                                "--batch-timeout-s", "3"], FEDQ_SERVE_API_KEY="k3y")
+    try:
+        x = load_dataset("digits").x_test[:32]
+        want = _reference(weights, x)
+        status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]})
+        assert status == 401 and "API key" in body["error"]["message"]
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: _post(gateway.port, "/v1/predict",
+                                                    {"inputs": [x[i].tolist()]}, "k3y"),
+                                    range(32)))
+        assert [s for s, _, _ in answers] == [200] * 32, answers[:2]
+        for i, (_, body, _) in enumerate(answers):
+            got = body["predictions"][0]["probs"]
+            assert max(abs(a - b) for a, b in zip(got, want[i])) <= 1e-5
+        sizes = [body["batch_sizes"][0] for _, body, _ in answers]
+        assert max(sizes) > 1 and max(sizes) <= 8, sizes  # batched, within --max-batch
+        # a worker stopped while it holds a batch: the batch goes out again, to w2. Idle
+        # workers wait on the queue in turn (BRPOP), so of a few requests one at a time,
+        # one reaches the stopped w1.
+        os.killpg(cluster.by_name("w1").proc.pid, signal.SIGSTOP)
+        try:
+            late = [_post(gateway.port, "/v1/predict", {"inputs": [x[i].tolist()]}, "k3y")
+                    for i in range(4)]
+            assert [s for s, _, _ in late] == [200] * 4, late
+        finally:
+            os.killpg(cluster.by_name("w1").proc.pid, signal.SIGCONT)
+        assert "attempt 1: no answer within 3s" in gateway.log.read_text()
+        metrics = urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{gateway.port}/metrics",
+            headers={"Authorization": "Bearer k3y"}), timeout=5).read().decode()
+        assert "fedq_serve_batch_size_count" in metrics
+        assert "fedq_serve_request_seconds_bucket" in metrics
+    finally:
+        gateway.stop()
+    # past its bound, and with no worker to answer: 503 with Retry-After, then 504
+    cluster.by_name("w1").kill()
+    cluster.by_name("w2").kill()
+    gateway = Gateway(cluster, [*args, "--max-queue", "2", "--max-wait-ms", "200",
+                                "--batch-timeout-s", "1"])
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(lambda i: _post(gateway.port, "/v1/predict",
+                                                    {"inputs": [x[i].tolist()]}), range(5)))
+        codes = sorted(s for s, _, _ in answers)
+        assert codes == [503, 503, 503, 504, 504], codes
+        busy = next(h for s, _, h in answers if s == 503)
+        assert {k.lower(): v for k, v in busy.items()}.get("retry-after") == "1"
+    finally:
+        gateway.stop()
+    bad = cluster.fedq("serve", *args, "--queues", "gpu9", check=False)
+    assert bad.returncode == 2 and "--queues: gpu9" in bad.stderr and "Traceback" not in bad.stderr
