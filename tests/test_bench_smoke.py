@@ -391,3 +391,25 @@ def test_owners_wait_smoke_run_renders_its_table(redis_db: str) -> None:
     assert int(cells[6]) + int(cells[7]) >= 1  # a partial update or a task handed back
     assert int(cells[8]) >= 1 and int(cells[9]) == 2 * int(cells[8])  # two clients a round
     assert proc.stderr.count("the owner waited") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_inference_smoke_run_renders_its_tables(redis_db: str) -> None:
+    """bench/inference.py, small: the batch runs (each worker alone, then both) and the
+    served rows at concurrency 1, 8 and 64 render (no speed assertion: the figures are
+    the full run's, in docs/inference.md)."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.inference", "--prompts", "16",
+                           "--requests", "64", "--no-write"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    both = next(line for line in out.splitlines() if line.startswith("| fedq, both workers |"))
+    per_worker = both.split("|")[4]
+    assert "fast" in per_worker and "slow" in per_worker  # both took shards
+    counts = [int(part.split()[-1]) for part in per_worker.split(",")]
+    assert sum(counts) == 16  # every item once
+    for conc in (1, 8, 64):
+        assert any(line.startswith(f"| {conc} | ") for line in out.splitlines()), out
+    assert out.count("| ≤ 5 ms |") == 1 and "fedq ÷ sum of standalone items/s" in out

@@ -31,6 +31,7 @@ from fedq.models import build_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
 from fedq.redaction import redact_text
+from fedq.settings import get_settings
 from fedq.weights import loads
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,12 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         device = pick_device()
         model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
+        began = time.perf_counter()
         rows = run_items(model, task.op, items, task.start, task.batch_size, device,
                          task.sampling)
+        slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
+        if slowdown > 1:
+            time.sleep((slowdown - 1) * (time.perf_counter() - began))
         ref = store.put(output_key(task.job, task.shard, task.attempt), encode_rows(rows))
         return {**base, "status": "ok", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
                 "items": len(rows), "seconds": time.perf_counter() - start,

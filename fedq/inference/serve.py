@@ -1,7 +1,8 @@
 """``fedq serve``: an HTTP gateway (Starlette on uvicorn) in front of the workers.
 
 Requests are collected into batches (at most ``max_batch`` items, or whatever has come
-within ``max_wait_ms`` of a batch's first item, as Ray Serve's ``@serve.batch``); each
+within ``max_wait_ms`` of a batch's first item, as Ray Serve's ``@serve.batch``; with
+no batch out, a batch goes at once with what is queued: nothing to wait for); each
 batch is one ``fedq.serve_batch`` task on a hardware queue, to a worker that keeps the
 model loaded; its answer comes back through the result backend and is checked like a
 shard's (fedq/inference/messages.py) before any of it is returned.
@@ -82,6 +83,7 @@ class Batcher:
     served: Served
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     pending: int = 0  # items waiting or out
+    out: int = 0  # batches out
     route: str | None = None
     batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
     metrics: Any = None
@@ -104,10 +106,15 @@ class Batcher:
         while True:
             first = await self.queue.get()
             batch = [first]
-            deadline = time.monotonic() + self.served.max_wait_ms / 1000
+            # No batch out: nothing to wait for, so no reason to hold the first item back
+            # (what is queued already still joins it). Else wait up to max_wait_ms.
+            wait = self.served.max_wait_ms / 1000 if self.out else 0.0
+            deadline = time.monotonic() + wait
             while len(batch) < self.served.max_batch:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    while len(batch) < self.served.max_batch and not self.queue.empty():
+                        batch.append(self.queue.get_nowait())
                     break
                 try:
                     batch.append(await asyncio.wait_for(self.queue.get(), left))
@@ -117,6 +124,7 @@ class Batcher:
 
     async def _dispatch(self, batch: list[_Item]) -> None:
         n = len(batch)
+        self.out += 1
         self.batches = (self.batches + [n])[-1000:]
         if self.metrics is not None:
             self.metrics.batch.observe(n)
@@ -138,6 +146,7 @@ class Batcher:
                     item.future.set_exception(error)
         finally:
             self.pending -= n
+            self.out -= 1
 
     async def _send(self, batch: list[_Item], attempt: int) -> list[dict[str, Any]]:
         s = self.served
