@@ -40,7 +40,8 @@ FEDQ_IDENTITY              ``off`` (default) or ``required``: the coordinator si
                            and admits only results signed by a registered worker
                            (``fedq worker add`` / ``join``; docs/security.md)
 FEDQ_SERVE_API_KEY         ``fedq serve``: the key every request must carry
-                           (``Authorization: Bearer KEY``; ``_FILE``: read from a file)
+                           (``Authorization: Bearer KEY``)
+FEDQ_SERVE_API_KEY_FILE    a file holding FEDQ_SERVE_API_KEY
 FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
                            coordinator's, or a joined worker's with its ``worker.json``,
                            whose service URLs are used where the variables are not set
