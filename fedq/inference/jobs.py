@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from fedq.blobs import BlobRef, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
-from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow
+from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema
 from fedq.engine.app import app
 from fedq.engine.broker import check_broker
@@ -274,7 +274,7 @@ def _message(job: InferenceJob, row: InferenceShard) -> dict[str, Any]:
     return msg
 
 
-def _take(s: Session, job: InferenceJob, row: InferenceShard, queue: str
+def _take(job: InferenceJob, row: InferenceShard, queue: str
           ) -> tuple[str, str, dict[str, Any], int]:
     row.status, row.queue, row.attempt = RUNNING, queue, row.attempt + 1
     row.sent_at, row.error = utcnow(), None
@@ -295,7 +295,7 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
     out = []
     for queue in queues or spec["queues"]:
         while waiting and running[queue] < spec["in_flight"]:
-            out.append(_take(s, job, waiting.pop(0), queue))
+            out.append(_take(job, waiting.pop(0), queue))
             running[queue] += 1
     return out
 
@@ -389,7 +389,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
             r = verdict.result
             row.status, row.key, row.sha256, row.size = DONE, r.key, r.sha256, r.size
             row.worker, row.seconds, row.device = r.worker, r.seconds, r.device
-            row.started_at = aware(_utc(r.started)) if r.started else None
+            row.started_at = worker_time(r.started)
             row.done_at, row.error = utcnow(), None
             if not s.scalar(select(InferenceShard.id).where(
                     InferenceShard.job_id == job_id, InferenceShard.status != DONE).limit(1)):
@@ -418,12 +418,6 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
     _revoke(revoke)
     return {"status": status if verdict.status == "ok" else verdict.status, "shard": shard,
             "error": verdict.error}
-
-
-def _utc(ts: float) -> Any:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(ts, tz=timezone.utc)
 
 
 def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:

@@ -3,15 +3,13 @@ mistake on one line with the file, line and column."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedq.errors import SpecError
-from fedq.spec.load import _error_lines, _yaml_positions
+from fedq.spec.load import _error_lines, read_spec_file
 
 OPS = ("classify", "score", "generate")
 Queue = Literal["gpu_new", "gpu_sm61", "cpu"]
@@ -112,26 +110,6 @@ def parse_inference(data: Any, source: str = "spec",
         return InferenceSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError("\n".join(_error_lines(source, exc, positions or {}))) from None
-
-
-def read_spec_file(path: str | Path) -> tuple[Any, dict[tuple[str | int, ...], tuple[int, int]]]:
-    """A spec file's data and the (line, column) of each key."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        if path.suffix == ".json":
-            return json.loads(text), {}
-        return yaml.safe_load(text), _yaml_positions(yaml.compose(text, Loader=yaml.SafeLoader))
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{where}: not valid YAML: {problem}") from None
 
 
 def load_inference(path: str | Path) -> InferenceSpec:

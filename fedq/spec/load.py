@@ -95,20 +95,19 @@ def parse_spec(data: Any, source: str = "spec",
     raise SpecError("\n".join(lines))
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a YAML or JSON job spec file."""
+def read_spec_file(path: str | Path
+                   ) -> tuple[Any, dict[tuple[str | int, ...], tuple[int, int]]]:
+    """A YAML or JSON spec file's data and the (line, column) of each key; a file that
+    cannot be read or parsed is one :class:`SpecError` line with its place."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
-    positions: dict[tuple[str | int, ...], tuple[int, int]] = {}
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-            positions = _yaml_positions(yaml.compose(text, Loader=yaml.SafeLoader))
+            return json.loads(text), {}
+        return yaml.safe_load(text), _yaml_positions(yaml.compose(text, Loader=yaml.SafeLoader))
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}") from None
     except yaml.YAMLError as exc:
@@ -116,6 +115,11 @@ def load_spec(path: str | Path) -> JobSpec:
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(f"{where}: not valid YAML: {problem}") from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a YAML or JSON job spec file."""
+    data, positions = read_spec_file(path)
     return parse_spec(data, str(path), positions)
 
 
