@@ -145,19 +145,29 @@ def test_other_cpu_counts_the_owners_programs_not_fedqs_workers() -> None:
         assert reading is not None
         return reading
 
-    fedq_like = _spin("celery", "-A", "fedq", "worker")  # another fedq worker: not the owner
-    try:
-        ours = settle()
-    finally:
-        fedq_like.kill()
-        fedq_like.wait()
-    owners = _spin()
-    try:
-        theirs = settle()
-    finally:
-        owners.kill()
-        owners.wait()
+    def measure() -> tuple[float, float]:
+        fedq_like = _spin("celery", "-A", "fedq", "worker")  # another fedq worker: not the owner
+        try:
+            ours = settle()
+        finally:
+            fedq_like.kill()
+            fedq_like.wait()
+        owners = _spin()
+        try:
+            theirs = settle()
+        finally:
+            owners.kill()
+            owners.wait()
+        return theirs, ours
+
+    # The reading is machine-wide: the test suite's own processes beside it are "other
+    # programs" too, and their load moves. Up to three tries; without the exclusion of
+    # fedq's workers every try reads the spinning fedq-like process as the owner's.
     one_core = 100 / ncpu
+    for _ in range(3):
+        theirs, ours = measure()
+        if theirs > 0.7 * one_core and ours < theirs - 0.5 * one_core:
+            break
     assert theirs > 0.7 * one_core, (theirs, ours)
     assert ours < theirs - 0.5 * one_core, (theirs, ours)
 
