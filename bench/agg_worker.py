@@ -2,8 +2,9 @@
 
     python bench/agg_worker.py IMPL K SHAPES_JSON REPEATS
 
-IMPL: fedq (fedq.aggregate.Accumulator.mean, what finalize runs: its memory is kept
-from one repeat to the next as finalize keeps it from round to round), flower
+IMPL: fedq (fedq.aggregate.Accumulator.mean, what finalize runs, over updates parsed
+from safetensors blobs as finalize reads them: its memory is kept from one repeat to
+the next as finalize keeps it from round to round), flower
 (flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords, what Flower's FedAvg
 runs), flower_legacy (flwr.server.strategy.aggregate.aggregate), axpy (the bound: one
 contiguous K x N float32 buffer summed row by row into one accumulator, torch's
@@ -49,8 +50,14 @@ def main() -> None:
         import torch
 
         from fedq.aggregate import Accumulator
+        from fedq.weights import dumps, loads
 
-        updates = [{f"t{i}": torch.from_numpy(a) for i, a in enumerate(u)} for u in arrays]
+        # as finalize reads them: each update parsed from its safetensors blob (views
+        # of the one buffer the blob store read it into)
+        updates = [loads(bytearray(dumps({f"t{i}": torch.from_numpy(a)
+                                          for i, a in enumerate(u)})))
+                   for u in arrays]
+        del arrays[:]
         accumulator = Accumulator()
 
         def once() -> None:

@@ -87,6 +87,54 @@ def test_accumulator_reuses_its_memory_while_the_shapes_fit() -> None:
     assert acc.weights is None
 
 
+def test_mean_adds_blob_updates_in_one_call_per_update() -> None:
+    # Prepare: updates as finalize reads them (parsed from safetensors blobs, both the
+    # bytearray the Redis store reads into and bytes), several tensors each.
+    from fedq.aggregate.fedavg import _breaks
+    from fedq.weights import dumps, loads
+
+    gen = torch.Generator().manual_seed(0)
+    raw = [{"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen),
+            "c": torch.randn(2, 2, 2, generator=gen)} for _ in range(3)]
+    parsed = [loads(bytearray(dumps(u))) for u in raw[:2]] + [loads(dumps(raw[2]))]
+    # Execute
+    acc = Accumulator()
+    mean = acc.mean(zip([1.0, 2.0, 3.0], parsed))
+    # Assert: each update lies back to back in one buffer, so it is added with one call
+    # (no break between its tensors); the accumulator is one buffer too; the result is
+    # the per-tensor mean.
+    assert all(_breaks(list(u.values())) == set() for u in parsed)
+    assert _breaks(list(mean.values())) == set()
+    for name in raw[0]:
+        expected = sum(w * u[name] for w, u in zip([1.0, 2.0, 3.0], raw)) / 6.0
+        assert torch.allclose(mean[name], expected, atol=1e-6)
+
+
+def test_mean_of_updates_laid_out_any_way_equals_per_tensor_mean() -> None:
+    # Prepare: tensors back to back in one buffer but in separate storages (their
+    # memory is adjacent: a span over both would be out of bounds), a transposed
+    # (non-contiguous) tensor, float64 and integer tensors, and a mix across updates.
+    buf = bytearray(torch.arange(8, dtype=torch.float32).numpy().tobytes())
+    first = torch.frombuffer(buf, dtype=torch.float32, count=4, offset=0)
+    second = torch.frombuffer(buf, dtype=torch.float32, count=4, offset=16)
+    assert second.data_ptr() == first.data_ptr() + 16
+    updates = [
+        {"a": first, "b": second, "t": torch.ones(2, 3).t(), "d": torch.ones(2, dtype=torch.float64),
+         "n": torch.tensor(3)},
+        {"a": torch.ones(4), "b": torch.full((4,), 2.0), "t": torch.arange(6.0).view(3, 2),
+         "d": torch.full((2,), 4.0, dtype=torch.float64), "n": torch.tensor(5)},
+    ]
+    # Execute
+    mean = weighted_mean([(1.0, u) for u in updates])
+    again = weighted_mean([(1.0, u) for u in reversed(updates)], out=mean)
+    # Assert: the per-tensor mean, in both orders, in the accumulator's dtypes.
+    for result in (mean, again):
+        for name in updates[0]:
+            expected = (updates[0][name].double() + updates[1][name].double()) / 2
+            assert torch.allclose(result[name].double(), expected), name
+        assert result["d"].dtype == torch.float64 and result["n"].dtype == torch.float32
+
+
 def test_apply_delta_keeps_dtype() -> None:
     new = apply_delta({"h": torch.ones(2, dtype=torch.float16)}, {"h": torch.full((2,), 0.5)})
     assert new["h"].dtype == torch.float16
