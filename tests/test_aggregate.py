@@ -119,8 +119,8 @@ def test_mean_of_updates_laid_out_any_way_equals_per_tensor_mean() -> None:
     second = torch.frombuffer(buf, dtype=torch.float32, count=4, offset=16)
     assert second.data_ptr() == first.data_ptr() + 16
     updates = [
-        {"a": first, "b": second, "t": torch.ones(2, 3).t(), "d": torch.ones(2, dtype=torch.float64),
-         "n": torch.tensor(3)},
+        {"a": first, "b": second, "t": torch.ones(2, 3).t(),
+         "d": torch.ones(2, dtype=torch.float64), "n": torch.tensor(3)},
         {"a": torch.ones(4), "b": torch.full((4,), 2.0), "t": torch.arange(6.0).view(3, 2),
          "d": torch.full((2,), 4.0, dtype=torch.float64), "n": torch.tensor(5)},
     ]
