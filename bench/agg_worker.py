@@ -61,6 +61,7 @@ def main() -> None:
         accumulator = Accumulator()
 
         def once() -> None:
+            accumulator.expect(float(k))  # finalize knows the weights from the results
             accumulator.mean((1.0, u) for u in updates)
     elif impl == "axpy":
         import torch

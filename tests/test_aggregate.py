@@ -135,6 +135,36 @@ def test_mean_of_updates_laid_out_any_way_equals_per_tensor_mean() -> None:
         assert result["d"].dtype == torch.float64 and result["n"].dtype == torch.float32
 
 
+def test_mean_with_the_expected_total_skips_the_division_pass_only_when_it_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: three updates, weights 1, 2, 3; count division calls.
+    gen = torch.Generator().manual_seed(1)
+    updates = [{"a": torch.randn(4, generator=gen), "b": torch.randn(3, generator=gen)}
+               for _ in range(3)]
+    pairs = list(zip([1.0, 2.0, 3.0], updates))
+    want = weighted_mean(pairs)
+    want = {k: v.clone() for k, v in want.items()}
+    divisions = []
+    real = torch.Tensor.div_
+    monkeypatch.setattr(torch.Tensor, "div_",
+                        lambda self, *a, **kw: divisions.append(1) or real(self, *a, **kw))
+    # Execute: the total as expected; then one update refused on the way (sum 4, not 6).
+    acc = Accumulator()
+    acc.expect(6.0)
+    held = {k: v.clone() for k, v in acc.mean(pairs).items()}
+    skipped = len(divisions)
+    acc.expect(6.0)
+    short = acc.mean(pairs[:1] + pairs[2:])
+    # Assert: the same mean either way; no division pass when the total held, one pass
+    # (one call over the one buffer) when it did not.
+    assert skipped == 0 and len(divisions) == 1
+    for name in want:
+        assert torch.allclose(held[name], want[name], atol=1e-6)
+        expected = (updates[0][name] + 3 * updates[2][name]) / 4
+        assert torch.allclose(short[name], expected, atol=1e-6)
+    assert acc.expected is None  # used once
+
+
 def test_apply_delta_keeps_dtype() -> None:
     new = apply_delta({"h": torch.ones(2, dtype=torch.float16)}, {"h": torch.full((2,), 0.5)})
     assert new["h"].dtype == torch.float16

@@ -210,6 +210,16 @@ def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
     assert {w["worker"].split("@")[0] for w in data["workers"]} == {"w1", "w2"}
     table = embedded.fedq("results", job).stdout
     assert "items/s" in table and "w1@test" in table
+    # a page and figures a person can look at
+    page = tmp_path / "report.html"
+    embedded.fedq("report", job, "--out", str(page))
+    text = page.read_text()
+    assert f"{len(want)} of {len(want)} items" in text and "w1@test" in text
+    assert '<table id="classes"><tr><th>class</th>' in text and '"text">cpu</td>' in text
+    assert text.count('src="data:image/png;base64,') == 2
+    plots = embedded.fedq("plot", job, "--out", str(tmp_path / "plots"), "--format", "png")
+    assert sorted(Path(p).name for p in plots.stdout.split()) == [
+        f"{job}-throughput.png", f"{job}-timeline.png"]
     # bad input: one line, non-zero, nothing written
     bad = tmp_path / "bad.yaml"
     bad.write_text(spec.read_text().replace("op: classify", "op: score"))
@@ -319,3 +329,44 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
                 total += float(logp.gather(-1, piece[1:, None]).sum())
         assert row["tokens"] == len(ids) - 1
         assert row["logprob"] == pytest.approx(total, abs=1e-3), text
+
+
+def test_inference_figures_draw_each_shard_and_each_worker() -> None:
+    # Prepare: three shards answered by two workers of two classes, one shard failed.
+    from types import SimpleNamespace
+
+    from fedq.observe.plots import close, inference_figures
+    from fedq.observe.report import render_inference
+
+    rows = [{"shard": 0, "start": 0, "stop": 10, "status": "done", "attempt": 1,
+             "queue": "cpu", "worker": "a@h", "device": "cpu", "seconds": 1.0, "error": None,
+             "started": 101.0, "done": 102.0},
+            {"shard": 1, "start": 10, "stop": 20, "status": "done", "attempt": 2,
+             "queue": "gpu_new", "worker": "b@h", "device": "cuda", "seconds": 0.5,
+             "error": None, "started": 101.5, "done": 102.0},
+            {"shard": 2, "start": 20, "stop": 25, "status": "failed", "attempt": 3,
+             "queue": "cpu", "worker": "a@h", "device": "cpu", "seconds": None,
+             "error": "boom", "started": 103.0, "done": None}]
+    workers = [SimpleNamespace(worker="a@h", device="cpu", shards=1, items=10, seconds=1.0,
+                               items_per_s=10.0),
+               SimpleNamespace(worker="b@h", device="cuda", shards=1, items=10, seconds=0.5,
+                               items_per_s=20.0)]
+    view = SimpleNamespace(id="j1", name="n", op="classify", status="failed", items=25,
+                           done_items=20, shards=3, done_shards=2, resent=3, elapsed_s=4.0,
+                           error="shard 2 failed", shard_rows=rows, workers=workers,
+                           spec={"kind": "inference"}, created=100.0)
+    # Execute
+    figs = inference_figures(view)
+    page = render_inference(view, {})
+    # Assert: a bar per answered shard, starting at its second since submission; a cross
+    # for the failed one; a bar per worker; the class table sums per queue.
+    timeline = figs["timeline"].axes[0]
+    bars = [p for p in timeline.patches if p.get_width() > 0]
+    assert sorted((round(b.get_x(), 2), round(b.get_width(), 2)) for b in bars) == [
+        (1.0, 1.0), (1.5, 0.5)]
+    assert [len(line.get_xdata()) for line in timeline.lines] == [1]
+    assert [round(p.get_width(), 1) for p in figs["throughput"].axes[0].patches] == [10.0, 20.0]
+    close(figs)
+    assert '<table id="failures">' in page and "boom" in page
+    assert '<td class="text">gpu_new</td><td>1</td><td>1</td><td>10</td>' in page
+    assert "20 of 25 items" in page

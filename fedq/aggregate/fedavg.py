@@ -28,34 +28,40 @@ from fedq.aggregate.types import Weights
 
 
 def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]],
-                  out: Weights | None = None) -> Weights:
+                  out: Weights | None = None, expected: float | None = None) -> Weights:
     """Sum_i w_i * u_i / sum_i w_i over an iterable of (weight, update), streamed.
 
     Every update must have the same names and shapes as the first (verify before).
     Accumulates in float32 (float64 for float64 tensors); the result is float32/64.
     ``out``: tensors to accumulate into when their names, shapes and dtypes are those
     the result would have (the result is then ``out`` itself, overwritten); otherwise
-    new ones are allocated.
+    new ones are allocated. ``expected``: what the weights should sum to, when the
+    caller knows it before the updates are read: each update is then added already
+    divided by it, and the pass that divides the sum at the end is made only if the
+    weights did not sum to it after all (an update was refused on the way).
     Raises ValueError when there is no update or the weights sum to zero or less.
     """
     acc: Weights | None = None
     acc_breaks: set[int] = set()
     total = 0.0
+    scale = 1.0 / expected if expected is not None and expected > 0 else 1.0
     for weight, update in updates:
         if weight < 0:
             raise ValueError(f"negative weight {weight}")
         if acc is None:  # the first update, scaled, starts the accumulator (one pass)
-            acc = _start(update, weight, out)
+            acc = _start(update, weight * scale, out)
             acc_breaks = _breaks(list(acc.values()))
         else:
-            _add(acc, acc_breaks, update, weight)
+            _add(acc, acc_breaks, update, weight * scale)
         total += weight
     if acc is None:
         raise ValueError("no updates to average")
     if total <= 0:
         raise ValueError("update weights sum to zero")
-    for tensor in acc.values():
-        tensor.div_(total)
+    if abs(total * scale - 1.0) > 1e-12:  # sum(w_i u_i) * scale / (total * scale)
+        targets = list(acc.values())
+        for lo, hi in _runs(len(targets), acc_breaks):
+            _span(targets, lo, hi).div_(total * scale)
     return acc
 
 
@@ -69,11 +75,19 @@ class Accumulator(threading.local):
 
     def __init__(self) -> None:
         self.weights: Weights | None = None
+        self.expected: float | None = None
+
+    def expect(self, total: float) -> None:
+        """The weights of the next ``mean`` should sum to ``total`` (finalize knows it
+        from the results before it reads the updates): that mean then skips its last
+        pass over the model when they do."""
+        self.expected = total
 
     def mean(self, updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
         """``weighted_mean(updates)``, in the memory of the previous call where it fits."""
         out, self.weights = self.weights, None  # nothing kept if the mean raises
-        self.weights = weighted_mean(updates, out=out)
+        expected, self.expected = self.expected, None
+        self.weights = weighted_mean(updates, out=out, expected=expected)
         return self.weights
 
     def release(self) -> None:
@@ -139,10 +153,9 @@ def _add(acc: Weights, acc_breaks: set[int], update: Mapping[str, torch.Tensor],
          weight: float) -> None:
     """acc += weight * update, in place, one add per run of tensors that lie back to
     back in both."""
-    names = list(acc)
-    tensors = [update[n] for n in names]  # same names (verified before)
     targets = list(acc.values())
-    for lo, hi in _runs(len(names), acc_breaks | _breaks(tensors)):
+    tensors = [update[n] for n in acc]  # same names (verified before)
+    for lo, hi in _runs(len(targets), acc_breaks | _breaks(tensors)):
         a, u = _span(targets, lo, hi), _span(tensors, lo, hi)
         a.add_(u if u.dtype == a.dtype else u.to(a.dtype), alpha=weight)
 
@@ -151,20 +164,29 @@ def _breaks(tensors: list[torch.Tensor]) -> set[int]:
     """The indices i where tensors[i] does not directly follow tensors[i - 1] in the
     same memory with the same dtype (so a span over both would be wrong)."""
     out = set()
-    prev: torch.Tensor | None = None
-    end = base = 0
+    end, dtype, first = -1, None, 0
     for i, t in enumerate(tensors):
         ptr = t.data_ptr()
-        if prev is None or t.dtype != prev.dtype or ptr != end or not t.is_contiguous() \
-                or t.untyped_storage().data_ptr() != base:
+        if ptr != end or t.dtype != dtype or not t.is_contiguous():
             if i:
                 out.add(i)
-            base = t.untyped_storage().data_ptr()
+                _check_storage(tensors, first, i, out)
+            first = i
             if not t.is_contiguous():  # never joined with the next one either
                 out.add(i + 1)
-        end = ptr + t.numel() * t.element_size()
-        prev = t
+        end, dtype = ptr + t.nbytes, t.dtype
+    _check_storage(tensors, first, len(tensors), out)
     return out
+
+
+def _check_storage(tensors: list[torch.Tensor], lo: int, hi: int, breaks: set[int]) -> None:
+    """A run whose first and last tensors are in different storages (separate
+    allocations that happen to be adjacent) is split into single tensors: a span from
+    the first would reach past its storage. Both in one storage, the memory between
+    them is that storage's too."""
+    if hi - lo > 1 and tensors[lo].untyped_storage().data_ptr() \
+            != tensors[hi - 1].untyped_storage().data_ptr():
+        breaks.update(range(lo + 1, hi))
 
 
 def _runs(count: int, breaks: set[int]) -> list[tuple[int, int]]:
@@ -178,7 +200,9 @@ def _span(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
     first = tensors[lo]
     if hi - lo == 1:
         return first
-    return first.as_strided((sum(t.numel() for t in tensors[lo:hi]),), (1,))
+    last = tensors[hi - 1]
+    count = (last.data_ptr() + last.nbytes - first.data_ptr()) // first.element_size()
+    return first.as_strided((count,), (1,))
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from fedq.cli.commands import _settings, expected_errors, main
+from fedq.cli.commands import _inference, _settings, expected_errors, main
 from fedq.cli.output import out
 from fedq.errors import ConfigError, require_extra
 
@@ -55,10 +55,18 @@ def plot(job_id: str, folder: Path, formats: str) -> None:
     if bad or not wanted:
         raise ConfigError(f"--format: {', '.join(bad) or 'nothing'} is not one of png, svg, "
                           "pdf")
-    job, rounds, clients = _job_data(job_id)
-    if not rounds:
-        raise ConfigError(f"job {job_id} has no rounds yet: nothing to plot")
-    figs = figures(job, rounds, clients, _availability(job))
+    inference = _inference(job_id)
+    if inference is not None:
+        from fedq.observe.plots import inference_figures
+
+        if not any(r.get("started") for r in inference.shard_rows):
+            raise ConfigError(f"job {job_id} has no shard started yet: nothing to plot")
+        figs = inference_figures(inference)
+    else:
+        job, rounds, clients = _job_data(job_id)
+        if not rounds:
+            raise ConfigError(f"job {job_id} has no rounds yet: nothing to plot")
+        figs = figures(job, rounds, clients, _availability(job))
     for path in write_figures(figs, folder, job_id, wanted):
         click.echo(path)
 
@@ -75,9 +83,18 @@ def report(job_id: str, path: Path | None) -> None:
     from fedq.observe.report import render
 
     require_extra("matplotlib", "plot", "fedq report")
-    job, rounds, clients = _job_data(job_id)
-    figs = figures(job, rounds, clients, _availability(job)) if rounds else {}
-    page = render(job, rounds, clients, list_workers(_settings().database_url), figs)
+    inference = _inference(job_id)
+    if inference is not None:
+        from fedq.observe.plots import inference_figures
+        from fedq.observe.report import render_inference
+
+        figs = inference_figures(inference) \
+            if any(r.get("started") for r in inference.shard_rows) else {}
+        page = render_inference(inference, figs)
+    else:
+        job, rounds, clients = _job_data(job_id)
+        figs = figures(job, rounds, clients, _availability(job)) if rounds else {}
+        page = render(job, rounds, clients, list_workers(_settings().database_url), figs)
     close(figs)
     path = path or Path(f"fedq-report-{job_id}.html")
     partial = path.with_name(f".{path.name}.partial")

@@ -215,6 +215,9 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
 
     try:
         if isinstance(reducer, StreamReducer):
+            # the weights' sum if every update passes: the mean then skips a pass
+            acc.expect(sum(update_weight(spec, r) * (factors or {}).get(r.task, 1.0)
+                           for r in refs if _has_blob(r)))
             delta = reducer.reduce(
                 (Contribution(weighted(r), r.steps, d) for r, d in stream), acc)
         else:

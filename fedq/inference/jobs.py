@@ -538,6 +538,8 @@ class InferenceView:
     error: str | None
     workers: list[WorkerLine] = field(default_factory=list)
     shard_rows: list[dict[str, Any]] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0  # epoch seconds
 
     @property
     def eta_s(self) -> float | None:
@@ -570,7 +572,8 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
                              sum(r.stop - r.start for r in rows if r.status == DONE),
                              job.shards, sum(r.status == DONE for r in rows),
                              sum(max(0, r.attempt - 1) for r in rows),
-                             (end - aware(job.created_at)).total_seconds(), job.error)
+                             (end - aware(job.created_at)).total_seconds(), job.error,
+                             spec=dict(job.spec), created=aware(job.created_at).timestamp())
         by: dict[str, WorkerLine] = {}
         for r in rows:
             view.shard_rows.append({

@@ -1,5 +1,6 @@
 """Figures of a job (``fedq plot``): progress, a timeline of every client task, bytes
-per round per client, and staleness for buffered jobs.
+per round per client, and staleness for buffered jobs; for an inference job, its
+shards on a timeline per worker and each worker's throughput.
 
 Each ``*_figure`` function takes the rows ``fedq results --json`` prints (rounds and
 client rows, :mod:`fedq.coordinator.jobs`) and returns a matplotlib Figure, so tests
@@ -259,3 +260,66 @@ def close(figs: dict[str, Any]) -> None:
     plt = _pyplot()
     for fig in figs.values():
         plt.close(fig)
+
+
+#: Colours of the hardware classes in the inference figures (tab10).
+CLASS_COLORS = {"gpu_new": "#2ca02c", "gpu_sm61": "#1f77b4", "cpu": "#ff7f0e"}
+
+
+def shard_timeline_figure(shards: list[dict[str, Any]], start: float, title: str = "") -> Any:
+    """One row per worker, one bar per shard it answered (from its start to its answer,
+    coloured by the queue it came from); a cross for a shard that failed or is still
+    out. Seconds from the job's creation on the x axis."""
+    plt = _pyplot()
+    workers = sorted({r["worker"] for r in shards if r.get("worker")})
+    rows = {w: i for i, w in enumerate(workers)}
+    fig, ax = plt.subplots(figsize=(11, max(2.5, 0.45 * len(workers) + 1.5)),
+                           constrained_layout=True)
+    for r in shards:
+        if not r.get("worker") or r.get("started") is None:
+            continue
+        y = rows[r["worker"]]
+        left = r["started"] - start
+        if r["status"] == "done" and r.get("done") is not None:
+            ax.barh(y, max(r["done"] - r["started"], 0.0), left=left, height=0.7,
+                    color=CLASS_COLORS.get(r.get("queue") or "", "#7f7f7f"),
+                    edgecolor="white", linewidth=0.5)
+        else:
+            ax.plot([left], [y], "x", color=FINALIZE_COLOR, markersize=8)
+    ax.set_yticks(range(len(workers)), [w.split("@")[0] for w in workers], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the job was submitted")
+    queues = sorted({r["queue"] for r in shards if r.get("queue")})
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=CLASS_COLORS.get(q, "#7f7f7f"))
+               for q in queues], queues, loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or "shards per worker")
+    return fig
+
+
+def throughput_figure(workers: list[Any], title: str = "") -> Any:
+    """Items per second of each worker (its items over its shards' own seconds), with
+    the items it did written on the bar."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.45 * len(workers) + 1.2)),
+                           constrained_layout=True)
+    names = [w.worker.split("@")[0] for w in workers]
+    rates = [w.items_per_s for w in workers]
+    bars = ax.barh(range(len(workers)), rates, color="#2ca02c")
+    for bar, w in zip(bars, workers):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {w.items} items, {w.shards} shards ({w.device})", va="center", fontsize=8)
+    ax.set_yticks(range(len(workers)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("items per second")
+    ax.set_xlim(0, max(rates, default=1.0) * 1.5 or 1.0)
+    ax.set_title(title or "throughput per worker")
+    return fig
+
+
+def inference_figures(view: Any) -> dict[str, Any]:
+    """Name -> Figure for one inference job (a ``fedq.inference.jobs.InferenceView``)."""
+    name = f"{view.name} ({view.id})"
+    return {"timeline": shard_timeline_figure(view.shard_rows, view.created,
+                                              f"{name}: shards per worker"),
+            "throughput": throughput_figure(view.workers, f"{name}: throughput per worker")}

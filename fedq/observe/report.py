@@ -1,6 +1,8 @@
 """``fedq report JOB``: one self-contained HTML page to send to a colleague — the
 figures (PNG, inline), the spec, the per-round and per-client tables and the
-environment of each worker that trained for the job. No scripts, no external files.
+environment of each worker that trained for the job (for an inference job: items and
+throughput per worker and per hardware class, time per shard, every shard, failures).
+No scripts, no external files.
 """
 
 from __future__ import annotations
@@ -94,5 +96,67 @@ def render(job: dict[str, Any], rounds: list[dict[str, Any]], clients: list[dict
                                    "samples_per_second", "tasks_done",
                                    "tasks_failed"), "workers")}
 <h2>Spec</h2><pre>{html.escape(yaml.safe_dump(job['spec'], sort_keys=False))}</pre>
+</body></html>
+"""
+
+
+SHARD_COLUMNS = ("shard", "start", "stop", "status", "attempt", "queue", "worker", "device",
+                 "seconds", "error")
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def render_inference(view: Any, figs: dict[str, Any]) -> str:
+    """The page of an inference job (a ``fedq.inference.jobs.InferenceView``)."""
+    workers = [{"worker": w.worker, "device": w.device, "shards": w.shards, "items": w.items,
+                "seconds": w.seconds, "items_per_s": w.items_per_s} for w in view.workers]
+    classes: dict[str, dict[str, Any]] = {}
+    for r in view.shard_rows:
+        if r["status"] != "done":
+            continue
+        c = classes.setdefault(r.get("queue") or "?", {"class": r.get("queue") or "?",
+                                                        "workers": set(), "shards": 0,
+                                                        "items": 0, "seconds": 0.0})
+        c["workers"].add(r.get("worker"))
+        c["shards"] += 1
+        c["items"] += r["stop"] - r["start"]
+        c["seconds"] += r.get("seconds") or 0.0
+    class_rows = [{**c, "workers": len(c["workers"]),
+                   "items_per_s": c["items"] / c["seconds"] if c["seconds"] else None}
+                  for c in sorted(classes.values(), key=lambda c: c["class"])]
+    times = [r["seconds"] for r in view.shard_rows
+             if r["status"] == "done" and r.get("seconds") is not None]
+    shard_time = [{"shards": len(times), "p50_s": _percentile(times, 0.5),
+                   "p90_s": _percentile(times, 0.9), "max_s": max(times, default=None)}]
+    failed = [r for r in view.shard_rows if r["status"] != "done" or r.get("error")]
+    rate = view.done_items / view.elapsed_s if view.elapsed_s > 0 else 0.0
+    images = "".join(f'<h3>{html.escape(name)}</h3><img alt="{html.escape(name)}" '
+                     f'src="data:image/png;base64,{_png(fig)}">' for name, fig in figs.items())
+    made = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    summary = (f"inference ({html.escape(view.op)}), status <b>{html.escape(view.status)}</b>, "
+               f"{view.done_items} of {view.items} items in {view.done_shards} of "
+               f"{view.shards} shards, {view.elapsed_s:.1f} s ({rate:.1f} items/s), "
+               f"{view.resent} re-sent"
+               + (f", error: {html.escape(view.error)}" if view.error else ""))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>fedq job {html.escape(view.name)} ({html.escape(view.id)})</title>
+<style>{STYLE}</style></head><body>
+<h1>fedq job {html.escape(view.name)} <small>{html.escape(view.id)}</small></h1>
+<p>{summary}. Made {made} by fedq {version('fedq')}.</p>
+<h2>Figures</h2>{images}
+<h2>Workers</h2>{table(workers, ("worker", "device", "shards", "items", "seconds",
+                                   "items_per_s"), "workers")}
+<h2>Hardware classes</h2>{table(class_rows, ("class", "workers", "shards", "items", "seconds",
+                                            "items_per_s"), "classes")}
+<h2>Time per shard</h2>{table(shard_time, ("shards", "p50_s", "p90_s", "max_s"), "shard-time")}
+<h2>Failures</h2>{table(failed, SHARD_COLUMNS, "failures") if failed else "<p>none</p>"}
+<h2>Shards</h2>{table(view.shard_rows, SHARD_COLUMNS, "shards")}
+<h2>Spec</h2><pre>{html.escape(yaml.safe_dump(view.spec, sort_keys=False))}</pre>
 </body></html>
 """
