@@ -24,7 +24,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import aggregation, jobs, overhead
+from bench import aggregation, jobs, overhead, phases
 from bench.common import ROOT, BenchError, Context, commit, machine, versions
 
 #: Below this line docs/benchmarks.md is written by hand and kept across runs.
@@ -38,6 +38,7 @@ BENCHMARKS = {
     "scale": jobs.scale,
     "buffered": jobs.buffered,
     "buffered_lm": jobs.buffered_lm,
+    "phases": phases.run,
 }
 
 

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TITLES = ["1. Round overhead", "2. Aggregation", "3. Bytes per round",
           "4. Heterogeneous time-to-accuracy", "5. Scale",
           "6. Buffered asynchronous vs synchronous",
-          "7. Buffered asynchronous vs synchronous: the language model"]
+          "7. Buffered asynchronous vs synchronous: the language model",
+          "8. Where a round's time goes"]
 
 
 def _rows(markdown: str) -> dict[str, list[str]]:
@@ -81,7 +82,12 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
     assert re.search(r"versions: .*flwr 1\.42\.0", text)
     for title in TITLES:
         assert f"## {title}" in text, title
-    lm = _rows(text.split("## 7. ", 1)[1])
+    lm = _rows(text.split("## 7. ", 1)[1].split("## 8. ", 1)[0])
+    phases = _rows(text.split("## 8. ", 1)[1])
+    # finalize's phases reached the table from its log, and the worker's from the rows
+    assert float(phases["finalize: commit (SQL)"][1]) > 0
+    assert float(phases["finalize: encode + write model"][1]) > 0
+    assert float(phases["upload (encode, sha256, write)"][1]) > 0
     rows = _rows(text.split("## 7. ", 1)[0])
     # the language model's buffered job ran to the end: a validation loss in nats/byte
     assert 0.5 < float(lm["buffered K=1"][3]) < 6.0 and "synchronous, wait for all" in lm

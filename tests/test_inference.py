@@ -210,6 +210,10 @@ def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
     assert {w["worker"].split("@")[0] for w in data["workers"]} == {"w1", "w2"}
     table = embedded.fedq("results", job).stdout
     assert "items/s" in table and "w1@test" in table
+    listed = embedded.fedq("status").stdout
+    assert job in listed and f"{len(want)}/{len(want)}" in listed
+    one = json.loads(embedded.fedq("status", job, "--json").stdout)
+    assert one[0]["kind"] == "inference" and one[0]["done_items"] == len(want)
     # a page and figures a person can look at
     page = tmp_path / "report.html"
     embedded.fedq("report", job, "--out", str(page))

@@ -210,23 +210,41 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @expected_errors
 def status(job_id: str | None, as_json: bool) -> None:
-    """Show one job, or the most recent jobs."""
+    """Show one job, or the most recent jobs (training, then inference)."""
     from fedq.coordinator.jobs import get_job, list_jobs
+    from fedq.inference.jobs import recent
 
     settings = _settings()
-    jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
-    if as_json:
-        click.echo(json.dumps([job_json(j) for j in jobs], indent=2))
+    if job_id and (inference := _inference(job_id)) is not None:
+        from fedq.cli.infer import summary as inference_table
+
+        if as_json:
+            click.echo(json.dumps([{"kind": "inference", **inference.to_json()}], indent=2))
+        else:
+            out.print(inference_table(inference))
         return
-    if not jobs:
+    jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
+    inferences = [] if job_id else recent(settings)
+    if as_json:
+        click.echo(json.dumps([job_json(j) for j in jobs] + inferences, indent=2))
+        return
+    if not jobs and not inferences:
         out.print("no jobs yet (fedq submit examples/digits.yaml)")
         return
-    table = Table("job", "name", "status", "round", "accuracy", "created", "error")
-    for j in jobs:
-        table.add_row(j.id, j.name, status_style(j.status),
-                      f"{j.committed_round}/{j.total_rounds}", fmt(j.accuracy, ".4f"),
-                      j.created_at, (j.error or "")[:80])
-    out.print(table)
+    if jobs:
+        table = Table("job", "name", "status", "round", "accuracy", "created", "error")
+        for j in jobs:
+            table.add_row(j.id, j.name, status_style(j.status),
+                          f"{j.committed_round}/{j.total_rounds}", fmt(j.accuracy, ".4f"),
+                          j.created_at, (j.error or "")[:80])
+        out.print(table)
+    if inferences:
+        rows = Table("inference job", "name", "status", "op", "items", "created", "error")
+        for r in inferences:
+            rows.add_row(r["id"], r["name"], status_style(r["status"]), r["op"],
+                         f"{r['done_items']}/{r['items']}", r["created_at"],
+                         (r["error"] or "")[:80])
+        out.print(rows)
     if job_id:  # what its open round waits for: each started task's worker and heartbeat
         from fedq.coordinator.jobs import repairs
         from fedq.coordinator.liveness import describe, held

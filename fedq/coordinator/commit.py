@@ -34,6 +34,7 @@ from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, set_step
 from fedq.db import ClientUpdate, Job, session_scope
+from fedq.observe.phases import phase
 from fedq.process import PROCESS
 from fedq.refs import StepRef, UpdateRef
 from fedq.settings import Settings
@@ -75,7 +76,8 @@ def aggregate(spec: JobSpec, store: BlobStore, job_id: str, number: int,
     (nothing is written then)."""
     reference = current if spec.streaming is None else \
         {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
-    delta = reduce(spec, store, refs, reference, outcome, scratch, acc, factors)
+    with phase("updates"):  # read, decode, verify and reduce, streamed
+        delta = reduce(spec, store, refs, reference, outcome, scratch, acc, factors)
     if delta is None:
         return None
     return build(spec, store, job_id, number, current, current_sha256, delta, server_state,
@@ -89,11 +91,15 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
     this attempt's own, for commits that may race)."""
     state = loads(store.get(server_state), what=f"blob {server_state.key}") \
         if server_state else {}
-    nxt = server_update(spec, current, delta, state)
+    with phase("server step"):
+        nxt = server_update(spec, current, delta, state)
     every = spec.eval_every
-    accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \
-        if every and (number % every == 0 or number >= spec.rounds) else (None, None)
-    blob, state_blob, step = put_model(store, job_id, number, nxt, current_sha256, tag=tag)
+    with phase("evaluate"):
+        accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \
+            if every and (number % every == 0 or number >= spec.rounds) else (None, None)
+    with phase("encode + write model"):
+        blob, state_blob, step = put_model(store, job_id, number, nxt, current_sha256,
+                                           tag=tag)
     return NewModel(number, nxt.weights, blob, state_blob, step, accuracy, eval_loss,
                     privacy_spent(spec, number))
 

@@ -56,6 +56,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
+from fedq.observe.phases import current_times, phase, recording, summary
 from fedq.process import PROCESS
 from fedq.refs import UpdateRef
 from fedq.settings import Settings, get_settings
@@ -125,14 +126,21 @@ def finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[s
     number of processes. The results are read from the backend by their task ids:
     what the chord passes its body is a doorbell, never read (a worker could put
     anything there)."""
+    with recording():
+        return _finalize_round(settings, job_id, round_number)
+
+
+def _finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[str, Any]:
     started = time.perf_counter()
-    rnd = open_round(settings, job_id, round_number)
+    with phase("open round"):
+        rnd = open_round(settings, job_id, round_number)
     if rnd is None:
         late = record_late(settings, job_id, round_number)
         return {"status": "skipped", "reason": "round not open", "late": late}
     st = rnd.state
-    chosen = pick_results(collect(job_id, round_number, st.gen, st.attempt, rnd.queues,
-                                  rnd.spec), st)
+    with phase("collect results"):
+        chosen = pick_results(collect(job_id, round_number, st.gen, st.attempt, rnd.queues,
+                                      rnd.spec), st)
     now = utcnow()
     decision = decide(rnd.state, chosen, now)
     if isinstance(decision, Wait):
@@ -178,7 +186,8 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     fewer than the quorum of updates pass verification (nothing is written then)."""
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    current = commit.current_model(store, rnd.model)
+    with phase("current model"):
+        current = commit.current_model(store, rnd.model)
     new = commit.aggregate(spec, store, job_id, number, list(chosen.values()), current,
                            rnd.model.sha256, rnd.server_state, outcome,
                            settings.home / "scratch", PROCESS.accumulator)
@@ -193,20 +202,24 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     metrics = commit.metrics(new, outcome, sum(r.bytes_up or 0 for r in rows),
                              sum(r.bytes_down or 0 for r in rows), seconds,
                              time.perf_counter() - started)
-    committed, done = _commit(settings, job_id, rnd.state.gen, rows,
-                              throughput=outcome.throughput, metrics=metrics, new=new,
-                              total=spec.rounds)
+    with phase("commit (SQL)"):
+        committed, done = _commit(settings, job_id, rnd.state.gen, rows,
+                                  throughput=outcome.throughput, metrics=metrics, new=new,
+                                  total=spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
-    commit.settle(settings, store, spec, job_id, new)
+    with phase("settle"):
+        commit.settle(settings, store, spec, job_id, new)
     if done:
         PROCESS.accumulator.release()
     else:
-        _start_next(settings, job_id, number + 1)
+        with phase("next dispatch"):
+            _start_next(settings, job_id, number + 1)
     accuracy = new.accuracy
     log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
              job_id, number, "-" if accuracy is None else f"{accuracy:.4f}",
              outcome.accepted, seconds, time.perf_counter() - started)
+    log.info("job %s round %d finalize phases: %s", job_id, number, summary(current_times()))
     return {"status": "committed", "round": number, "accuracy": accuracy}
 
 

@@ -45,6 +45,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
+from fedq.observe.phases import phase
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
@@ -118,15 +119,23 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     update alone, with the reason; it never escapes to the round."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
     limit = update_limit(reference, spec.compression.chunk)
-    for ref, data in prefetched(store, refs, limit):
+    blobs = prefetched(store, refs, limit)
+    while True:
+        with phase("read wait"):  # the background read of this blob not done yet
+            item = next(blobs, None)
+        if item is None:
+            break
+        ref, data = item
         if not _has_blob(ref):
             outcome.record(ref, failed_status(ref.status), ref.error or "task failed")
             continue
         try:
             if isinstance(data, Exception):
                 raise data
-            delta = read_update(store, ref, reference, spec, data)
-            norm = check_update(delta, reference, spec.max_update_norm)
+            with phase("decode"):
+                delta = read_update(store, ref, reference, spec, data)
+            with phase("verify"):
+                norm = check_update(delta, reference, spec.max_update_norm)
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
         except Exception as exc:  # noqa: BLE001 - a hostile blob may raise anything

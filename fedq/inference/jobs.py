@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from fedq.blobs import BlobRef, open_store
@@ -589,6 +589,25 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
                 line.seconds += r.seconds or 0.0
         view.workers = sorted(by.values(), key=lambda w: w.worker)
     return view
+
+
+def recent(settings: Settings, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest inference jobs (``fedq status``): id, name, status, op, items done
+    of all, when created, error."""
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        jobs = list(s.scalars(select(InferenceJob).order_by(InferenceJob.created_at.desc())
+                              .limit(limit)))
+        done = dict(s.execute(
+            select(InferenceShard.job_id,
+                   func.sum(InferenceShard.stop - InferenceShard.start))
+            .where(InferenceShard.job_id.in_([j.id for j in jobs]),
+                   InferenceShard.status == DONE)
+            .group_by(InferenceShard.job_id)).tuples().all())
+        return [{"id": j.id, "kind": "inference", "name": j.name, "status": j.status,
+                 "op": j.spec["op"], "items": j.items, "done_items": int(done.get(j.id) or 0),
+                 "created_at": aware(j.created_at).isoformat(timespec="seconds"),
+                 "error": j.error} for j in jobs]
 
 
 def merge(settings: Settings, job_id: str, out: Path) -> int:
