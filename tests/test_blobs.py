@@ -45,6 +45,20 @@ def test_tampered_blob_is_rejected_naming_its_key(store: BlobStore) -> None:
         store.get(ref)
 
 
+@pytest.mark.parametrize("size", [3 << 20, (1 << 20) + 7])
+def test_large_blob_hashed_as_it_arrives_is_checked(store: BlobStore, size: int) -> None:
+    # Prepare: a blob large enough that the Redis store hashes it on a second thread
+    # while it is received; then the same blob with one byte changed near its end.
+    key = update_key("j5", 1, 1)
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    ref = store.put(key, data)
+    # Execute / Assert: read back whole and checked; a one-byte change is refused.
+    assert bytes(store.get(ref)) == data
+    _tamper(store, key, data[:-3] + b"?" + data[-2:])
+    with pytest.raises(BlobIntegrityError, match="sha256 mismatch"):
+        store.get(ref)
+
+
 def test_deterministic_key_overwrites(store: BlobStore) -> None:
     key = update_key("j2", 1, 0)
     store.put(key, b"first")

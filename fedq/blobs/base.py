@@ -83,6 +83,11 @@ class BlobStore(ABC):
     def _size(self, key: str) -> int | None:
         return None
 
+    def _read_hashed(self, key: str) -> tuple[bytes, str | None]:
+        """``_read(key)`` and, where the backend hashed the bytes while it received
+        them, their sha256 hex (else None: ``get`` hashes them after)."""
+        return self._read(key), None
+
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None: ...
 
@@ -121,11 +126,11 @@ class BlobStore(ABC):
             if size is not None and size > limit:
                 raise BlobTooLarge(f"blob {ref.key} is {size} bytes, more than the {limit} "
                                    f"it may be: not read")
-        data = self._read(ref.key)
+        data, digest = self._read_hashed(ref.key)
         if limit is not None and len(data) > limit:
             raise BlobTooLarge(f"blob {ref.key} is {len(data)} bytes, more than the {limit} "
                                f"it may be")
-        digest = sha256_hex(data)
+        digest = digest or sha256_hex(data)
         if digest != ref.sha256:
             raise BlobIntegrityError(
                 f"blob {ref.key}: sha256 mismatch (expected {ref.sha256[:12]}..., "

@@ -10,9 +10,11 @@ URLs use redis-py for everything.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +77,21 @@ class RedisBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.url}")
         return data  # type: ignore[no-any-return]  # bytes, or a bytearray from the reader
 
+    def _read_hashed(self, key: str) -> tuple[bytes, str | None]:
+        """A large value is hashed on a second thread as it arrives (hashlib and socket
+        reads release the GIL): the sha256 costs little more than the read."""
+        import redis
+
+        if self._reader is None:
+            return self._read(key), None
+        try:
+            data, digest = self._reader.get_hashed((KEY_PREFIX + key).encode())
+        except (redis.RedisError, OSError) as exc:
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        if data is None:
+            raise BlobNotFound(f"blob {key}: not found in {self.url}")
+        return data, digest  # type: ignore[return-value]  # a bytearray
+
     def _size(self, key: str) -> int | None:
         import redis
 
@@ -131,6 +148,20 @@ class _BulkReader:
         except (ConnectionError, socket.timeout):
             self.close()
             return self._get(key)
+
+    def get_hashed(self, key: bytes) -> tuple[bytearray | None, str | None]:
+        """``get(key)`` and the value's sha256 hex, computed as it was received (None
+        for a missing key)."""
+        try:
+            return self._get_hashed(key)
+        except (ConnectionError, socket.timeout):
+            self.close()
+            return self._get_hashed(key)
+
+    def _get_hashed(self, key: bytes) -> tuple[bytearray | None, str | None]:
+        hasher = _Hasher()
+        data = self._get(key, hasher)
+        return data, (hasher.hexdigest() if data is not None else None)
 
     def set_parts(self, key: bytes, parts: Sequence[Any], size: int) -> None:
         """``SET key value`` with the value sent as ``parts`` (``size`` bytes in all)."""
@@ -190,7 +221,8 @@ class _BulkReader:
             if end >= 0:
                 return bytes(head[:end]), head[end + 2:]
 
-    def _get(self, key: bytes) -> bytearray | None:
+    def _get(self, key: bytes, hasher: _Hasher | None = None) -> bytearray | None:
+        """``GET key``; with ``hasher``, the value is also fed to it as it arrives."""
         sock = self._connect()
         sock.sendall(_command(b"GET", key))
         line, rest = self._line()
@@ -204,12 +236,20 @@ class _BulkReader:
         view = memoryview(out)
         have = len(rest)
         view[:have] = rest
-        while have < length + 2:
-            n = sock.recv_into(view[have:])
-            if n == 0:
-                self.close()
-                raise ConnectionError("connection closed mid-reply")
-            have += n
+        if hasher is not None:
+            hasher.start(view, length)
+        try:
+            while have < length + 2:
+                n = sock.recv_into(view[have:])
+                if n == 0:
+                    self.close()
+                    raise ConnectionError("connection closed mid-reply")
+                have += n
+                if hasher is not None:
+                    hasher.received(have)
+        finally:
+            if hasher is not None:
+                hasher.finish()  # joins the thread: no slice of ``view`` is left
         view.release()
         del out[length:]
         return out
@@ -233,6 +273,61 @@ class _BulkReader:
         del self._pool[:-_POOL_SIZE]
         return buf
 
+
+class _Hasher:
+    """sha256 of a value being received into one buffer, on a second thread that
+    hashes each stretch as soon as it has arrived (a small value: hashed at the end)."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._view: memoryview | None = None
+        self._length = self._have = 0
+        self._stop = False
+
+    def start(self, view: memoryview, length: int) -> None:
+        self._view, self._length = view, length
+        if length >= _HASH_THREAD_MIN:
+            self._thread = threading.Thread(target=self._run, name="fedq-sha256", daemon=True)
+            self._thread.start()
+
+    def received(self, have: int) -> None:
+        if self._thread is not None:
+            with self._cond:
+                self._have = have
+                self._cond.notify()
+
+    def finish(self) -> None:
+        """Wait for the thread (after the whole value came, or after a failure)."""
+        if self._thread is not None:
+            with self._cond:
+                self._stop = True
+                self._cond.notify()
+            self._thread.join()
+        elif self._view is not None:
+            self._sha.update(self._view[:self._length])
+        self._view = None
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+    def _run(self) -> None:
+        assert self._view is not None
+        done = 0
+        while done < self._length:
+            with self._cond:
+                while self._have <= done and not self._stop:
+                    self._cond.wait()
+                upto = min(self._have, self._length)
+                if upto <= done:  # stopped short: the read failed
+                    return
+            self._sha.update(self._view[done:upto])
+            done = upto
+
+
+#: Values at least this large are hashed on a second thread while they are received.
+_HASH_THREAD_MIN = 1 << 20
 
 #: Values at least this large are read into pooled buffers; at most this many pooled.
 _POOL_MIN, _POOL_SIZE = 1 << 20, 4

@@ -26,6 +26,7 @@ from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
+from fedq.observe.phases import phase
 from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
@@ -47,7 +48,7 @@ def round_task_ids(job_id: str, rnd: Round) -> dict[int, list[str]]:
 def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str, Any]:
     """Write round ``round_number``'s row and dispatch its chord (idempotent). A
     buffered job has no rounds: its training slots are filled instead."""
-    with session_scope(settings.database_url) as s:
+    with phase("next: round row"), session_scope(settings.database_url) as s:
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING:
             return {"status": "skipped", "reason": "job not running"}
@@ -73,7 +74,8 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             s.rollback()
             return {"status": "skipped", "reason": "round already started"}
         gen = rnd.id
-    dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
+    with phase("next: send tasks"):
+        dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
     return {"status": "started", "round": round_number, "clients": len(plan)}
 
 

@@ -18,7 +18,8 @@ from contextlib import contextmanager
 _local = threading.local()
 
 #: Inner phases of each outer one: the outer one's own time is the rest.
-NESTED = {"updates": ("read wait", "decode", "verify")}
+NESTED = {"updates": ("read wait", "decode", "verify"),
+          "next dispatch": ("next: round row", "next: send tasks")}
 
 
 @contextmanager
