@@ -71,18 +71,18 @@ def run(ctx: Context) -> Section:
     intervals = []
     for number in range(2, rounds + 1):
         rnd, before = db_rounds[number], db_rounds[number - 1]
-        tasks = [u for u in updates if u.round_number == number and u.started_at]
-        if not tasks or number not in logged:
+        began = {u.client: u.started_at for u in updates
+                 if u.round_number == number and u.started_at is not None}
+        tasks = [u for u in updates if u.client in began and u.round_number == number]
+        if not tasks or number not in logged or rnd.finished_at is None \
+                or before.finished_at is None:
             continue
         intervals.append((rnd.finished_at - before.finished_at).total_seconds())
         opened = rnd.started_at
-        ends = []
-        for u in tasks:
-            start = (u.started_at - opened).total_seconds()
-            ends.append(start + (u.download_seconds or 0) + (u.train_seconds or 0)
-                        + (u.upload_seconds or 0))
-        add("dispatch → task starts on its worker", statistics.median(
-            (u.started_at - opened).total_seconds() for u in tasks))
+        starts = [(began[u.client] - opened).total_seconds() for u in tasks]
+        ends = [start + (u.download_seconds or 0) + (u.train_seconds or 0)
+                + (u.upload_seconds or 0) for start, u in zip(starts, tasks)]
+        add("dispatch → task starts on its worker", statistics.median(starts))
         add("model download (read, sha256, decode)", statistics.median(
             u.download_seconds or 0 for u in tasks))
         add("local step (zero compute)", statistics.median(u.train_seconds or 0 for u in tasks))
