@@ -4,7 +4,7 @@ The deployment of table 1 (Redis + PostgreSQL, a control worker and 4 training
 workers, one process each, zero training compute, no evaluation). Each round's time is
 cut into what the database records (the round's dispatch, each task's start on its
 worker, its model download, local step and upload) and what finalize logs for each
-round it commits (fedq.observe.phases: opening the round, collecting the results,
+round it commits (fedq.phases: opening the round, collecting the results,
 the current model, waiting for each update's background read, decoding, verifying,
 reducing, the server step, encoding and writing the new model, the SQL commit,
 settling, dispatching the next round).

@@ -1,10 +1,10 @@
-"""fedq.observe.phases: what finalize's phase log line is made of."""
+"""fedq.phases: what finalize's phase log line is made of."""
 
 from __future__ import annotations
 
 import re
 
-from fedq.observe.phases import current_times, phase, recording, summary
+from fedq.phases import current_times, phase, recording, summary
 
 
 def test_phases_add_up_nest_and_cost_nothing_outside_a_record() -> None:

@@ -34,7 +34,7 @@ from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, set_step
 from fedq.db import ClientUpdate, Job, session_scope
-from fedq.observe.phases import phase
+from fedq.phases import phase
 from fedq.process import PROCESS
 from fedq.refs import StepRef, UpdateRef
 from fedq.settings import Settings

@@ -56,7 +56,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
-from fedq.observe.phases import current_times, phase, recording, summary
+from fedq.phases import current_times, phase, recording, summary
 from fedq.process import PROCESS
 from fedq.refs import UpdateRef
 from fedq.settings import Settings, get_settings

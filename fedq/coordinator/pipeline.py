@@ -45,7 +45,7 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
-from fedq.observe.phases import phase
+from fedq.phases import phase
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec

@@ -26,7 +26,7 @@ from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
-from fedq.observe.phases import phase
+from fedq.phases import phase
 from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
