@@ -374,3 +374,40 @@ def test_inference_figures_draw_each_shard_and_each_worker() -> None:
     assert '<table id="failures">' in page and "boom" in page
     assert '<td class="text">gpu_new</td><td>1</td><td>1</td><td>10</td>' in page
     assert "20 of 25 items" in page
+
+
+def test_latest_model_is_the_newest_completed_job_that_fits_the_inputs(tmp_path: Path) -> None:
+    # Prepare: a database with an older completed digits job, a newer failed digits
+    # job, and a newest completed language-model job.
+    from datetime import datetime, timedelta, timezone
+
+    from fedq.db import Job, session_scope
+    from fedq.db.session import ensure_schema
+    from fedq.errors import JobNotFound
+    from fedq.inference.spec import Inputs, ModelSource
+    from fedq.settings import Settings
+
+    url = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(url)
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    rows = [("old", "completed", "digits", "small_cnn", 0), ("failed", "failed", "digits",
+                                                               "small_cnn", 1),
+            ("lm", "completed", "shakespeare", "gpt", 2)]
+    with session_scope(url) as s:
+        for name, status, dataset, model, hours in rows:
+            s.add(Job(id=f"job{name}", name=name, spec={"dataset": dataset, "model": model},
+                      status=status, total_rounds=1, committed_round=1,
+                      global_key=f"jobs/job{name}/global", global_sha256="0" * 64,
+                      global_size=10, created_at=start + timedelta(hours=hours)))
+    settings = Settings.model_construct(database_url=url)
+    latest = ModelSource(job="latest")
+    # Execute
+    digits, ref, _ = jobs.model_source(settings, latest, tmp_path, Inputs(dataset="digits"))
+    text, text_ref, _ = jobs.model_source(settings, latest, tmp_path,
+                                          Inputs(prompts="p.txt"))
+    # Assert: the failed job is passed over; prompts take the language model; a data
+    # set no job trained on is one clear error.
+    assert ref is not None and ref.key == "jobs/jobold/global" and digits["name"] == "small_cnn"
+    assert text_ref is not None and text_ref.key == "jobs/joblm/global" and text["name"] == "gpt"
+    with pytest.raises(JobNotFound, match="latest: no completed training job on synthetic"):
+        jobs.model_source(settings, latest, tmp_path, Inputs(dataset="synthetic"))
