@@ -110,6 +110,11 @@ def _update(generated: str, sections: list, command: str, seconds: float) -> str
     body = [new.pop(p.splitlines()[0][3:].strip(), p) for p in old] + list(new.values())
     line = (f"- updated: {titles} by `{command}` ({seconds / 60:.1f} min) on "
             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC at fedq commit {commit()}")
+    # an earlier updated: line that names only sections this run remade is stale
+    head = "".join(
+        kept for kept in head.splitlines(keepends=True)
+        if not (kept.startswith("- updated: ") and set(re.findall(r"“([^”]*)”", kept))
+                <= {sec.title for sec in sections}))
     head = head.replace(_ONE_RUN, _UPDATED).rstrip("\n") + "\n" + line + "\n\n"
     return head + "\n".join(b.rstrip("\n") + "\n" for b in body)
 

@@ -343,6 +343,10 @@ def test_only_updates_its_sections_in_place() -> None:
     assert "- updated: “1. A” by `bash scripts/bench.sh --only a`" in text
     assert _ONE_RUN not in text
     assert text.index("## 1. A") < text.index("## 2. B")
+    # a second run of A: its earlier line is stale and goes; a line naming B stays
+    again = _update(text.replace("\n\n## 1. A", "\n- updated: “2. B” by `b`\n\n## 1. A", 1),
+                    [new], "bash scripts/bench.sh --only a", 60)
+    assert again.count("- updated: “1. A”") == 1 and "- updated: “2. B” by `b`" in again
 
 
 @pytest.mark.slow
