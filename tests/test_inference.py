@@ -5,6 +5,7 @@ PostgreSQL with a worker SIGKILLed mid-job, cancel and resume."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,16 @@ def test_generate_on_redis_survives_a_worker_sigkill(
         return view is not None and any(w.worker == worker for w in view.workers)
 
     wait_until(lambda: done_by("w1@test"), 120, what="w1 to finish a shard")
-    cluster.by_name("w1").kill()  # SIGKILL: it holds its next shard (prefetch 1)
+    w1 = cluster.by_name("w1")
+
+    def holds_a_shard() -> bool:  # its log: a shard received and not yet answered
+        log = w1.log_path.read_text(errors="replace")
+        received = re.findall(r"Task fedq\.infer_shard\[([^\]]+)\] received", log)
+        answered = set(re.findall(r"Task fedq\.infer_shard\[([^\]]+)\] succeeded", log))
+        return any(t not in answered for t in received)
+
+    wait_until(holds_a_shard, 120, interval=0.01, what="w1 to hold a shard")
+    w1.kill()  # SIGKILL while it holds a shard: the watchdog must send it again
 
     def resent_and_done() -> bool:
         view = jobs.find(cluster.settings, job)
