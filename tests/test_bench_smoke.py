@@ -423,3 +423,22 @@ def test_inference_smoke_run_renders_its_tables(redis_db: str) -> None:
     for conc in (1, 8, 64):
         assert any(line.startswith(f"| {conc} | ") for line in out.splitlines()), out
     assert out.count("| ≤ 5 ms |") == 1 and "fedq ÷ sum of standalone items/s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_share_smoke_run_renders_its_table() -> None:
+    """bench/gpu_share.py, tiny, on this machine's class (the CPU here): one worker
+    alone, then two sharing; every sharing worker trained its own client in the round
+    the table reports, and the total is their sum."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_share", "--smoke", "--workers",
+                           "2", "--no-write"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=220, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines()
+            if "@bench |" in line]
+    assert [r[2].strip() for r in rows] == ["share1@bench", "share1@bench", "share2@bench"]
+    assert [r[3].strip() for r in rows] == ["1", "1", "1"]  # round 2 only: one task each
+    shared = [float(r[5].replace(",", "")) for r in rows[1:]]
+    total = next(line for line in proc.stdout.splitlines() if line.startswith("Together"))
+    assert abs(float(total.split("trained ")[1].split()[0].replace(",", "")) - sum(shared)) <= 2
