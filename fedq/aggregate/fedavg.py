@@ -49,8 +49,7 @@ def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]],
         if weight < 0:
             raise ValueError(f"negative weight {weight}")
         if acc is None:  # the first update, scaled, starts the accumulator (one pass)
-            acc = _start(update, weight * scale, out)
-            acc_breaks = _breaks(list(acc.values()))
+            acc, acc_breaks = _start(update, weight * scale, out)
         else:
             _add(acc, acc_breaks, update, weight * scale)
         total += weight
@@ -117,9 +116,10 @@ def fedavg(weights: Mapping[str, torch.Tensor],
     return apply_delta(weights, weighted_mean(deltas))
 
 
-def _start(update: Mapping[str, torch.Tensor], weight: float, out: Weights | None) -> Weights:
+def _start(update: Mapping[str, torch.Tensor], weight: float,
+           out: Weights | None) -> tuple[Weights, set[int]]:
     """The accumulator holding ``weight * update``: ``out`` where it fits, else new
-    (one buffer for the float32 tensors, a view per tensor)."""
+    (one buffer for the float32 tensors, a view per tensor); and its breaks."""
     fits = out is not None and list(out) == list(update) and all(
         out[k].shape == v.shape and out[k].dtype == acc_dtype(v.dtype)
         and out[k].is_contiguous() for k, v in update.items())
@@ -128,10 +128,11 @@ def _start(update: Mapping[str, torch.Tensor], weight: float, out: Weights | Non
     names = list(out)
     tensors = [update[n] for n in names]
     acc = [out[n] for n in names]
-    for lo, hi in _runs(len(names), _breaks(acc) | _breaks(tensors)):
+    acc_breaks = _breaks(acc)
+    for lo, hi in _runs(len(names), acc_breaks | _breaks(tensors)):
         a, u = _span(acc, lo, hi), _span(tensors, lo, hi)
         torch.mul(u if u.dtype == a.dtype else u.to(a.dtype), weight, out=a)
-    return out
+    return out, acc_breaks
 
 
 def _allocate(update: Mapping[str, torch.Tensor]) -> Weights:

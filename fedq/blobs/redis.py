@@ -141,27 +141,25 @@ class _BulkReader:
         self._pool: list[bytearray] = []
 
     def get(self, key: bytes) -> bytearray | None:
-        """The value, or None when the key does not exist. One reconnect on a dropped
-        connection (Redis restarted, idle timeout)."""
-        try:
-            return self._get(key)
-        except (ConnectionError, socket.timeout):
-            self.close()
-            return self._get(key)
+        """The value, or None when the key does not exist."""
+        return self.get_hashed(key, hashing=False)[0]
 
-    def get_hashed(self, key: bytes) -> tuple[bytearray | None, str | None]:
-        """``get(key)`` and the value's sha256 hex, computed as it was received (None
-        for a missing key)."""
-        try:
-            return self._get_hashed(key)
-        except (ConnectionError, socket.timeout):
-            self.close()
-            return self._get_hashed(key)
-
-    def _get_hashed(self, key: bytes) -> tuple[bytearray | None, str | None]:
-        hasher = _Hasher()
-        data = self._get(key, hasher)
-        return data, (hasher.hexdigest() if data is not None else None)
+    def get_hashed(self, key: bytes, hashing: bool = True
+                   ) -> tuple[bytearray | None, str | None]:
+        """The value (None when the key does not exist) and, with ``hashing``, its
+        sha256 hex, computed as it was received. One reconnect on a dropped connection
+        (Redis restarted, idle timeout), with the hash started afresh."""
+        for attempt in (1, 2):
+            hasher = _Hasher() if hashing else None
+            try:
+                data = self._get(key, hasher)
+            except (ConnectionError, socket.timeout):
+                self.close()
+                if attempt == 2:
+                    raise
+                continue
+            return data, (hasher.hexdigest() if hasher and data is not None else None)
+        raise AssertionError("unreachable")
 
     def set_parts(self, key: bytes, parts: Sequence[Any], size: int) -> None:
         """``SET key value`` with the value sent as ``parts`` (``size`` bytes in all)."""
