@@ -230,7 +230,7 @@ def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
     sleeper.kill(signal.SIGSTOP)
     try:
         wait_until(lambda: [r.status for r in cluster.rounds(job)][:2] ==
-                   ["committed", "committed"], 60, interval=0.2,
+                   ["committed", "committed"], 90, interval=0.2,
                    what="round 2 to commit without the sleeper")
     finally:
         sleeper.kill(signal.SIGCONT)
@@ -274,7 +274,7 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
     paused_at = time.time()
     try:
         wait_until(lambda: [r.status for r in cluster.rounds(job)][:2] ==
-                   ["committed", "committed"], 60, interval=0.2,
+                   ["committed", "committed"], 90, interval=0.2,
                    what="round 2 to commit without the sleeper")
     finally:
         sleeper.kill(signal.SIGCONT)
@@ -287,7 +287,9 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
         (row.status, row.attempt, row.worker)
     _assert_each_round_once(cluster, job, rounds=3, per_round=3)
     at = _lost_redispatches(cluster, job)[2] - paused_at
-    assert 0 < at <= 30, at
+    # lost after FEDQ_WORKER_LOST_S (15 s) without a heartbeat, long before the 600 s
+    # deadline; the margin is for a loaded machine (CI runs two suites side by side)
+    assert 0 < at <= 60, at
 
     def late_copies() -> list[str]:
         with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
