@@ -281,6 +281,49 @@ def test_registered_workers_sign_strangers_are_rejected_and_a_revoked_one_is_cut
         assert log.count(f"WARNING/MainProcess] refused task {task}") == 1, log[-3000:]
 
 
+@pytest.mark.slow
+def test_one_registered_machine_counts_at_most_its_cap_however_many_processes_it_runs(
+        coordinator: Cluster) -> None:
+    """A registered machine runs three worker processes under one registration (they
+    take most of a round's tasks); with ``max_updates_per_worker: 1`` it counts one
+    update per round, and one per version of a buffered job; its others are rejected
+    saying so, and the jobs complete on the honest machine's updates beside it."""
+    cluster = coordinator
+    for name in ("m", "h"):
+        cluster.fedq("worker", "add", name, "--queues", "cpu", "--out",
+                     str(cluster.home / f"{name}.bundle"))
+        _join(cluster, name, cluster.home / f"{name}.bundle")
+    for process in ("m1", "m2", "m3"):
+        cluster.add(process, ["cpu"], **_joined_worker(cluster, "m"))
+    cluster.add("h1", ["cpu"], **_joined_worker(cluster, "h"))
+    capped = {**SPEC, "num_clients": 4, "clients_per_round": 4, "rounds": 2,
+              "min_clients": 1, "max_redispatch": 0, "max_updates_per_worker": 1}
+    sync, buffered = cluster.submit_many([
+        {**capped, "name": "capped"},
+        {**capped, "name": "capped-buffered", "max_redispatch": 2,
+         "aggregation": {"mode": "buffered", "buffer": 2}}])
+    for job in (sync, buffered):
+        assert cluster.wait(job, timeout=240).status == "completed", job
+        rows = cluster.updates(job)
+        counted: dict[int, list[str | None]] = {}
+        for u in rows:
+            if u.status == "ok":
+                counted.setdefault(u.round_number, []).append(u.signer)
+        assert all(signers.count("m") <= 1 for signers in counted.values()), counted
+        if job == buffered:  # a version of two holds at most one of m's
+            assert all(signers.count("h") >= 1 for signers in counted.values()), counted
+        refused = [u for u in rows if u.status == "rejected"]
+        assert refused and all(u.signer == "m" and u.error == (
+            "cap: worker m already counts 1 update(s) here (max_updates_per_worker 1)")
+            for u in refused), [(u.round_number, u.signer, u.status, u.error) for u in rows]
+    record("security", scenario="one registered machine, three processes",
+           did="three worker processes under one registration took most of each round's "
+               "tasks (synchronous and buffered jobs, max_updates_per_worker 1)",
+           fedq="rejected: cap: worker m already counts 1 update(s) here",
+           guard="policy.cap_per_worker (rounds), buffered.absorb (versions), by signer",
+           outcome="jobs completed; at most one of its updates in each round and version")
+
+
 def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

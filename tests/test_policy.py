@@ -16,6 +16,7 @@ from fedq.coordinator.policy import (
     RoundState,
     Wait,
     absorb_status,
+    cap_per_worker,
     decide,
     failing,
     lost_clients,
@@ -178,3 +179,24 @@ def test_overdue(attempt: int, max_redispatch: int, expected: str) -> None:
 def test_lost_clients(claims: list[tuple[int, float, bool]], pending: tuple[int, ...],
                       expected: tuple[int, ...]) -> None:
     assert lost_clients(claims, pending, 15.0) == expected
+
+
+def test_one_worker_counts_at_most_its_cap_of_a_rounds_updates() -> None:
+    """max_updates_per_worker: a machine whose processes took four of a round's tasks
+    counts for two (its lowest clients); by signer when results are signed, so three
+    process names under one registration are one machine; failures are not counted."""
+    chosen = {0: ref(0, worker="p1@m", signer="m"), 1: ref(1, worker="h@h", signer="h"),
+              2: ref(2, worker="p2@m", signer="m"), 3: ref(3, "error", worker="p3@m",
+                                                          signer="m"),
+              4: ref(4, worker="p3@m", signer="m"), 5: ref(5, worker="p1@m", signer="m")}
+    capped = cap_per_worker(chosen, 2)
+    assert [c for c, r in capped.items() if r.status == "ok"] == [0, 1, 2]
+    assert capped[3].status == "error"  # untouched
+    for client in (4, 5):
+        assert capped[client].status == "rejected"
+        assert capped[client].error == ("cap: worker m already counts 2 update(s) here "
+                                        "(max_updates_per_worker 2)")
+    assert cap_per_worker(chosen, None) == chosen
+    # unsigned results count by the name each gives: three processes, three names
+    unsigned = {c: ref(c, worker=f"p{c}@m") for c in range(3)}
+    assert all(r.status == "ok" for r in cap_per_worker(unsigned, 1).values())

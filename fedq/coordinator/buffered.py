@@ -221,6 +221,18 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
             ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED, error=(
                 f"identity: a result for attempt {attempt}, task {index} was sent "
                 f"{row.attempt} time(s)"))
+        cap = spec.max_updates_per_worker
+        if cap is not None and ref.status == UpdateStatus.OK and \
+                job.status == JobStatus.RUNNING:
+            who = policy.counted_as(ref)
+            column = ClientUpdate.signer if ref.signer else ClientUpdate.worker
+            counted = s.scalar(select(func.count()).where(
+                ClientUpdate.job_id == job_id,
+                ClientUpdate.round_number == _filling(s, job, spec),
+                ClientUpdate.status == UpdateStatus.BUFFERED, column == who)) or 0
+            if counted >= cap:  # this version has its share of this worker's updates
+                ref = dataclasses.replace(ref, status=UpdateStatus.REJECTED,
+                                          error=policy.over_cap(who, cap))
         fill_row(row, ref)
         tasks: list[Dispatch] = []
         revoke: list[str] = []

@@ -45,6 +45,7 @@ from fedq.coordinator.policy import (
     Redispatch,
     RoundState,
     Wait,
+    cap_per_worker,
     decide,
     pick_results,
     yielded_clients,
@@ -139,8 +140,9 @@ def _finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[
         return {"status": "skipped", "reason": "round not open", "late": late}
     st = rnd.state
     with phase("collect results"):
-        chosen = pick_results(collect(job_id, round_number, st.gen, st.attempt, rnd.queues,
-                                      rnd.spec), st)
+        chosen = cap_per_worker(pick_results(collect(job_id, round_number, st.gen, st.attempt,
+                                                     rnd.queues, rnd.spec), st),
+                                rnd.spec.max_updates_per_worker)
     now = utcnow()
     decision = decide(rnd.state, chosen, now)
     if isinstance(decision, Wait):

@@ -11,7 +11,7 @@ watchdog call them and do the I/O; tests/test_policy.py drives every branch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -95,6 +95,37 @@ def pick_results(results: Iterable[UpdateRef], state: RoundState) -> dict[int, U
         if have is None or _better(ref, have):
             chosen[ref.client] = ref
     return dict(sorted(chosen.items()))
+
+
+def counted_as(ref: UpdateRef) -> str:
+    """Whom an update counts against for ``max_updates_per_worker``: the registered
+    worker that signed it (FEDQ_IDENTITY=required), else the name the result gives."""
+    return ref.signer or ref.worker
+
+
+def cap_per_worker(chosen: dict[int, UpdateRef], cap: int | None) -> dict[int, UpdateRef]:
+    """``chosen`` (client -> result, from :func:`pick_results`) with at most ``cap`` ok
+    results counted per worker (:func:`counted_as`): a worker's lowest-numbered clients
+    count, the rest are rejected, saying so (their clients may be sent again). So one
+    machine supplies at most ``cap`` of a round's updates, however many of its tasks
+    its processes took: a robust reducer's ``f`` is ``cap`` per distrusted machine."""
+    if cap is None:
+        return chosen
+    out: dict[int, UpdateRef] = {}
+    seen: dict[str, int] = {}
+    for client, ref in sorted(chosen.items()):
+        if ref.status == UpdateStatus.OK:
+            who = counted_as(ref)
+            seen[who] = seen.get(who, 0) + 1
+            if seen[who] > cap:
+                ref = replace(ref, status=UpdateStatus.REJECTED, error=over_cap(who, cap))
+        out[client] = ref
+    return out
+
+
+def over_cap(who: str, cap: int) -> str:
+    return (f"cap: worker {who[:64]} already counts {cap} update(s) here "
+            f"(max_updates_per_worker {cap})")
 
 
 def _better(new: UpdateRef, have: UpdateRef) -> bool:

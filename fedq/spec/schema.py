@@ -255,6 +255,10 @@ class JobSpec(_Strict):
     max_redispatch: int = Field(
         default=2, ge=0, description="times a round's missing clients are sent again")
     max_update_norm: float | None = Field(default=None, gt=0, description="reject larger updates")
+    max_updates_per_worker: int | None = Field(
+        default=None, ge=1, description="updates one worker may count in a round or version "
+                                        "(by its signer with FEDQ_IDENTITY=required); unset: "
+                                        "no cap")
     seed: int = Field(default=0, ge=0)
     keep_updates: int | None = Field(
         default=None, ge=0, description="keep the update blobs of this many latest rounds "
