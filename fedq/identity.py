@@ -34,7 +34,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -211,6 +211,50 @@ class Joined:
         except ValueError:  # a non-finite float: unsigned, the coordinator rejects it
             return result
         return signed
+
+
+    def sign_message(self, task: str, args: Sequence[Any]) -> dict[str, Any]:
+        """The ``signed`` argument of a control message about this worker (``task``
+        with ``args``): who signs, when, and the signature over the three."""
+        at = int(time.time())
+        return {"signer": self.name, "at": at,
+                "sig": sign(self.key, message_fields(task, args, self.name, at))}
+
+
+def message_fields(task: str, args: Sequence[Any], signer: str, at: int) -> dict[str, Any]:
+    """What a control message's signature covers."""
+    return {"task": task, "args": list(args), "signer": signer, "at": at}
+
+
+def check_message(signed: Any, task: str, args: Sequence[Any], active: Mapping[str, str],
+                  revoked: Collection[str], now: float | None = None) -> str:
+    """The registered worker that signed control message ``task(*args)``; raises
+    :class:`Refused` (one line) when ``signed`` is missing, malformed, by an unknown or
+    revoked worker, more than EXPIRY_GRACE_S from now, or not over these arguments."""
+    if not isinstance(signed, dict):
+        raise Refused("unsigned: with FEDQ_IDENTITY=required a worker's control messages "
+                      "are signed by a registered worker")
+    signer, at, sig = signed.get("signer"), signed.get("at"), signed.get("sig")
+    if not isinstance(signer, str) or NAME.fullmatch(signer) is None or \
+            not isinstance(at, int) or isinstance(at, bool):
+        raise Refused("malformed signature: signer and at are not a worker name and a time")
+    if signer in revoked:
+        raise Refused(f"signed by {signer}, which is revoked")
+    public = active.get(signer)
+    if public is None:
+        raise Refused(f"signed by {signer!r}, which is not a registered worker")
+    if abs((time.time() if now is None else now) - at) > EXPIRY_GRACE_S:
+        raise Refused(f"signed by {signer} at {at}, more than {EXPIRY_GRACE_S} s from now "
+                      "(replayed, or the clocks disagree)")
+    try:
+        fields = message_fields(task, args, signer, at)
+        canonical(fields)
+    except (TypeError, ValueError):
+        raise Refused("malformed message: its arguments are not JSON") from None
+    if not verify(public, fields, sig):
+        raise Refused(f"{signer}'s signature does not verify for this {task} message "
+                      "(altered, or signed for another)")
+    return signer
 
 
 def read_worker_file(keys_dir: Path) -> dict[str, Any] | None:

@@ -324,6 +324,75 @@ def test_one_registered_machine_counts_at_most_its_cap_however_many_processes_it
            outcome="jobs completed; at most one of its updates in each round and version")
 
 
+@pytest.mark.slow
+def test_a_workers_own_control_messages_are_signed_and_bound_to_its_registration(
+        coordinator: Cluster) -> None:
+    """fedq.register_worker and fedq.worker_state (what `fedq workers` shows of a
+    worker) are taken only signed, lately, by an active registered worker, for exactly
+    these arguments; a hostname belongs to the registered worker that first signed for
+    it, so another registered worker cannot report for it."""
+    from sqlalchemy import select
+
+    from fedq.db import Worker, session_scope
+    from fedq.engine.names import REGISTER_WORKER_TASK, WORKER_STATE_TASK
+
+    cluster = coordinator
+    for name in ("w1", "w2"):
+        cluster.fedq("worker", "add", name, "--queues", "cpu", "--out",
+                     str(cluster.home / f"{name}.bundle"))
+        _join(cluster, name, cluster.home / f"{name}.bundle")
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    db = cluster.env["FEDQ_DATABASE_URL"]
+
+    def rows() -> dict[str, Worker]:
+        with session_scope(db) as s:
+            return {w.hostname: w for w in s.scalars(select(Worker))}
+
+    # the joined worker's own registration was signed, and binds its hostname to w1
+    wait_until(lambda: (rows().get(w1.hostname) or Worker()).signer == "w1", 60,
+               what="w1's signed registration")
+    me, other = identity.joined(cluster.home / "w1"), identity.joined(cluster.home / "w2")
+    assert me is not None and other is not None
+    app = cluster.client_app()
+
+    def send(task: str, args: tuple, signed: object) -> str:
+        kwargs = {} if signed is None else {"signed": signed}
+        return app.send_task(task, args=args, kwargs=kwargs, queue="control").get(timeout=60)
+
+    away = (w1.hostname, False, "keyboard in use")
+    cases = {
+        "an unsigned registration": (REGISTER_WORKER_TASK, ("fake@x", ["cpu"], {}, None, None),
+                                     None, "refused fake@x: unsigned"),
+        "another registered worker reporting for w1": (
+            WORKER_STATE_TASK, away, other.sign_message(WORKER_STATE_TASK, away),
+            f"refused {w1.hostname}: hostname {w1.hostname} belongs to registered worker w1"),
+        "a report altered after signing": (
+            WORKER_STATE_TASK, away,
+            me.sign_message(WORKER_STATE_TASK, (w1.hostname, True, None)),
+            "w1's signature does not verify for this fedq.worker_state message"),
+        "a report signed long ago (a replay)": (
+            WORKER_STATE_TASK, away,
+            {"signer": "w1", "at": int(time.time()) - 1000, "sig": identity.sign(
+                me.key, identity.message_fields(WORKER_STATE_TASK, away, "w1",
+                                                 int(time.time()) - 1000))},
+            "more than 300 s from now (replayed, or the clocks disagree)"),
+    }
+    for what, (task, args, signed, words) in cases.items():
+        said = send(task, args, signed)
+        assert said.startswith("refused") and words in said, (what, said)
+        record("security", scenario=f"control message: {what}"[:60],
+               did=f"sent {task} ({what})", fedq=said[:100],
+               guard="identity.check_message / roster._claim",
+               outcome="refused; nothing recorded")
+    assert "fake@x" not in rows() and rows()[w1.hostname].available is None
+    # w1's own signed report is taken
+    assert send(WORKER_STATE_TASK, away, me.sign_message(WORKER_STATE_TASK, away)) == \
+        w1.hostname
+    assert rows()[w1.hostname].available is False
+    log = (cluster.home / "logs").glob("control*.log")
+    assert any("refused fedq.worker_state for" in f.read_text() for f in log)
+
+
 def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

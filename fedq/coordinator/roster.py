@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
 
+from fedq import identity
+from fedq.coordinator.enrol import registry_if_required
 from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
@@ -26,11 +28,43 @@ log = logging.getLogger(__name__)
 THROUGHPUT_ALPHA = 0.3
 
 
+def message_signer(settings: Settings, task: str, args: Sequence[Any],
+                   signed: Any) -> str | None:
+    """Who signed a worker's control message (FEDQ_IDENTITY=required), or None when
+    identity is off; raises :class:`fedq.identity.Refused` for a message that is not
+    signed for these arguments, lately, by an active registered worker."""
+    reg = registry_if_required(settings)
+    if reg is None:
+        return None
+    return identity.check_message(signed, task, args, reg.active, reg.revoked)
+
+
+def refused(task: str, hostname: Any, exc: Exception) -> str:
+    """The answer to a control message refused for its signature (logged once)."""
+    shown = hostname[:200] if isinstance(hostname, str) else "?"
+    log.warning("refused %s for %s: %s", task, shown, exc)
+    return f"refused {shown}: {exc}"
+
+
+def _claim(row: Worker, signer: str | None) -> str | None:
+    """Why ``signer`` may not speak for ``row``'s hostname (another registered worker's
+    since its first signed message), or None; binds an unclaimed row to ``signer``."""
+    if signer is None:
+        return None
+    if row.signer is not None and row.signer != signer:
+        return f"hostname {row.hostname} belongs to registered worker {row.signer}"
+    row.signer = signer
+    return None
+
+
 def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
-                  version: Any = None, message_format: Any = None) -> str:
+                  version: Any = None, message_format: Any = None, *,
+                  signer: str | None = None) -> str:
     """Insert or refresh a worker's row (called by the control task at worker start);
     returns what was recorded, or why nothing was. Every argument comes from the
-    worker: bounded and typed here before it reaches a row."""
+    worker: bounded and typed here before it reaches a row. ``signer``: the registered
+    worker that signed the message (FEDQ_IDENTITY=required), which the hostname then
+    belongs to."""
     if not isinstance(hostname, str) or not 0 < len(hostname) <= 200:
         return "refused: hostname is not a string of 1..200 characters"
     if not isinstance(queues, list) or not all(isinstance(q, str) and QUEUE.fullmatch(q)
@@ -45,21 +79,27 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
     with session_scope(db_url) as s:
         row = s.get(Worker, hostname)
         if row is None:
-            s.add(Worker(hostname=hostname, queues=queues, hardware=hardware, tasks_done=0,
-                         fedq_version=version, message_format=fmt))
+            row = Worker(hostname=hostname, queues=queues, hardware=hardware, tasks_done=0,
+                         fedq_version=version, message_format=fmt)
+            s.add(row)
         else:
             row.queues, row.hardware, row.last_seen = queues, hardware, utcnow()
             row.fedq_version, row.message_format = version, fmt
+        taken = _claim(row, signer)
+        if taken:
+            s.rollback()
+            return refused("fedq.register_worker", hostname, ValueError(taken))
     problem = incompatibility(version, fmt)
     if problem:
         log.warning("worker %s: %s", hostname, problem)
     return hostname
 
 
-def record_availability(db_url: str, hostname: Any, available: Any, reason: Any) -> str:
+def record_availability(db_url: str, hostname: Any, available: Any, reason: Any, *,
+                        signer: str | None = None) -> str:
     """A worker's report that it stepped aside for its owner (``available`` False, with
     the reason) or came back: its row and one history row. From the worker: typed and
-    bounded here."""
+    bounded here. ``signer``: as for :func:`record_worker`."""
     if not isinstance(hostname, str) or not 0 < len(hostname) <= 200:
         return "refused: hostname is not a string of 1..200 characters"
     if not isinstance(available, bool):
@@ -74,6 +114,10 @@ def record_availability(db_url: str, hostname: Any, available: Any, reason: Any)
         if row is None:
             row = Worker(hostname=hostname, queues=[], hardware={}, tasks_done=0)
             s.add(row)
+        taken = _claim(row, signer)
+        if taken:
+            s.rollback()
+            return refused("fedq.worker_state", hostname, ValueError(taken))
         row.available, row.away_reason, row.available_since = available, reason, now
         s.add(Availability(hostname=hostname, available=available, reason=reason, at=now))
     log.info("worker %s: %s", hostname, "available" if available else f"away ({reason})")

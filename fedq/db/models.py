@@ -190,6 +190,9 @@ class Worker(Base):
     away_reason: Mapped[str | None] = mapped_column(String(200), default=None)
     available_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
                                                              default=None)
+    # Migration 0016: the registered worker whose signed control message first named
+    # this hostname (FEDQ_IDENTITY=required); None: it never sent one
+    signer: Mapped[str | None] = mapped_column(String(48), default=None)
 
 
 class Availability(Base):

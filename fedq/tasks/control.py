@@ -20,6 +20,7 @@ from fedq.engine.names import (
     WATCHDOG_TASK,
     WORKER_STATE_TASK,
 )
+from fedq.identity import Refused
 from fedq.settings import get_settings
 
 
@@ -53,23 +54,35 @@ def absorb_update(result: Any, job_id: str, index: int,
 
 @app.task(name=REGISTER_WORKER_TASK, time_limit=CONTROL_TIME_LIMIT)
 def register_worker(hostname: Any, queues: Any, hardware: Any, version: Any = None,
-                    message_format: Any = None) -> str:
+                    message_format: Any = None, signed: Any = None) -> str:
     """A worker started (the version handshake: its fedq version and message format;
-    a worker from before the handshake sends neither). Checked by the roster."""
+    a worker from before the handshake sends neither). Checked by the roster; with
+    FEDQ_IDENTITY=required it must be ``signed`` by a registered worker."""
     from fedq.coordinator import roster
 
-    return roster.record_worker(get_settings().database_url, hostname, queues, hardware,
-                                version, message_format)
+    settings = get_settings()
+    args = (hostname, queues, hardware, version, message_format)
+    try:
+        signer = roster.message_signer(settings, REGISTER_WORKER_TASK, args, signed)
+    except Refused as exc:
+        return roster.refused(REGISTER_WORKER_TASK, hostname, exc)
+    return roster.record_worker(settings.database_url, *args, signer=signer)
 
 
 @app.task(name=WORKER_STATE_TASK, time_limit=CONTROL_TIME_LIMIT)
-def worker_state(hostname: Any, available: Any, reason: Any = None) -> str:
+def worker_state(hostname: Any, available: Any, reason: Any = None, signed: Any = None) -> str:
     """A worker with a run policy stepped aside for its owner, or came back
-    (fedq/worker/owner.py). Checked by the roster."""
+    (fedq/worker/owner.py). Checked by the roster; with FEDQ_IDENTITY=required it must
+    be ``signed`` by a registered worker."""
     from fedq.coordinator import roster
 
-    return roster.record_availability(get_settings().database_url, hostname, available,
-                                      reason)
+    settings = get_settings()
+    args = (hostname, available, reason)
+    try:
+        signer = roster.message_signer(settings, WORKER_STATE_TASK, args, signed)
+    except Refused as exc:
+        return roster.refused(WORKER_STATE_TASK, hostname, exc)
+    return roster.record_availability(settings.database_url, *args, signer=signer)
 
 
 @app.task(name=WATCHDOG_TASK, time_limit=CONTROL_TIME_LIMIT)

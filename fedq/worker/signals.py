@@ -70,6 +70,16 @@ def check_hardware(sender: str, instance: Any, **_: Any) -> None:
         os._exit(REFUSED_EXIT_CODE)  # before it consumes anything; SystemExit is swallowed
 
 
+def _signed(task: str, args: tuple[Any, ...]) -> dict[str, Any]:
+    """A control message's keyword arguments: its signature when this machine joined a
+    coordinator (fedq worker join), which then takes only signed ones."""
+    from fedq import identity
+    from fedq.settings import get_settings
+
+    me = identity.joined(get_settings().keys_dir)
+    return {} if me is None else {"signed": me.sign_message(task, args)}
+
+
 @worker_ready.connect
 def register(sender: Any, **_: Any) -> None:
     from fedq.worker.hardware import probe
@@ -78,9 +88,9 @@ def register(sender: Any, **_: Any) -> None:
         from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
         report = probe(run_smoke=False).to_json()
-        sender.app.send_task(REGISTER_WORKER_TASK, queue=CONTROL_QUEUE,
-                             args=(sender.hostname, _queues(sender.app), report,
-                                   FEDQ_VERSION, MESSAGE_FORMAT))
+        args = (sender.hostname, _queues(sender.app), report, FEDQ_VERSION, MESSAGE_FORMAT)
+        sender.app.send_task(REGISTER_WORKER_TASK, queue=CONTROL_QUEUE, args=args,
+                             kwargs=_signed(REGISTER_WORKER_TASK, args))
     except Exception as exc:  # registration is informative; never stop a worker for it
         log.warning("fedq: could not register worker %s: %s", sender.hostname, exc)
 
@@ -108,8 +118,9 @@ def mind_the_owner(sender: Any, **_: Any) -> None:
             state["consuming"] = free
         if free != state["reported"]:
             try:
-                sender.app.send_task(WORKER_STATE_TASK, queue=CONTROL_QUEUE,
-                                     args=(sender.hostname, free, reason))
+                args = (sender.hostname, free, reason)
+                sender.app.send_task(WORKER_STATE_TASK, queue=CONTROL_QUEUE, args=args,
+                                     kwargs=_signed(WORKER_STATE_TASK, args))
                 state["reported"] = free
             except Exception as exc:  # noqa: BLE001 - tried again at the next tick
                 log.warning("fedq: could not report availability: %s", exc)
