@@ -184,6 +184,35 @@ def check_sealed(body: Any, task_id: str, coordinator: str,
     return fields
 
 
+@dataclass(frozen=True)
+class Registry:
+    """The registered workers as the coordinator reads them (fedq/coordinator/enrol.py):
+    active names with their public keys, and the revoked names (a result signed by one
+    is rejected saying so)."""
+
+    active: dict[str, str]
+    revoked: frozenset[str]
+
+
+def result_problem(raw: Mapping[str, Any], signer: str | None, sig: str | None, worker: str,
+                   task_id: str, registry: Registry) -> str | None:
+    """Why ``raw`` is not a result signed for task ``task_id`` by an active registered
+    worker, or None (training results: fedq/coordinator/intake.py; inference shards:
+    fedq/inference/jobs.py)."""
+    if signer is None or sig is None:
+        return (f"unsigned result from {worker[:60]}: with FEDQ_IDENTITY=required only "
+                f"registered workers' results count (fedq worker add / join)")
+    if signer in registry.revoked:
+        return f"signed by {signer}, which is revoked"
+    public = registry.active.get(signer)
+    if public is None:
+        return f"signed by {signer[:64]!r}, which is not a registered worker"
+    if not verify(public, result_fields(raw, task_id), sig):
+        return (f"{signer}'s signature does not verify for task {task_id} "
+                f"(altered, or signed for another task)")
+    return None
+
+
 def result_fields(result: Mapping[str, Any], task_id: str) -> dict[str, Any]:
     """What a result's signature covers: every field but the signature, and the id
     of the task it answers."""

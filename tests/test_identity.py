@@ -393,6 +393,78 @@ def test_a_workers_own_control_messages_are_signed_and_bound_to_its_registration
     assert any("refused fedq.worker_state for" in f.read_text() for f in log)
 
 
+@pytest.mark.slow
+def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Cluster) -> None:
+    """A batch inference job with FEDQ_IDENTITY=required: a joined worker takes the
+    sealed shards, writes each output in its own folder (its Redis user may write
+    nowhere else) and signs its answers; a worker that never joined has every answer
+    rejected; an unsealed shard is refused by the joined worker."""
+    import yaml
+
+    from fedq.data import load_dataset
+    from fedq.engine.names import INFER_TASK
+    from fedq.models import seeded_model
+    from fedq.weights import dumps, state_of
+
+    cluster = coordinator
+    cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
+                 str(cluster.home / "w1.bundle"))
+    _join(cluster, "w1", cluster.home / "w1.bundle")
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    ds = load_dataset("digits")
+    weights = cluster.home / "cnn.safetensors"
+    weights.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape,
+                                                    ds.num_classes, 3))))
+
+    def spec(name: str, queue: str, **more: object) -> Path:
+        path = cluster.home / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "kind": "inference", "name": name, "queues": [queue], "op": "classify",
+            "model": {"weights": str(weights), "name": "small_cnn", "dataset": "digits"},
+            "inputs": {"dataset": "digits", "split": "test"}, "shard_size": 120,
+            "batch_size": 60, **more}))
+        return path
+
+    out = cluster.home / "out.jsonl"
+    job = cluster.fedq("infer", str(spec("signed", "cpu")), "--out", str(out),
+                       timeout=240).stdout.strip()
+    lines = out.read_text().splitlines()
+    done = json.loads(cluster.fedq("results", job, "--json").stdout)
+    assert done["status"] == "completed" and done["done_items"] == len(lines) > 100
+    assert [json.loads(line)["i"] for line in lines] == list(range(len(lines)))
+    from sqlalchemy import select
+
+    from fedq.db import session_scope
+    from fedq.db.models import InferenceShard
+
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        keys = list(s.scalars(select(InferenceShard.key).where(InferenceShard.job_id == job)))
+    assert len(keys) > 1 and all(k.startswith(f"jobs/{job}/infer/out/w1/") for k in keys), keys
+    # a worker that never joined, on a queue of its own: every answer rejected
+    cluster.add("stranger", ["gpu_new"])
+    proc = cluster.fedq("infer", str(spec("stranger", "gpu_new", max_redispatch=0)),
+                        "--out", str(cluster.home / "none.jsonl"), check=False, timeout=240)
+    assert proc.returncode != 0 and "signature: unsigned result" in proc.stdout + proc.stderr, \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not (cluster.home / "none.jsonl").exists()
+    record("security", scenario="inference: an unregistered worker",
+           did="a real worker that never joined took the shards of an inference job",
+           fedq="rejected: signature: unsigned result", guard="identity.result_problem in "
+           "inference.jobs._verify", outcome="the job failed; no output merged")
+    # an unsealed shard sent straight to the joined worker
+    got = cluster.client_app().send_task(INFER_TASK, args=({"job": job, "shard": 0},),
+                                         queue="cpu", task_id="fedq-x-unsealed-shard"
+                                         ).get(timeout=60)
+    assert got["status"] == "error" and "unsigned task" in got["error"], got
+    assert got["signer"] == "w1"
+    assert w1.log_path.read_text().count(
+        "WARNING/MainProcess] refused task fedq-x-unsealed-shard") == 1
+    record("security", scenario="inference: an unsealed shard",
+           did="an inference shard not sealed by the coordinator, sent to a joined worker",
+           fedq=f"refused by the worker: {got['error'][:80]}", guard="identity.check_sealed",
+           outcome="one log line; a signed error result")
+
+
 def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

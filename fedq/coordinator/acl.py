@@ -15,7 +15,9 @@ A worker's user may:
   dashboard), but never publish a command itself (no ``shutdown`` of the control
   worker, no ``revoke``, no ``cancel_consumer``);
 - read global models and steps, and write only update blobs under its own name
-  (``jobs/*/updates/NAME/*``, which intake requires of its results).
+  (``jobs/*/updates/NAME/*``, which intake requires of its results);
+- read an inference job's model and inputs, and write shard outputs under its own
+  name only (``jobs/*/infer/out/NAME/*``, which fedq/inference/jobs.py requires).
 
 No KEYS/SCAN, FLUSH*, CONFIG, DEBUG, ACL, SHUTDOWN, MONITOR, EVAL, or reading another
 worker's update. The rules were found by running real workers under them and reading
@@ -79,6 +81,9 @@ def worker_rules(name: str, queues: Iterable[str], password: str, db: int = 0) -
         "~celery-task-meta-*", "~celery-taskset-meta-*", "~chord-unlock-*",
         f"%R~{KEY_PREFIX}jobs/*/global*", f"%R~{KEY_PREFIX}jobs/*/step*",
         f"~{KEY_PREFIX}jobs/*/updates/{name}/*",
+        # batch inference: read the job's model and inputs, write its own outputs
+        f"%R~{KEY_PREFIX}jobs/*/infer/model*", f"%R~{KEY_PREFIX}jobs/*/infer/inputs*",
+        f"~{KEY_PREFIX}jobs/*/infer/out/{name}/*",
     ]
     # listen on the remote-control channel; publish only events and result notices
     publish = "(+publish resetchannels &/*.celeryev/* &celery-task-meta-*)"

@@ -22,6 +22,8 @@ from fedq.errors import ConfigError, FedqError
 from fedq.settings import Settings
 from fedq.wire import QUEUE
 
+Registry = identity.Registry  # where intake and roster have always found it
+
 log = logging.getLogger(__name__)
 
 INVITED, ACTIVE, REVOKED = "invited", "active", "revoked"
@@ -29,15 +31,6 @@ INVITED, ACTIVE, REVOKED = "invited", "active", "revoked"
 
 class NoSuchWorker(FedqError):
     exit_code = 4
-
-
-@dataclass(frozen=True)
-class Registry:
-    """The registered workers as intake reads them: active names with their public
-    keys, and the revoked names (a result signed by one is rejected saying so)."""
-
-    active: dict[str, str]
-    revoked: frozenset[str]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from fedq.blobs.keys import update_key
 from fedq.blobs.s3 import S3BlobStore
 from fedq.coordinator.enrol import Registry
 from fedq.errors import ConfigError, FedqError
-from fedq.identity import EXPIRY_GRACE_S, result_fields, seal, task_tag, verify
+from fedq.identity import EXPIRY_GRACE_S, result_problem, seal, task_tag
 from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
@@ -243,18 +243,7 @@ def admit(raw: Any, sent: Sent, bound: Limits | None,
 def _unsigned(raw: dict[str, Any], signer: str | None, sig: str | None, worker: str,
               sent: Sent, registry: Registry) -> str | None:
     """Why ``raw`` is not a result signed for ``sent`` by an active registered worker."""
-    if signer is None or sig is None:
-        return (f"unsigned result from {worker[:60]}: with FEDQ_IDENTITY=required only "
-                f"registered workers' results count (fedq worker add / join)")
-    if signer in registry.revoked:
-        return f"signed by {signer}, which is revoked"
-    public = registry.active.get(signer)
-    if public is None:
-        return f"signed by {signer[:64]!r}, which is not a registered worker"
-    if not verify(public, result_fields(raw, sent.task_id), sig):
-        return (f"{signer}'s signature does not verify for task {sent.task_id} "
-                f"(altered, or signed for another task)")
-    return None
+    return result_problem(raw, signer, sig, worker, sent.task_id, registry)
 
 
 def _show(value: object) -> str:

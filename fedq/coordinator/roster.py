@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from fedq import identity
+import fedq.identity as identity
 from fedq.coordinator.enrol import registry_if_required
 from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow

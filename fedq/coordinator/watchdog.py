@@ -32,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from fedq.coordinator import buffered, liveness
+from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.finalize import finalize_round
 from fedq.coordinator.intake import task_id
 from fedq.coordinator.policy import lost_clients, repair
@@ -165,7 +166,7 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     try:  # batch inference jobs (fedq/inference/jobs.py)
         from fedq.inference.jobs import repair as repair_inference
 
-        actions += repair_inference(settings)
+        actions += repair_inference(settings, registry_if_required(settings))
     except Exception as exc:  # noqa: BLE001 - never stops the training repairs
         log.exception("fedq watchdog: repairing inference jobs failed")
         actions.append({"job": "inference", "action": "error (repair)", "result": "error",

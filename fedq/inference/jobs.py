@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+import fedq.identity as identity
 from fedq.blobs import BlobRef, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
@@ -50,7 +51,7 @@ from fedq.inference.messages import (
 from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
 from fedq.process import PROCESS
 from fedq.redaction import redact_text
-from fedq.settings import Settings
+from fedq.settings import Settings, get_settings
 from fedq.status import JobStatus
 from fedq.wire import MESSAGE_FORMAT, FormatError
 
@@ -84,7 +85,16 @@ def plan_shards(items: int, size: int, tail: int) -> list[tuple[int, int]]:
 
 
 def task_id(job: str, shard: int, attempt: int) -> str:
-    return f"fedq-{job}-i{shard}-a{attempt}"
+    """A shard's Celery task id; with FEDQ_IDENTITY=required a tag only the coordinator
+    can compute follows (as a training task's: fedq/coordinator/intake.py)."""
+    base = f"fedq-{job}-i{shard}-a{attempt}"
+    return base + identity.task_tag(base, sealing_keys())
+
+
+def sealing_keys() -> Path | None:
+    """The coordinator's keys folder when it seals its tasks (FEDQ_IDENTITY=required)."""
+    settings = get_settings()
+    return settings.keys_dir if settings.identity == "required" else None
 
 
 def _lock(s: Session, job_id: str) -> InferenceJob | None:
@@ -169,10 +179,6 @@ def _latest(s: Session, fits: Inputs | None) -> Job | None:
 def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> str:
     """Check the spec against what it names, write the job and its shards, and send the
     first shards; the job id. Nothing is left behind when a check fails."""
-    if settings.identity == "required":
-        raise FedqError("inference jobs do not run with FEDQ_IDENTITY=required yet: their "
-                        "tasks are not sealed and their results not signed "
-                        "(docs/inference.md, 'Not done')")
     check_broker()
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
@@ -271,6 +277,7 @@ def _message(job: InferenceJob, row: InferenceShard) -> dict[str, Any]:
         msg["split"] = spec["inputs"]["split"]
     if spec["op"] == "generate":
         msg["sampling"] = dict(spec["generate"])
+    msg["timeout_s"] = spec["shard_timeout_s"]  # for the seal's expiry; not sent
     return msg
 
 
@@ -301,8 +308,14 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
 
 
 def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
+    """Send each shard, sealed for its task id by the coordinator's key with
+    FEDQ_IDENTITY=required (valid twice the shard's timeout: it is sent again after
+    one)."""
+    keys = sealing_keys()
     for queue, tid, msg, shard in tasks:
-        app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
+        ttl = 2 * float(msg.pop("timeout_s", 600))
+        app.send_task(INFER_TASK, args=(identity.seal(msg, tid, ttl, keys),), queue=queue,
+                      task_id=tid,
                       link=app.signature(ABSORB_SHARD_TASK, args=(job_id, shard, msg["attempt"]),
                                          queue=CONTROL_QUEUE))
 
@@ -328,8 +341,10 @@ class Verdict:
 
 
 def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShard,
-            attempt: int) -> Verdict:
-    """What a worker's answer for (shard, attempt) is worth, checked to the last line."""
+            attempt: int, registry: identity.Registry | None) -> Verdict:
+    """What a worker's answer for (shard, attempt) is worth, checked to the last line;
+    with ``registry`` (FEDQ_IDENTITY=required) it must be signed for its task id by an
+    active registered worker, its output in that worker's folder."""
     try:
         r = parse_result(data)
     except FormatError as exc:
@@ -337,9 +352,15 @@ def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShar
     if (r.job, r.shard, r.attempt) != (job.id, row.shard, attempt):
         return Verdict("rejected", f"a result for job {r.job} shard {r.shard} attempt "
                        f"{r.attempt}, sent as shard {row.shard} attempt {attempt}")
+    if registry is not None:
+        problem = identity.result_problem(data, r.signer, r.sig, r.worker,
+                                          task_id(job.id, row.shard, attempt), registry)
+        if problem:
+            return Verdict("rejected", f"signature: {problem}", r)
     if r.status != "ok":
         return Verdict(r.status, redact_text(r.error or r.status), r)
-    expected = output_key(job.id, row.shard, attempt)
+    expected = output_key(job.id, row.shard, attempt,
+                          r.signer if registry is not None else None)
     if r.key != expected or r.sha256 is None:
         return Verdict("rejected", f"output key {str(r.key)[:120]!r} is not {expected}", r)
     items = row.stop - row.start
@@ -357,10 +378,11 @@ def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShar
     return Verdict("ok", None, r)
 
 
-def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int
-           ) -> dict[str, Any]:
+def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int,
+           registry: identity.Registry | None = None) -> dict[str, Any]:
     """A shard's answer: counted once if it checks out, else the shard is sent again
-    (or, after ``max_redispatch`` failures, the job fails with the reason)."""
+    (or, after ``max_redispatch`` failures, the job fails with the reason). ``registry``:
+    the registered workers when FEDQ_IDENTITY=required (the caller reads them)."""
     with session_scope(settings.database_url) as s:
         job = s.get(InferenceJob, job_id)
         row = s.scalar(select(InferenceShard).where(InferenceShard.job_id == job_id,
@@ -370,7 +392,8 @@ def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int
         if row.status == DONE or job.status != JobStatus.RUNNING:
             return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
         s.expunge_all()
-    return settle(settings, job_id, shard, attempt, _verify(settings, data, job, row, attempt))
+    return settle(settings, job_id, shard, attempt,
+                  _verify(settings, data, job, row, attempt, registry))
 
 
 def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: Verdict
@@ -440,7 +463,8 @@ def _revoke(ids: list[str]) -> None:
 
 # -- repair, cancel, resume ---------------------------------------------------------
 
-def repair(settings: Settings) -> list[dict[str, Any]]:
+def repair(settings: Settings, registry: identity.Registry | None = None
+           ) -> list[dict[str, Any]]:
     """The watchdog's pass over running inference jobs: a shard out longer than
     ``shard_timeout_s`` is absorbed from the result backend (its callback was lost) or
     sent again; queues short of their ``in_flight`` are filled (a lost dispatch)."""
@@ -458,7 +482,8 @@ def repair(settings: Settings) -> list[dict[str, Any]]:
         for shard, attempt in late[job_id]:
             meta = app.backend.get_task_meta(task_id(job_id, shard, attempt))
             if meta.get("status") == "SUCCESS":
-                out = absorb(settings, meta.get("result"), job_id, shard, attempt)
+                out = absorb(settings, meta.get("result"), job_id, shard, attempt,
+                             registry)
                 actions.append({"job": job_id, "shard": shard, "action": "absorb (lost callback)",
                                 "result": out["status"]})
                 continue

@@ -28,8 +28,11 @@ JobId = Annotated[str, Field(pattern=f"^{JOB_ID.pattern}$")]
 LINE_BYTES = {"classify": 64 * 1024, "score": 256, "generate": 4 * 1024}
 
 
-def output_key(job: str, shard: int, attempt: int) -> str:
-    return f"jobs/{job}/infer/out/s{shard:06d}-a{attempt}.jsonl"
+def output_key(job: str, shard: int, attempt: int, worker: str | None = None) -> str:
+    """Where a shard's output goes: under ``out/WORKER/`` when a registered worker made
+    it (its Redis user may write there only: fedq/coordinator/acl.py)."""
+    folder = f"{worker}/" if worker else ""
+    return f"jobs/{job}/infer/out/{folder}s{shard:06d}-a{attempt}.jsonl"
 
 
 def model_key(job: str) -> str:
@@ -111,6 +114,8 @@ class ShardResult(_Strict):
     device: str = Field(default="cpu", max_length=32)
     error: str | None = Field(default=None, max_length=4000)
     version: str = Field(default=FEDQ_VERSION, max_length=32)
+    signer: str | None = Field(default=None, max_length=48)  # a joined worker's name
+    sig: str | None = Field(default=None, max_length=200)  # its signature (fedq/identity.py)
 
 
 def _first_error(exc: ValidationError, what: str) -> str:

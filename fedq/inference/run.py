@@ -168,9 +168,10 @@ def _items(task: ShardTask, store: BlobStore) -> Any:
 _PROMPTS: dict[str, list[str]] = {}
 
 
-def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
-              ) -> dict[str, Any]:
-    """One shard: its outputs written under its own key; the result as JSON (never raises)."""
+def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None,
+              signer: str | None = None) -> dict[str, Any]:
+    """One shard: its outputs written under its own key (in ``signer``'s folder for a
+    joined worker); the result as JSON (never raises)."""
     start, wall = time.perf_counter(), time.time()
     head = data if isinstance(data, dict) else {}
     base = {"job": head.get("job") if isinstance(head.get("job"), str) else "unknown",
@@ -188,7 +189,8 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
         if slowdown > 1:
             time.sleep((slowdown - 1) * (time.perf_counter() - began))
-        ref = store.put(output_key(task.job, task.shard, task.attempt), encode_rows(rows))
+        ref = store.put(output_key(task.job, task.shard, task.attempt, signer),
+                        encode_rows(rows))
         return {**base, "status": "ok", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
                 "items": len(rows), "seconds": time.perf_counter() - start,
                 "device": device.type}

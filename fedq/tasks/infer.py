@@ -36,27 +36,36 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
     head = ref if isinstance(ref, dict) else {}
     base = {"job": head.get("job"), "shard": head.get("shard"), "attempt": head.get("attempt"),
             "worker": worker, "queue": str(head.get("queue", ""))[:32]}
-    if identity.joined(settings.keys_dir) is not None:
-        # a joined worker takes only sealed tasks, and inference tasks are not sealed yet
-        log.warning("refused inference task %s: a joined worker takes only sealed tasks",
-                    self.request.id)
-        return {**base, "status": "error", "error": "refused: inference tasks are not sealed"}
+    # A worker that joined a coordinator (fedq worker join) takes only shards sealed by
+    # it for this task id, and signs what it returns (fedq/identity.py).
+    me = identity.joined(settings.keys_dir)
+    task_id = self.request.id
+    if me is not None:
+        try:
+            ref = identity.check_sealed(ref, task_id, me.coordinator)
+        except identity.Refused as exc:
+            log.warning("%s", exc)
+            return me.sign_result({**base, "status": "error", "error": str(exc)}, task_id)
     reason = owner.away()
     if reason is not None:  # the owner is back: not started
         owner.stepped_aside()
-        return {**base, "status": "yielded", "error": f"not started: {reason}"}
-    delivered = (self.request.delivery_info or {}).get("routing_key")
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    return run_shard(ref, store, worker, delivered)
+        result = {**base, "status": "yielded", "error": f"not started: {reason}"}
+    else:
+        delivered = (self.request.delivery_info or {}).get("routing_key")
+        store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+        result = run_shard(ref, store, worker, delivered, me.name if me else None)
+    return result if me is None else me.sign_result(result, task_id)
 
 
 @app.task(name=ABSORB_SHARD_TASK, time_limit=CONTROL_TIME_LIMIT)
 def absorb_shard(result: Any, job_id: str, shard: int, attempt: int) -> dict[str, Any]:
     """A shard's answer came back (the task's ``link``, naming the shard and attempt
     it was sent as)."""
+    from fedq.coordinator.enrol import registry_if_required
     from fedq.inference.jobs import absorb
 
-    return absorb(get_settings(), result, job_id, shard, attempt)
+    settings = get_settings()
+    return absorb(settings, result, job_id, shard, attempt, registry_if_required(settings))
 
 
 @app.task(name=SERVE_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,

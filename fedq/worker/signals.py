@@ -73,7 +73,7 @@ def check_hardware(sender: str, instance: Any, **_: Any) -> None:
 def _signed(task: str, args: tuple[Any, ...]) -> dict[str, Any]:
     """A control message's keyword arguments: its signature when this machine joined a
     coordinator (fedq worker join), which then takes only signed ones."""
-    from fedq import identity
+    import fedq.identity as identity
     from fedq.settings import get_settings
 
     me = identity.joined(get_settings().keys_dir)
