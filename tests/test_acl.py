@@ -71,10 +71,28 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
     w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
     job = cluster.submit({**SPEC, "name": "acl"})
     view = cluster.wait(job)
+    # a batch inference job on the same worker: its model and inputs read, its outputs
+    # written in its own folder
+    import yaml
+
+    from fedq.data import load_dataset
+    from fedq.models import seeded_model
+    from fedq.weights import dumps, state_of
+
+    ds = load_dataset("digits")
+    (cluster.home / "cnn.safetensors").write_bytes(dumps(state_of(seeded_model(
+        "small_cnn", ds.input_shape, ds.num_classes, 3))))
+    (cluster.home / "infer.yaml").write_text(yaml.safe_dump({
+        "kind": "inference", "name": "acl-infer", "queues": ["cpu"], "op": "classify",
+        "model": {"weights": "cnn.safetensors", "name": "small_cnn", "dataset": "digits"},
+        "inputs": {"dataset": "digits", "split": "test"}, "shard_size": 200}))
+    infer = cluster.fedq("infer", str(cluster.home / "infer.yaml"), "--out",
+                         str(cluster.home / "out.jsonl"), timeout=240).stdout.strip()
     denied = [{k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
               for entry in root.execute_command("ACL", "LOG")]
     assert view.status == "completed", f"{view.error}\n{denied}\n{w1.tail(40)}"
-    assert not denied, denied  # the worker had everything it needed
+    assert not denied, denied  # the worker had everything it needed, for both jobs
+    assert len((cluster.home / "out.jsonl").read_text().splitlines()) > 100
     rows = [u for u in cluster.updates(job) if u.status == "ok"]
     assert rows and all(u.signer and f"/updates/{u.signer}/" in (u.blob_key or "")
                         for u in rows), [(u.signer, u.blob_key) for u in rows]
@@ -89,6 +107,10 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
             "/updates/w1/", "/updates/w2/")),
         "the control queue's tasks": ("LRANGE", "control", 0, -1),
         "the global model (write)": ("SET", model, b"x"),
+        "another worker's inference output (write)": (
+            "SET", f"fedq:blob:jobs/{infer}/infer/out/w2/s000000-a1.jsonl", b"x"),
+        "an inference job's model (write)": (
+            "SET", f"fedq:blob:jobs/{infer}/infer/model.safetensors", b"x"),
         "FLUSHDB": ("FLUSHDB",),
         "CONFIG SET": ("CONFIG", "SET", "maxmemory", "1"),
         "KEYS": ("KEYS", "*"),
