@@ -105,6 +105,20 @@ def test_worker_with_a_build_that_cannot_drive_its_gpu_refuses(tmp_path: Path) -
     assert "whl/cu126" in proc.stderr
 
 
+def test_worker_with_a_torch_older_than_fedq_supports_refuses(tmp_path: Path) -> None:
+    """A worker process whose torch says 2.6 (a sitecustomize rewrites its version: the
+    check reads torch.__version__) exits at start with one line, before consuming."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.6.0+cu124'\n")
+    env = _env(FEDQ_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [str(site), str(Path(__file__).resolve().parents[1])]))
+    proc = _worker("cpu", env, tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "refused to start: torch 2.6.0+cu124 is older than 2.7" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_worker_on_the_wrong_queue_refuses(tmp_path: Path) -> None:
     # This machine has no GPU: a gpu_new worker must not start.
     proc = _worker("gpu_new", _env(FEDQ_HOME=str(tmp_path)), tmp_path)
@@ -129,3 +143,23 @@ def test_doctor(tmp_path: Path) -> None:
     assert "class     gpu_sm61" in pascal.stdout
     assert "problem: GPU0 NVIDIA GeForce GTX 1080 is sm_61" in pascal.stderr
     assert "Traceback" not in pascal.stderr
+
+
+def test_the_oldest_torch_is_stated_once_and_refused_below() -> None:
+    """MIN_TORCH (a worker refuses to start below it) is pyproject's lower bound, and
+    the gpu_sm61 image's torch is at it (docs/hardware.md, "Supported torch")."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    from fedq.worker.hardware import MIN_TORCH, pins, torch_problem
+
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    [torch_req] = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    assert str(torch_req.specifier) == f">={MIN_TORCH[0]}.{MIN_TORCH[1]}"
+    sm61 = pins()["gpu_sm61"]["default_index"]["torch"]
+    assert torch_problem(sm61) is None and sm61.startswith(f"{MIN_TORCH[0]}.{MIN_TORCH[1]}.")
+    assert torch_problem("2.14.1+cu130") is None
+    said = torch_problem("2.6.0+cu124")
+    assert said is not None and said.startswith("torch 2.6.0+cu124 is older than 2.7")
+    assert torch_problem("nightly") == "torch 'nightly' is not a version fedq can read"

@@ -28,6 +28,10 @@ from fedq.engine.names import GPU_QUEUES
 
 NEW_MIN_CC = (7, 5)
 LEGACY_MIN_CC = (5, 0)
+#: The oldest torch fedq's worker code runs on: the gpu_sm61 image's 2.7.1+cu126 (the
+#: newest CUDA 12.6 build on PyPI), which the deploy stage trains with beside the lock's
+#: torch (docs/hardware.md, "Supported torch"). pyproject.toml says the same.
+MIN_TORCH = (2, 7)
 PINS_FILE = Path(__file__).resolve().parents[1] / "pins.toml"
 
 
@@ -88,6 +92,19 @@ def _memory_gb() -> float | None:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def torch_problem(version: str) -> str | None:
+    """Why a worker with torch ``version`` must not start (older than MIN_TORCH), or
+    None."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        return f"torch {version!r} is not a version fedq can read"
+    if (int(found[1]), int(found[2])) < MIN_TORCH:
+        return (f"torch {version} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, the oldest "
+                "fedq's worker code is tested on; install the torch its class pins "
+                "(fedq/pins.toml, docs/hardware.md)")
+    return None
 
 
 def classify(capabilities: list[tuple[int, int]]) -> str:

@@ -49,10 +49,18 @@ def _queues(app: Any) -> list[str]:
 
 @celeryd_after_setup.connect
 def check_hardware(sender: str, instance: Any, **_: Any) -> None:
+    import torch
+
     from fedq.errors import ConfigError
     from fedq.settings import get_settings
-    from fedq.worker.hardware import GPU_QUEUES, probe, queue_problems
+    from fedq.worker.hardware import GPU_QUEUES, probe, queue_problems, torch_problem
     from fedq.worker.owner import Policy
+
+    too_old = torch_problem(torch.__version__)
+    if too_old:  # an older torch than fedq is tested on: say so before consuming anything
+        print(f"fedq: worker {sender} refused to start: {too_old}", file=sys.stderr,
+              flush=True)
+        os._exit(REFUSED_EXIT_CODE)
 
     try:
         Policy.from_settings(get_settings())
