@@ -465,6 +465,48 @@ def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Clust
            outcome="one log line; a signed error result")
 
 
+@pytest.mark.slow
+def test_served_batches_are_sealed_and_their_answers_signed(coordinator: Cluster) -> None:
+    """`fedq serve` with FEDQ_IDENTITY=required: a joined worker answers sealed batches
+    with signed answers; with only a worker that never joined, every batch's answer is
+    refused (502, saying why)."""
+    from fedq.data import load_dataset
+    from fedq.models import seeded_model
+    from fedq.weights import dumps, state_of
+    from tests.test_serve import Gateway, _post
+
+    cluster = coordinator
+    cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
+                 str(cluster.home / "w1.bundle"))
+    _join(cluster, "w1", cluster.home / "w1.bundle")
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    ds = load_dataset("digits")
+    weights = cluster.home / "cnn.safetensors"
+    weights.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape,
+                                                    ds.num_classes, 3))))
+    gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
+                                "--dataset", "digits", "--batch-timeout-s", "5"])
+    try:
+        x = ds.x_test[:4]
+        for i in range(4):
+            status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[i].tolist()]})
+            assert status == 200 and len(body["predictions"][0]["probs"]) == 10, body
+        assert "refused task" not in w1.log_path.read_text()
+        w1.stop()
+        cluster.add("stranger", ["cpu"])
+        status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]},
+                                timeout=60)
+        assert status == 502 and "signature: unsigned result" in body["error"]["message"], \
+            (status, body)
+    finally:
+        gateway.stop()
+    record("security", scenario="serve: an unregistered worker",
+           did="a real worker that never joined answered `fedq serve` batches",
+           fedq=f"refused: {body['error']['message'][:80]}",
+           guard="identity.result_problem in serve.check_batch",
+           outcome="502 to the client; no answer of its reached anyone")
+
+
 def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

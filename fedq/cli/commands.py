@@ -171,6 +171,7 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
     'Authorization: Bearer KEY'. Batches run on the workers of --queues."""
     from pydantic import ValidationError
 
+    from fedq.coordinator.enrol import registry
     from fedq.errors import SpecError
     from fedq.inference.serve import prepare, run
     from fedq.inference.spec import ModelSource
@@ -193,10 +194,11 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
             raise SpecError(f"{name}: at least 1")
     if max_wait_ms < 0 or batch_timeout_s <= 0:
         raise SpecError("--max-wait-ms: 0 or more; --batch-timeout-s: more than 0")
-    served = prepare(_settings(), src, Path("."), wanted, max_batch=max_batch,
+    settings = _settings()
+    served = prepare(settings, src, Path("."), wanted, max_batch=max_batch,
                      max_wait_ms=max_wait_ms, max_queue=max_queue,
-                     batch_timeout_s=batch_timeout_s,
-                     api_key=_settings().serve_api_key)
+                     batch_timeout_s=batch_timeout_s, api_key=settings.serve_api_key,
+                     read_registry=lambda: registry(settings.database_url))
     err.print(f"fedq serve: {served.name} ({served.op}, {served.arch['name']}) on "
               f"http://{host}:{port} — POST /v1/"
               f"{'predict' if served.op == 'classify' else 'completions'}; batches of at most "

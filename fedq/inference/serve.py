@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import fedq.identity as identity
 from fedq.engine.app import app
 from fedq.engine.names import SERVE_TASK, TRAINING_QUEUES
 from fedq.inference.messages import check_output
@@ -70,6 +71,12 @@ class Served:
     batch_timeout_s: float = 30.0
     api_key: str | None = None
     max_tokens: int = 256
+    # FEDQ_IDENTITY=required: the coordinator's keys folder (batches are sealed with
+    # them) and a reader of the registered workers (answers must be signed by one),
+    # called again every ROUTE_EVERY_S so that a revocation holds
+    keys: Any = None
+    read_registry: Any = None
+    registry: Any = None
 
 
 @dataclass
@@ -150,18 +157,20 @@ class Batcher:
 
     async def _send(self, batch: list[_Item], attempt: int) -> list[dict[str, Any]]:
         s = self.served
-        tid = f"fedq-serve-{uuid.uuid4().hex[:16]}-a{attempt}"
+        base = f"fedq-serve-{uuid.uuid4().hex[:16]}-a{attempt}"
+        tid = base + identity.task_tag(base, s.keys)
         msg = {"format": MESSAGE_FORMAT, "op": s.op, "model": s.model, "arch": s.arch,
                "items": [item.body for item in batch]}
         queue = self.route or s.queues[0]
-        await asyncio.to_thread(app.send_task, SERVE_TASK, args=(msg,), queue=queue,
-                                task_id=tid)
+        await asyncio.to_thread(app.send_task, SERVE_TASK,
+                                args=(identity.seal(msg, tid, s.batch_timeout_s, s.keys),),
+                                queue=queue, task_id=tid)
         deadline = time.monotonic() + s.batch_timeout_s
         wait = 0.001
         while time.monotonic() < deadline:
             meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
             if meta.get("status") == "SUCCESS":
-                return check_batch(meta.get("result"), s, len(batch))
+                return check_batch(meta.get("result"), s, len(batch), tid)
             if meta.get("status") in ("FAILURE", "REVOKED"):
                 raise Refused(502, f"the batch task ended {meta.get('status')}")
             await asyncio.sleep(wait)
@@ -170,8 +179,15 @@ class Batcher:
         raise Refused(504, f"no answer within {s.batch_timeout_s:g}s on queue {queue}")
 
     def reroute(self) -> None:
-        """The fastest class with a live worker among the served queues."""
+        """The fastest class with a live worker among the served queues (and, with
+        identity required, the registered workers read again)."""
         from fedq.engine.broker import live_queues
+
+        if self.served.read_registry is not None:
+            try:
+                self.served.registry = self.served.read_registry()
+            except Exception:  # noqa: BLE001 - keep the registry we had
+                log.warning("fedq serve: could not read the registered workers")
 
         try:
             live = live_queues(timeout=1.0)
@@ -181,11 +197,20 @@ class Batcher:
         self.route = next((q for q in order if live.get(q)), self.served.queues[0])
 
 
-def check_batch(data: Any, served: Served, n: int) -> list[dict[str, Any]]:
-    """A worker's answer to a batch of ``n`` items, checked item by item."""
+def check_batch(data: Any, served: Served, n: int, task_id: str = "") -> list[dict[str, Any]]:
+    """A worker's answer to a batch of ``n`` items (task ``task_id``), checked item by
+    item; with identity required, signed for that task by an active registered worker."""
     if not isinstance(data, dict) or set(data) - {"status", "outputs", "worker", "seconds",
-                                                  "error"}:
+                                                  "error", "signer", "sig"}:
         raise Refused(502, "the answer is not {status, outputs, worker, seconds}")
+    if served.registry is not None:
+        signer, sig, worker = data.get("signer"), data.get("sig"), data.get("worker")
+        problem = identity.result_problem(
+            data, signer if isinstance(signer, str) else None,
+            sig if isinstance(sig, str) else None,
+            worker if isinstance(worker, str) else "?", task_id, served.registry)
+        if problem:
+            raise Refused(502, f"signature: {problem}")
     if data.get("status") != "ok":
         raise Refused(502, f"the worker says: {str(data.get('error'))[:300]}")
     outputs = data.get("outputs")
@@ -376,7 +401,9 @@ def build_app(served: Served) -> Any:
 
 def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: Any) -> Served:
     """What to serve: the model of ``src`` (a ModelSource) checked to build, its weights
-    in the blob store where the workers read them."""
+    in the blob store where the workers read them. With FEDQ_IDENTITY=required,
+    ``options`` carries ``read_registry`` (the caller's reader of the registered
+    workers), and the batches are sealed with the coordinator's keys."""
     import torch
 
     from fedq.blobs import open_store
@@ -389,9 +416,6 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     from fedq.inference.run import load_model
     from fedq.weights import loads
 
-    if settings.identity == "required":
-        raise FedqError("fedq serve does not run with FEDQ_IDENTITY=required yet: its "
-                        "batches are not sealed (docs/inference.md, 'Not done')")
     check_broker()
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
@@ -410,6 +434,15 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     assert blob is not None
     name = src.job if src.job not in (None, "latest") else \
         (blob.key.split("/")[1] if src.job == "latest" else str(src.weights))
+    if settings.identity == "required":
+        if options.get("read_registry") is None:
+            raise FedqError("FEDQ_IDENTITY=required: fedq serve needs the registered "
+                            "workers (run it where the coordinator's database is)")
+        identity.coordinator_key(settings.keys_dir)  # its keys: made, or a clear error
+        options = {**options, "keys": settings.keys_dir,
+                   "registry": options["read_registry"]()}
+    else:
+        options = {**options, "read_registry": None}
     return Served(name=str(name), op="generate" if ds.is_text else "classify",
                   model=blob.to_json(), arch=arch, classes=ds.num_classes,
                   input_shape=tuple(ds.input_shape), queues=queues, **options)

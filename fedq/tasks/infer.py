@@ -76,10 +76,15 @@ def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
 
     settings = get_settings()
     worker = self.request.hostname or "unknown"
-    if identity.joined(settings.keys_dir) is not None:
-        log.warning("refused serve batch %s: a joined worker takes only sealed tasks",
-                    self.request.id)
-        return {"status": "error", "error": "refused: serve batches are not sealed",
-                "worker": worker}
+    # a joined worker takes only batches sealed by its coordinator, and signs its answer
+    me = identity.joined(settings.keys_dir)
+    if me is not None:
+        try:
+            batch = identity.check_sealed(batch, self.request.id, me.coordinator)
+        except identity.Refused as exc:
+            log.warning("%s", exc)
+            return me.sign_result({"status": "error", "error": str(exc), "worker": worker},
+                                  self.request.id)
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    return run_batch(batch, store, worker)
+    answer = run_batch(batch, store, worker)
+    return answer if me is None else me.sign_result(answer, self.request.id)
