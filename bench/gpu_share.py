@@ -1,7 +1,7 @@
 """Several workers sharing one GPU: the ResNet-18 round, per-worker samples/s and GPU use.
 
-    python -m bench.gpu_share                 # on a GPU machine: about 3 minutes
-    python -m bench.gpu_share --smoke --no-write   # tiny sizes on any machine (the test)
+    .venv/bin/python -m bench.gpu_share                 # on a GPU machine: about 3 minutes
+    .venv/bin/python -m bench.gpu_share --smoke --no-write   # tiny sizes, any machine
 
 On the embedded default (no servers), one training worker process first trains the
 job alone, then ``--workers`` processes (default 4) train together on the same
