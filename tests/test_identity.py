@@ -295,22 +295,23 @@ def test_one_registered_machine_counts_at_most_its_cap_however_many_processes_it
         _join(cluster, name, cluster.home / f"{name}.bundle")
     for process in ("m1", "m2", "m3"):
         cluster.add(process, ["cpu"], **_joined_worker(cluster, "m"))
-    cluster.add("h1", ["cpu"], **_joined_worker(cluster, "h"))
+    # the honest machine is three times slower: the hostile one answers first, often
+    cluster.add("h1", ["cpu"], **_joined_worker(cluster, "h"), FEDQ_SLOWDOWN="3")
     capped = {**SPEC, "num_clients": 4, "clients_per_round": 4, "rounds": 2,
               "min_clients": 1, "max_redispatch": 0, "max_updates_per_worker": 1}
-    sync, buffered = cluster.submit_many([
-        {**capped, "name": "capped"},
-        {**capped, "name": "capped-buffered", "max_redispatch": 2,
-         "aggregation": {"mode": "buffered", "buffer": 2}}])
-    for job in (sync, buffered):
-        assert cluster.wait(job, timeout=240).status == "completed", job
+    for spec in ({**capped, "name": "capped"},
+                 {**capped, "name": "capped-buffered", "max_redispatch": 2,
+                  "aggregation": {"mode": "buffered", "buffer": 2}}):
+        job = cluster.submit(spec)
+        view = cluster.wait(job, timeout=240)
+        assert view.status == "completed", (spec["name"], view.error)
         rows = cluster.updates(job)
         counted: dict[int, list[str | None]] = {}
         for u in rows:
             if u.status == "ok":
                 counted.setdefault(u.round_number, []).append(u.signer)
         assert all(signers.count("m") <= 1 for signers in counted.values()), counted
-        if job == buffered:  # a version of two holds at most one of m's
+        if "aggregation" in spec:  # a version of two holds at most one of m's
             assert all(signers.count("h") >= 1 for signers in counted.values()), counted
         refused = [u for u in rows if u.status == "rejected"]
         assert refused and all(u.signer == "m" and u.error == (

@@ -47,7 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from fedq.aggregate.staleness import staleness_factor
@@ -180,12 +180,15 @@ def _filling(s: Session, job: Job, spec: JobSpec) -> int:
 
 
 def _failing(s: Session, job: Job, spec: JobSpec) -> str | None:
-    """:func:`fedq.coordinator.policy.failing` over the job's newest settled tasks."""
+    """:func:`fedq.coordinator.policy.failing` over the job's newest settled tasks (an
+    update refused by ``max_updates_per_worker`` is the cap at work, not a failing job)."""
     window = spec.clients_per_round * (spec.max_redispatch + 1)
     last = s.execute(select(ClientUpdate.status, ClientUpdate.error, ClientUpdate.queue)
                      .where(ClientUpdate.job_id == job.id,
                             ClientUpdate.status.in_((UpdateStatus.OK, UpdateStatus.BUFFERED,
-                                                     UpdateStatus.STALE, *FAILED_UPDATES)))
+                                                     UpdateStatus.STALE, *FAILED_UPDATES)),
+                            or_(ClientUpdate.error.is_(None),
+                                ~ClientUpdate.error.startswith(policy.CAP_PREFIX)))
                      .order_by(ClientUpdate.task_index.desc()).limit(window)).tuples().all()
     return policy.failing(list(last), window, job.id)
 

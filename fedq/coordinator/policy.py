@@ -123,8 +123,11 @@ def cap_per_worker(chosen: dict[int, UpdateRef], cap: int | None) -> dict[int, U
     return out
 
 
+CAP_PREFIX = "cap: "
+
+
 def over_cap(who: str, cap: int) -> str:
-    return (f"cap: worker {who[:64]} already counts {cap} update(s) here "
+    return (f"{CAP_PREFIX}worker {who[:64]} already counts {cap} update(s) here "
             f"(max_updates_per_worker {cap})")
 
 
