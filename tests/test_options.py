@@ -269,6 +269,9 @@ TABLE: dict[str, tuple[Part, Part, tuple[Cell, Cell]]] = {
         Tested("tests/test_buffered.py::"
                "test_buffered_job_whose_tasks_all_fail_stops_with_a_reason"))),
     "max_update_norm": ({}, {"max_update_norm": 4.0}, both(model)),  # norms 1.1 .. 7.8
+    "max_updates_per_worker": ({}, {"max_updates_per_worker": 1}, both(Tested(
+        "tests/test_identity.py::test_one_registered_machine_counts_at_most_its_cap_however_"
+        "many_processes_it_runs"))),
     "seed": ({}, {"seed": 4}, both(update)),
     "keep_updates": ({}, {"keep_updates": 0}, both(Tested(
         "tests/test_strategy_jobs.py::test_keep_updates_in_both_modes"))),

@@ -163,8 +163,11 @@ def test_byzantine_clients_and_int8_updates(embedded: Cluster) -> None:
 
 @pytest.mark.slow
 def test_resumed_fedadam_job_continues_exactly(embedded: Cluster) -> None:
-    # 40 local epochs: each task trains long enough (~1 s) for the kill to land mid-round
-    spec = {**SMALL, "rounds": 3, "local_epochs": 40, "server": {"name": "fedadam", "lr": 0.01}}
+    # 150 local epochs: each task trains long enough (a few seconds) for the kill to land
+    # mid-round even on a loaded machine (at 40, about 1 s, CI once saw the job finish
+    # before the kill)
+    spec = {**SMALL, "rounds": 3, "local_epochs": 150, "server": {"name": "fedadam",
+                                                                  "lr": 0.01}}
     whole = embedded.submit(spec)
     assert embedded.wait(whole, timeout=300).status == "completed"
 
