@@ -27,6 +27,7 @@ from fedq.errors import ConfigError
 from fedq.refs import UpdateRef
 from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, record
+from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 
 SHA = "ab" * 32
@@ -394,20 +395,13 @@ def test_a_workers_own_control_messages_are_signed_and_bound_to_its_registration
     assert any("refused fedq.worker_state for" in f.read_text() for f in log)
 
 
-@pytest.mark.slow
-def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Cluster) -> None:
-    """A batch inference job with FEDQ_IDENTITY=required: a joined worker takes the
-    sealed shards, writes each output in its own folder (its Redis user may write
-    nowhere else) and signs its answers; a worker that never joined has every answer
-    rejected; an unsealed shard is refused by the joined worker."""
-    import yaml
-
+def _w1_and_a_classifier(cluster: Cluster) -> tuple[WorkerProcess, Path]:
+    """A worker w1 added, joined and started on ``cpu``, and a small CNN for digits in a
+    safetensors file."""
     from fedq.data import load_dataset
-    from fedq.engine.names import INFER_TASK
     from fedq.models import seeded_model
     from fedq.weights import dumps, state_of
 
-    cluster = coordinator
     cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
                  str(cluster.home / "w1.bundle"))
     _join(cluster, "w1", cluster.home / "w1.bundle")
@@ -416,6 +410,21 @@ def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Clust
     weights = cluster.home / "cnn.safetensors"
     weights.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape,
                                                     ds.num_classes, 3))))
+    return w1, weights
+
+
+@pytest.mark.slow
+def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Cluster) -> None:
+    """A batch inference job with FEDQ_IDENTITY=required: a joined worker takes the
+    sealed shards, writes each output in its own folder (its Redis user may write
+    nowhere else) and signs its answers; a worker that never joined has every answer
+    rejected; an unsealed shard is refused by the joined worker."""
+    import yaml
+
+    from fedq.engine.names import INFER_TASK
+
+    cluster = coordinator
+    w1, weights = _w1_and_a_classifier(cluster)
 
     def spec(name: str, queue: str, **more: object) -> Path:
         path = cluster.home / f"{name}.yaml"
@@ -472,19 +481,11 @@ def test_served_batches_are_sealed_and_their_answers_signed(coordinator: Cluster
     with signed answers; with only a worker that never joined, every batch's answer is
     refused (502, saying why)."""
     from fedq.data import load_dataset
-    from fedq.models import seeded_model
-    from fedq.weights import dumps, state_of
     from tests.test_serve import Gateway, _post
 
     cluster = coordinator
-    cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
-                 str(cluster.home / "w1.bundle"))
-    _join(cluster, "w1", cluster.home / "w1.bundle")
-    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    w1, weights = _w1_and_a_classifier(cluster)
     ds = load_dataset("digits")
-    weights = cluster.home / "cnn.safetensors"
-    weights.write_bytes(dumps(state_of(seeded_model("small_cnn", ds.input_shape,
-                                                    ds.num_classes, 3))))
     gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
                                 "--dataset", "digits", "--batch-timeout-s", "5"])
     try:

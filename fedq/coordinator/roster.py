@@ -17,6 +17,7 @@ from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
+from fedq.engine.names import REGISTER_WORKER_TASK, WORKER_STATE_TASK
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.status import FAILED_UPDATES, UpdateStatus
@@ -88,7 +89,7 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
         taken = _claim(row, signer)
         if taken:
             s.rollback()
-            return refused("fedq.register_worker", hostname, ValueError(taken))
+            return refused(REGISTER_WORKER_TASK, hostname, ValueError(taken))
     problem = incompatibility(version, fmt)
     if problem:
         log.warning("worker %s: %s", hostname, problem)
@@ -117,7 +118,7 @@ def record_availability(db_url: str, hostname: Any, available: Any, reason: Any,
         taken = _claim(row, signer)
         if taken:
             s.rollback()
-            return refused("fedq.worker_state", hostname, ValueError(taken))
+            return refused(WORKER_STATE_TASK, hostname, ValueError(taken))
         row.available, row.away_reason, row.available_since = available, reason, now
         s.add(Availability(hostname=hostname, available=available, reason=reason, at=now))
     log.info("worker %s: %s", hostname, "available" if available else f"away ({reason})")

@@ -277,15 +277,20 @@ def _message(job: InferenceJob, row: InferenceShard) -> dict[str, Any]:
         msg["split"] = spec["inputs"]["split"]
     if spec["op"] == "generate":
         msg["sampling"] = dict(spec["generate"])
-    msg["timeout_s"] = spec["shard_timeout_s"]  # for the seal's expiry; not sent
     return msg
 
 
 def _take(job: InferenceJob, row: InferenceShard, queue: str
           ) -> tuple[str, str, dict[str, Any], int]:
+    """Mark ``row`` sent to ``queue``: its task id and message, sealed for that id by
+    the coordinator's key with FEDQ_IDENTITY=required (valid twice the shard's timeout:
+    it is sent again after one)."""
     row.status, row.queue, row.attempt = RUNNING, queue, row.attempt + 1
     row.sent_at, row.error = utcnow(), None
-    return (queue, task_id(job.id, row.shard, row.attempt), _message(job, row), row.shard)
+    tid = task_id(job.id, row.shard, row.attempt)
+    msg = identity.seal(_message(job, row), tid, 2 * job.spec["shard_timeout_s"],
+                        sealing_keys())
+    return (queue, tid, msg, row.shard)
 
 
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
@@ -308,14 +313,8 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
 
 
 def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
-    """Send each shard, sealed for its task id by the coordinator's key with
-    FEDQ_IDENTITY=required (valid twice the shard's timeout: it is sent again after
-    one)."""
-    keys = sealing_keys()
     for queue, tid, msg, shard in tasks:
-        ttl = 2 * float(msg.pop("timeout_s", 600))
-        app.send_task(INFER_TASK, args=(identity.seal(msg, tid, ttl, keys),), queue=queue,
-                      task_id=tid,
+        app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
                       link=app.signature(ABSORB_SHARD_TASK, args=(job_id, shard, msg["attempt"]),
                                          queue=CONTROL_QUEUE))
 

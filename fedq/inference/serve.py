@@ -184,10 +184,12 @@ class Batcher:
         from fedq.engine.broker import live_queues
 
         if self.served.read_registry is not None:
+            from sqlalchemy.exc import SQLAlchemyError
+
             try:
                 self.served.registry = self.served.read_registry()
-            except Exception:  # noqa: BLE001 - keep the registry we had
-                log.warning("fedq serve: could not read the registered workers")
+            except (OSError, SQLAlchemyError) as exc:  # the database away: keep the last
+                log.warning("fedq serve: could not read the registered workers: %s", exc)
 
         try:
             live = live_queues(timeout=1.0)
