@@ -44,6 +44,17 @@ def admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str]]:
         cluster.stop()
 
 
+def _doctor(env: dict[str, str]) -> tuple[int, dict]:  # type: ignore[type-arg]
+    """`fedq doctor --services --json` in ``env``: its exit status and report."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services", "--json"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.startswith("{"), proc.stdout + proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
 def _refused(client, *command: object) -> str:  # type: ignore[no-untyped-def]
     import redis
 
@@ -143,6 +154,27 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
            did="`celery control shutdown` aimed at the control worker, with its credentials",
            fedq="refused by Redis (no PUBLISH on the remote-control channel)",
            guard="its Redis user (coordinator/acl.py)", outcome="the control worker lives")
+
+    # `fedq doctor --services` with the worker's credentials: every limit holds, and the
+    # same check with the admin's broker URL under w1's name names what does not
+    machine = {**cluster.env, **_joined_worker(cluster, "w1"), "FEDQ_DATABASE_URL": ""}
+    code, report = _doctor(machine)
+    limits = {limit["what"]: limit for limit in report["services"]["limits"]}
+    assert code == 0 and not report["problems"], report["problems"]
+    assert report["services"]["joined_as"] == "w1"
+    assert len(limits) == 15 and all(limit["holds"] for limit in limits.values()), limits
+    assert "NOPERM" in limits["cannot FLUSHDB"]["detail"]
+    assert limits["can write its own update"]["detail"] == "allowed"
+    code, report = _doctor({**machine, "FEDQ_BROKER_URL": admin_url})
+    assert code == 1, report
+    lax = [p for p in report["problems"] if "can do more than it needs" in p]
+    assert len(lax) == 10 and any("'cannot FLUSHDB' does not hold" in p for p in lax), lax
+    assert root.dbsize() > 0 and root.config_get("maxmemory")["maxmemory"] == "0"  # untouched
+    record("security", scenario="doctor: which limits hold",
+           did="`fedq doctor --services` with a joined worker's credentials, then with the "
+               "broker's admin URL under its name",
+           fedq="each limit probed in MULTI/DISCARD; exit 1 naming the 10 that do not hold",
+           guard="fedq/worker/limits.py", outcome="nothing flushed, configured or published")
 
     # revoked: its user is off, its connections gone
     cluster.fedq("worker", "revoke", "w1")

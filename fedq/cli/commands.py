@@ -399,6 +399,17 @@ def _print_links(links: dict[str, Any]) -> None:
                   highlight=False)
     else:
         out.print(f"blobs     {links['blob_store']}: [red]not reachable[/]", highlight=False)
+    limits = links.get("limits") or []
+    if limits:
+        who = (f"registered worker {links['joined_as']}" if links.get("joined_as")
+               else "this shell (not a joined worker: a worker given these credentials "
+                    "could do what does not hold)")
+        out.print(f"limits    of {who}:", highlight=False)
+        mark = {True: "[green]holds[/]", False: "[red]does not hold[/]",
+                None: "[yellow]not checked[/]"}
+        for limit in limits:
+            out.print(f"  {mark[limit['holds']]}  {limit['what']}: {limit['detail']}",
+                      highlight=False)
 
 
 def _ago(iso: str | None) -> str:
@@ -457,13 +468,15 @@ def workers(timeout: float) -> None:
 @click.option("--home", default=".fedq/smoke", show_default=True,
               help="--smoke: folder for its state")
 @click.option("--services", is_flag=True,
-              help="also connect to the broker and time a 10 MB blob to and from the "
-                   "blob store (the FEDQ_* settings of this shell)")
+              help="also connect to the broker, time a 10 MB blob to and from the "
+                   "blob store and check which of a registered worker's limits hold "
+                   "(the FEDQ_* settings of this shell)")
 @expected_errors
 def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
            services: bool) -> None:
     """Check this machine: hardware class, torch build vs GPU, a kernel smoke test,
-    and (--services) the connection to the broker and the blob store.
+    and (--services) the connection to the broker and the blob store and which of a
+    registered worker's limits its credentials keep (docs/security.md).
 
     Exits 1 when the installed torch cannot drive a GPU here, with the fix, or when a
     service cannot be reached."""

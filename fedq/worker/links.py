@@ -1,5 +1,6 @@
 """``fedq doctor --services``: can this machine reach the broker and the blob store,
-and how long does a model-sized blob take each way?"""
+how long does a model-sized blob take each way, and which of a registered worker's
+limits hold for the credentials it runs with (fedq/worker/limits.py)?"""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ PROBE_BYTES = 10 * 2**20
 def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any]:
     """Connect to the broker (seconds to connect) and write, read back and delete a
     ``size``-byte random blob (seconds and MB/s each way; the sha256 is checked on
-    read as for every blob). Failures come back as ``problems``, never raised."""
+    read as for every blob), then check a registered worker's limits (``limits``; for a
+    joined worker each one that does not hold is a problem). Failures come back as
+    ``problems``, never raised."""
+    import fedq.identity as identity
+    from fedq.worker.limits import PROBE_JOB, worker_limits
+
     report: dict[str, Any] = {"broker": redact(settings.broker_url),
                               "blob_store": redact(settings.blob_url), "problems": []}
     started = time.perf_counter()
@@ -35,14 +41,16 @@ def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any
     try:
         store = open_store(settings.blob_url, settings.s3_endpoint_url)
         data = os.urandom(size)
-        key = f"doctor/{platform.node()}-{secrets.token_hex(4)}"
+        # a joined worker may write only its own updates: the probe is one
+        key = (f"jobs/{PROBE_JOB}/updates/{settings.joined_as}/" if settings.joined_as
+               else "doctor/") + f"{platform.node()}-{secrets.token_hex(4)}"
         started = time.perf_counter()
         ref = store.put(key, data)
         up = time.perf_counter() - started
         started = time.perf_counter()
         back = store.get(ref)
         down = time.perf_counter() - started
-        store.delete_prefix(key)
+        store.delete_keys([key])
         if sha256_hex(back) != sha256_hex(data):
             raise BlobError(f"blob {key} came back different")
         report.update(blob_bytes=size, upload_seconds=up, download_seconds=down,
@@ -53,4 +61,12 @@ def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any
     except Exception as exc:  # a driver's own error (botocore, redis): one line
         report["problems"].append(f"blob store {redact(settings.blob_url)}: "
                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    joined = identity.joined(settings.keys_dir)
+    limits = worker_limits(settings, settings.joined_as, joined.queues if joined else ())
+    report["limits"] = [limit.to_json() for limit in limits]
+    report["joined_as"] = settings.joined_as
+    if settings.joined_as:
+        report["problems"] += [f"worker {settings.joined_as} can do more than it needs: "
+                               f"'{limit.what}' does not hold ({limit.detail})"
+                               for limit in limits if limit.holds is False]
     return report
