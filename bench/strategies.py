@@ -1,12 +1,16 @@
 """Run the Byzantine and compression experiment on digits and write its table into
 docs/strategies.md.
 
-    .venv/bin/python -m bench.strategies            # about 1 minute on 2 cores
+    .venv/bin/python -m bench.strategies            # about 3 minutes on 2 cores
 
-The experiment is tests/test_strategy_jobs.py::test_byzantine_clients_and_int8_updates:
-real jobs on the embedded default with three worker processes (10 clients, all in
-every round, 8 rounds, 3 local epochs, seed 7); the attackers are clients 0 and 1,
-whose updates are sign-flipped and scaled x10.
+The experiments are tests/test_strategy_jobs.py::test_byzantine_clients_and_int8_updates
+(real jobs on the embedded default with three worker processes: 10 clients, all in
+every round, 8 rounds, 3 local epochs, seed 7; the attackers are clients 0 and 1, whose
+updates are sign-flipped and scaled x10) and tests/test_identity.py::
+test_a_registered_hostile_machine_posing_as_three_clients_counts_as_one (Redis and
+PostgreSQL, identity required: two honest registered machines and one hostile one
+running three processes whose every update is sign-flipped x10; 5 of 10 clients a
+round, the median). Each row is compared with its own test's clean run.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "strategies.md"
 BEGIN, END = "<!-- begin generated table -->", "<!-- end generated table -->"
-TEST = "tests/test_strategy_jobs.py::test_byzantine_clients_and_int8_updates"
+TESTS = ["tests/test_strategy_jobs.py::test_byzantine_clients_and_int8_updates",
+         "tests/test_identity.py::"
+         "test_a_registered_hostile_machine_posing_as_three_clients_counts_as_one"]
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rows.jsonl"
         env = {**os.environ, "FEDQ_TEST_REPORT": str(report), "CI": "true"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", TEST], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS], cwd=ROOT, env=env,
                               check=False)
         rows = [json.loads(line) for line in report.read_text().splitlines()] \
             if report.exists() else []
@@ -43,7 +49,7 @@ def main() -> int:
              f"Measured {datetime.now(timezone.utc):%Y-%m-%d} with "
              f"`.venv/bin/python -m bench.strategies` ({platform.machine()}, "
              f"{os.cpu_count()} cores).", "",
-             "| run | job | final test accuracy | vs clean FedAvg (points) | rounds committed "
+             "| run | job | final test accuracy | vs clean run (points) | rounds committed "
              "| MB uploaded | bytes vs fp32 |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

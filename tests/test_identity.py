@@ -326,6 +326,93 @@ def test_one_registered_machine_counts_at_most_its_cap_however_many_processes_it
            outcome="jobs completed; at most one of its updates in each round and version")
 
 
+#: A hostile worker's machine: every update it sends is sign-flipped and scaled x10
+#: (the strategies table's attack), by a sitecustomize its worker processes load.
+HOSTILE_SITE = """\
+import fedq.worker.update as _update
+
+_upload = _update._upload
+
+
+def _hostile(ref, spec, store, delta):
+    return _upload(ref, spec, store, {k: v * -10.0 if v.dtype.is_floating_point else v
+                                      for k, v in delta.items()})
+
+
+_update._upload = _hostile
+"""
+
+#: The Byzantine table's task (tests/test_strategy_jobs.py), five of ten clients a round
+#: and the median: robust while fewer than half of a round's updates are hostile.
+POSING = {**DIGITS, "num_clients": 10, "clients_per_round": 5, "rounds": 8,
+          "local_epochs": 3, "min_clients": 3, "max_redispatch": 0, "round_timeout_s": 120,
+          "reducer": {"name": "median"}}
+
+
+@pytest.mark.slow
+def test_a_registered_hostile_machine_posing_as_three_clients_counts_as_one(
+        coordinator: Cluster) -> None:
+    """docs/strategies.md's Byzantine table: two honest registered machines, then one
+    hostile registered machine running three worker processes (every update
+    sign-flipped x10) that takes 3 of each round's 5 tasks. Without a cap it is 3 of 5
+    updates and outvotes the median; with ``max_updates_per_worker: 1`` it counts once,
+    and the median of its one and the two honest updates is honest."""
+    cluster = coordinator
+    for name in ("h", "g", "m"):
+        cluster.fedq("worker", "add", name, "--queues", "cpu", "--out",
+                     str(cluster.home / f"{name}.bundle"))
+        _join(cluster, name, cluster.home / f"{name}.bundle")
+    for name in ("h", "g"):  # honest, three times slower: the hostile processes ask first
+        cluster.add(f"{name}1", ["cpu"], **_joined_worker(cluster, name), FEDQ_SLOWDOWN="3")
+    clean = cluster.submit({**POSING, "name": "clean"})
+    assert cluster.wait(clean, timeout=300).status == "completed"
+
+    site = cluster.home / "hostile-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOSTILE_SITE)
+    root = Path(__file__).resolve().parents[1]
+    for process in ("m1", "m2", "m3"):
+        cluster.add(process, ["cpu"], **_joined_worker(cluster, "m"),
+                    PYTHONPATH=f"{site}:{root}")
+    runs = {"median, no attack (2 honest registered machines)": clean}
+    for name, extra in (("median, 1 registered machine posing as 3 of 5 clients", {}),
+                        ("median, the same machine, max_updates_per_worker 1",
+                         {"max_updates_per_worker": 1})):
+        runs[name] = cluster.submit({**POSING, "name": name.split(",")[-1].strip()[:40],
+                                     **extra})
+        cluster.wait(runs[name], timeout=300)
+
+    found: dict[str, dict[str, object]] = {}
+    for name, job in runs.items():
+        status = cluster.wait(job, timeout=10).status
+        rounds = [r for r in cluster.results_json(job)["rounds"] if r["status"] == "committed"]
+        rows = cluster.updates(job)
+        found[name] = {
+            "status": status, "rounds": len(rounds), "attempted": len(cluster.rounds(job)),
+            "accuracy": rounds[-1]["accuracy"] if status == "completed" and rounds else 0.1,
+            "bytes_up": sum(r["bytes_up"] for r in rounds),
+            "hostile_taken": sum(u.signer == "m" for u in rows),
+            "hostile_counted": sum(u.signer == "m" and u.status == "ok" for u in rows)}
+    base = found["median, no attack (2 honest registered machines)"]
+    for name, row in found.items():
+        record("strategies", run=name, status=row["status"], accuracy=row["accuracy"],
+               clean=base["accuracy"],
+               bytes_up=row["bytes_up"], clean_bytes_up=base["bytes_up"],
+               rounds=row["rounds"])
+    uncapped = found["median, 1 registered machine posing as 3 of 5 clients"]
+    capped = found["median, the same machine, max_updates_per_worker 1"]
+    assert base["accuracy"] > 0.85, found  # type: ignore[operator]
+    # the hostile machine took most of the tasks of both attacked jobs
+    # the hostile machine took most of each attacked round's tasks (3 of 5 as a rule)
+    for row in (uncapped, capped):
+        assert row["hostile_taken"] >= 2 * row["attempted"], found  # type: ignore[operator]
+    assert capped["status"] == "completed" and capped["hostile_counted"] <= 8, found
+    # the median of one hostile and two honest updates is an honest one's coordinate, a
+    # noisier step than five honest updates give (3-5 points below the clean run here)
+    assert capped["accuracy"] >= base["accuracy"] - 0.10, found  # type: ignore[operator]
+    assert uncapped["accuracy"] < base["accuracy"] - 0.3, found  # type: ignore[operator]
+
+
 @pytest.mark.slow
 def test_a_workers_own_control_messages_are_signed_and_bound_to_its_registration(
         coordinator: Cluster) -> None:
