@@ -16,10 +16,12 @@ def test_demo_trains_digits_and_stops_its_workers(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
     # URLs pointing at servers must not matter: the demo uses the embedded default.
     env["FEDQ_BROKER_URL"] = "redis://127.0.0.1:1/0"
+    env["FEDQ_IDENTITY"] = "required"  # nor a coordinator's identity setting: no keys here
     home = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "fedq.cli", "demo", "--home", str(home)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identity off: the demo's workers are processes of this machine" in proc.stdout
     for n in range(1, 6):
         assert re.search(rf"round\s+{n}\s+committed", proc.stdout), proc.stdout
     match = re.search(r"final test accuracy (\d\.\d+)", proc.stdout)

@@ -45,11 +45,16 @@ DEMO_SPEC: dict[str, Any] = {
 
 _URL_VARS = ("FEDQ_BROKER_URL", "FEDQ_RESULT_BACKEND", "FEDQ_DATABASE_URL", "FEDQ_BLOB_URL",
              "FEDQ_S3_ENDPOINT_URL")
+#: What the embedded default never takes from the shell: the services (also as _FILE
+#: secrets), a coordinator's identity setting and a joined worker's keys (whose
+#: worker.json names services). Its workers are local processes: identity is off.
+_NOT_EMBEDDED = (*_URL_VARS, *(v + "_FILE" for v in _URL_VARS), "FEDQ_IDENTITY",
+                 "FEDQ_KEYS_DIR")
 
 
 def embedded_env(home: Path) -> dict[str, str]:
     """Environment for a process on the embedded default under ``home``."""
-    env = {k: v for k, v in os.environ.items() if k not in _URL_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_EMBEDDED}
     env["FEDQ_HOME"] = str(home.absolute())
     env.setdefault("FEDQ_TORCH_THREADS", "1")  # 2 cores, several workers: no oversubscription
     return env
@@ -83,6 +88,9 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
     console.print(f"fedq demo: {spec.num_clients} clients on scikit-learn digits, "
                   f"{spec.clients_per_round} per round, {spec.rounds} rounds; "
                   f"state in {home}", highlight=False)
+    console.print("identity off: the demo's workers are processes of this machine, trusted "
+                  "without keys (workers on other machines join with their own: "
+                  "docs/deploy.md)", highlight=False)
     with console.status(f"starting {n_workers} training workers and a control worker"):
         start_workers(workers)
     console.print(f"workers ready after {time.perf_counter() - started:.1f}s: "
