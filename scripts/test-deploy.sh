@@ -26,4 +26,5 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     apt-get update -qq >/dev/null
     apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
 fi
-.venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py "$@"
+.venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py \
+    tests/test_deploy_secure.py "$@"

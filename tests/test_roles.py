@@ -126,3 +126,51 @@ def _run_job(tmp_path: Path, urls: dict[str, str], redis_db: str) -> None:
         assert "w1" in person.fedq("worker", "list").stdout
     finally:
         cluster.stop()
+
+
+def test_a_role_takes_the_password_a_service_already_holds(tmp_path: Path,
+                                                          pg_url: str) -> None:
+    """`fedq db role NAME --password-file F` (how the compose stack gives the control
+    worker its role: the URL file is written before the database exists) sets the
+    password F's URL holds; a URL of another role, or a short password, is one line."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from fedq.db import upgrade
+
+    upgrade(pg_url)
+    name = f"fedq_pw_{secrets.token_hex(4)}"
+    url = make_url(pg_url).set(username=name, password=secrets.token_urlsafe(18))
+    held = url.render_as_string(hide_password=False)
+    (tmp_path / "url").write_text(held + "\n")
+    env = {**base_env(tmp_path), "FEDQ_DATABASE_URL": pg_url}
+
+    def role(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fedq.cli", "db", "role", *args],
+                              env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+
+    try:
+        made = role(name, "--kind", "coordinator", "--password-file", str(tmp_path / "url"))
+        assert made.returncode == 0, made.stderr
+        # the URL is not printed (its holder has it): a log keeps no password
+        assert made.stdout.strip() == f"role {name} (coordinator): password set from " \
+            f"{tmp_path / 'url'}" and str(url.password) not in made.stdout
+        plain = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        with psycopg.connect(plain) as conn:  # the service's URL logs in
+            assert conn.execute("SELECT current_user").fetchone() == (name,)
+        (tmp_path / "other").write_text(held.replace(name, "someone_else"))
+        (tmp_path / "short").write_text("tiny")
+        for path, said in (("other", "its URL is not role " + name),
+                           ("short", "shorter than 16 characters"),
+                           ("absent", "cannot read it")):
+            bad = role(name, "--kind", "coordinator", "--password-file", str(tmp_path / path))
+            assert bad.returncode != 0 and said in bad.stderr, bad.stderr
+            assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    finally:
+        plain = make_url(pg_url).set(drivername="postgresql").render_as_string(
+            hide_password=False)
+        with psycopg.connect(plain, autocommit=True) as conn:
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
+                conn.execute(f"DROP OWNED BY {name}")
+                conn.execute(f"DROP ROLE {name}")

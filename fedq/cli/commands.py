@@ -25,7 +25,7 @@ from fedq.cli.output import (
     results_table,
     status_style,
 )
-from fedq.errors import FedqError, JobCancelled, JobFailed
+from fedq.errors import ConfigError, FedqError, JobCancelled, JobFailed
 from fedq.status import JobStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
@@ -590,13 +590,21 @@ def upgrade() -> None:
               help="coordinator: the control worker and beat; submitter: a person's CLI")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the role's database URL to this file (mode 600), not stdout")
+@click.option("--password-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="set the password held in this file (the role's database URL, as a "
+                   "service will read it, or the password alone) instead of a new one")
 @expected_errors
-def role(name: str, kind: str, out_path: Path | None) -> None:
+def role(name: str, kind: str, out_path: Path | None, password_file: Path | None) -> None:
     """Make PostgreSQL login role NAME with only what KIND needs (run as the schema
-    owner, after `fedq db upgrade`); prints its database URL, with a new password."""
+    owner, after `fedq db upgrade`); prints its database URL, with a new password
+    (or the one --password-file holds)."""
     from fedq.db.roles import grant
 
-    url = grant(_settings().database_url, name, kind)  # type: ignore[arg-type]
+    password = None if password_file is None else _password_in(password_file, name)
+    url = grant(_settings().database_url, name, kind, password)  # type: ignore[arg-type]
+    if password_file is not None and out_path is None:  # its holder has the URL already
+        click.echo(f"role {name} ({kind}): password set from {password_file}")
+        return
     if out_path is None:
         click.echo(url)
         return
@@ -606,6 +614,31 @@ def role(name: str, kind: str, out_path: Path | None) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(url + "\n")
     click.echo(f"wrote {out_path}: the database URL of role {name} ({kind})")
+
+
+def _password_in(path: Path, role: str) -> str:
+    """The password ``path`` holds: a database URL's (which must name ``role``) or the
+    whole file."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--password-file {path}: cannot read it ({exc})") from None
+    if "://" in text:
+        try:
+            url = make_url(text)
+        except ArgumentError:
+            raise ConfigError(f"--password-file {path}: not a database URL") from None
+        if url.username != role or not url.password:
+            raise ConfigError(f"--password-file {path}: its URL is not role {role}'s "
+                              f"with a password")
+        text = str(url.password)
+    if len(text) < 16:
+        raise ConfigError(f"--password-file {path}: the password is shorter than 16 "
+                          f"characters")
+    return text
 
 
 @main.group()
