@@ -2,7 +2,7 @@
 # Debian's PostgreSQL, set up on first start as the official image does: a cluster in
 # $PGDATA owned by $POSTGRES_USER with its password (from $POSTGRES_PASSWORD_FILE or
 # $POSTGRES_PASSWORD; never on a command line), the database $POSTGRES_DB, and password
-# (scram) logins over the network.
+# (scram) logins over the network. Its arguments go to the server (`-c ssl=on ...`).
 set -eu
 bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 user=${POSTGRES_USER:-postgres}
@@ -25,4 +25,4 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
     "$bin/pg_ctl" -D "$PGDATA" -m fast -w stop >/dev/null
     echo "postgres: initialised $PGDATA (user $user, database ${POSTGRES_DB:-$user})"
 fi
-exec "$bin/postgres" -D "$PGDATA"
+exec "$bin/postgres" -D "$PGDATA" "$@"  # -c options (docker/postgres-tls.sh)

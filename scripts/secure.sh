@@ -4,15 +4,17 @@
 #
 #   bash scripts/env.sh && bash scripts/secure.sh [WORKER...]
 #
-# Makes docker/pki with `fedq provision` (a CA; the services' certificate for `redis`,
-# their name inside the compose network, and FEDQ_BIND, where the CLI and the workers
-# reach them; the coordinator's client certificate; one per WORKER) and adds to the
+# Makes docker/pki with `fedq provision` (a CA; the services' certificate for `redis`
+# and `postgres`, their names inside the compose network, and FEDQ_BIND, where the CLI
+# and the workers reach them; the coordinator's client certificate; one per WORKER) and adds to the
 # secrets folder what the secure stack mounts:
-#   tls_ca, redis_tls_cert, redis_tls_key, coordinator_tls_cert, coordinator_tls_key
+#   tls_ca, server_tls_cert, server_tls_key (Redis, PostgreSQL and the dashboard's),
+#   coordinator_tls_cert, coordinator_tls_key
 #   broker_url_tls, result_backend_tls   rediss:// URLs with the coordinator's certificate
 #   control_database_url                 the control worker's own database role (not the
 #                                        schema owner), with a random password that the
-#                                        stack's `roles` service sets
+#                                        stack's `roles` service sets, over TLS
+#   owner_database_url                   env.sh's database_url, over TLS
 # Existing files are kept; run it again with more WORKER names to add their certificates
 # (docker/pki/workers/NAME/: copy that folder to the worker's machine).
 set -euo pipefail
@@ -27,7 +29,7 @@ bind=$(get FEDQ_BIND)
 dir=$(get SECRETS_DIR)
 case "${dir:=./secrets}" in /*) ;; *) dir="docker/${dir#./}" ;; esac
 pki=${FEDQ_PKI_DIR:-docker/pki}
-args=(--host redis --host "${bind:-127.0.0.1}")
+args=(--host redis --host postgres --host "${bind:-127.0.0.1}")
 for name in "$@"; do args+=(--worker "$name"); done
 mkdir -p "$pki" && chmod 700 "$pki"
 if command -v fedq >/dev/null; then
@@ -50,8 +52,8 @@ text() {  # name value
     made=$((made + 1))
 }
 put tls_ca "$pki/ca.crt"
-put redis_tls_cert "$pki/server/server.crt"
-put redis_tls_key "$pki/server/server.key"
+put server_tls_cert "$pki/server/server.crt"
+put server_tls_key "$pki/server/server.key"
 put coordinator_tls_cert "$pki/coordinator/client.crt"
 put coordinator_tls_key "$pki/coordinator/client.key"
 tls="ssl_cert_reqs=required&ssl_ca_certs=/run/secrets/tls_ca"
@@ -59,6 +61,8 @@ tls="$tls&ssl_certfile=/run/secrets/coordinator_tls_cert&ssl_keyfile=/run/secret
 password=$(cat "$dir/redis_password")
 text broker_url_tls "rediss://:$password@redis:6379/0?$tls"
 text result_backend_tls "rediss://:$password@redis:6379/1?$tls"
+pg_tls="sslmode=verify-full&sslrootcert=/run/secrets/tls_ca"
 role_password=$(od -An -N18 -tx1 /dev/urandom | tr -d ' \n')
-text control_database_url "postgresql+psycopg://fedq_control:$role_password@postgres:5432/fedq"
+text control_database_url "postgresql+psycopg://fedq_control:$role_password@postgres:5432/fedq?$pg_tls"
+text owner_database_url "$(cat "$dir/database_url")?$pg_tls"
 echo "fedq: $pki holds the CA and certificates; $dir the secure stack's secrets ($made written, the rest kept)" >&2

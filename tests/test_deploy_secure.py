@@ -3,8 +3,9 @@ docs/deploy.md, "The stack with identity and TLS"), on a real Docker engine.
 
 `scripts/secure.sh` provisions the CA and certificates and writes the secure stack's
 secrets beside the ones `scripts/env.sh` writes; `docker compose up` with the override:
-Redis takes TLS only, with client certificates; the control worker requires signed
-results, runs on a database role of its own and hands workers presigned S3 URLs. A
+Redis takes TLS only, with client certificates; PostgreSQL takes TCP logins over TLS
+only; the dashboard answers https; the control worker requires signed results, runs on
+a database role of its own and hands workers presigned S3 URLs. A
 worker is added with `fedq worker add` in the control container, joins from a worker
 container on the host's network (as another machine would) with its own certificate
 and no S3 key or database URL, and trains a job submitted by the fedq CLI on the host
@@ -42,7 +43,9 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("secure")
     pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
     ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
-    owner = f"postgresql+psycopg://fedq:{pw['postgres']}@127.0.0.1:{ports['postgres']}/fedq"
+    pki = home / "pki"
+    owner = (f"postgresql+psycopg://fedq:{pw['postgres']}@127.0.0.1:{ports['postgres']}/fedq"
+             f"?sslmode=verify-full&sslrootcert={pki / 'ca.crt'}")
     # scripts/env.sh's secrets, then scripts/secure.sh adds the secure stack's
     vault = home / "secrets"
     _write_secrets(vault, {
@@ -53,7 +56,6 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env_file = home / "compose.env"
     env_file.write_text("".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
                         f"FEDQ_BIND=127.0.0.1\nSECRETS_DIR={vault}\n")
-    pki = home / "pki"
     made = subprocess.run(["bash", str(ROOT / "scripts" / "secure.sh"), "w1"],
                           env={**docker, "FEDQ_ENV_FILE": str(env_file),
                                "FEDQ_PKI_DIR": str(pki)},
@@ -95,6 +97,23 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=stack.ports["redis"], password=stack.passwords[0],
                     socket_connect_timeout=3, socket_timeout=3).ping()
+    # PostgreSQL refuses a login without TLS, with the right password
+    import psycopg
+
+    with pytest.raises(psycopg.OperationalError, match="no encryption"):
+        psycopg.connect(host="127.0.0.1", port=stack.ports["postgres"], user="fedq",
+                        password=stack.passwords[1], dbname="fedq", sslmode="disable",
+                        connect_timeout=5)
+    # the dashboard answers https with the services' certificate, and not http
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    flower = f"127.0.0.1:{stack.ports['flower']}/healthcheck"
+    ca = ssl.create_default_context(cafile=str(stack.home / "pki" / "ca.crt"))
+    assert urllib.request.urlopen(f"https://{flower}", timeout=10, context=ca).status == 200
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://{flower}", timeout=10)
     # the control worker logs in as its own role, and holds no schema owner's URL
     control = stack.container("control")
     held = stack.run("docker", "exec", control, "cat", "/run/secrets/database_url")
