@@ -92,6 +92,52 @@ def test_power_and_input_probes_read_linux_layouts(tmp_path: Path) -> None:
     assert owner.input_idle_s(inputs) < 5  # type: ignore[operator]
 
 
+def _fake(folder: Path, name: str, script: str) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text("#!/bin/sh\n" + script)
+    (folder / name).chmod(0o755)
+
+
+def test_without_input_devices_idle_comes_from_logind_or_ioreg(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where /dev/input has no devices (a container, a remote-desktop session), the
+    idle time is logind's (IdleHint/IdleSinceHint of the user sessions, greeters
+    ignored) or, on macOS, IOKit's HIDIdleTime; no logind at all: cannot tell. The
+    commands are fakes on PATH (this machine runs neither logind nor macOS)."""
+    bin_dir, inputs = tmp_path / "bin", tmp_path / "input"
+    inputs.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(owner, "PLATFORM_IDLE_EVERY_S", 0.0)
+    since = int((time.time() - 700) * 1e6)
+
+    def logind(sessions: str, shown: str) -> None:
+        _fake(bin_dir, "loginctl", f'if [ "$1" = list-sessions ]; then printf "{sessions}"; '
+                                   f'else printf "{shown}"; fi\n')
+
+    logind("c1 1000 alice seat0 tty2\\n c2 120 gdm seat0 tty1\\n",
+           f"Class=user\\nIdleHint=yes\\nIdleSinceHint={since}\\n\\n"
+           f"Class=greeter\\nIdleHint=no\\nIdleSinceHint=0\\n")
+    assert 690 < owner.input_idle_s(inputs) < 720  # type: ignore[operator]
+    probe = owner.probes(owner.Policy(input_dir=inputs))[0]
+    assert probe.works and probe.reads.startswith("logind IdleHint over 1 user session(s)")
+    watch = owner.Watch(owner.Policy(when="idle", idle_after_s=600, input_dir=inputs))
+    assert watch.check() is None  # idle for 700 s > 10 min: may train
+    logind("c1 1000 alice seat0 tty2\\n", "Class=user\\nIdleHint=no\\nIdleSinceHint=0\\n")
+    assert owner.input_idle_s(inputs) == 0.0  # alice is at the machine
+    assert watch.check() == "owner active (input 0 s ago)"
+    logind("", "")
+    assert owner.input_idle_s(inputs) == float("inf")  # no one is logged in
+    (bin_dir / "loginctl").unlink()
+    assert owner.platform_idle_s() == (None, "no logind (loginctl) answers here")
+    assert owner.input_idle_s(inputs) is None and watch.check() is None  # cannot tell
+    # macOS: IOHIDSystem's HIDIdleTime in nanoseconds
+    _fake(bin_dir, "ioreg", 'printf \'  |   "HIDIdleTime" = 42000000000\\n\'\n')
+    assert owner._hid_idle_s() == (42.0, "macOS IOHIDSystem HIDIdleTime")
+    # evdev devices, when there are any, come first
+    (inputs / "event0").write_text("")
+    assert owner.input_idle_s(inputs) < 5  # type: ignore[operator]
+
+
 def test_the_watch_steps_aside_at_once_and_returns_after_the_conditions_held(
         tmp_path: Path) -> None:
     power = tmp_path / "power"

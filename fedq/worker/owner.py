@@ -132,10 +132,18 @@ class Policy:
 # -- probes: each returns a reading, or None when this machine cannot tell -----------
 
 def input_idle_s(input_dir: Path, now: float | None = None) -> float | None:
-    """Seconds since a user last touched an input device: the newest access or change
-    time of the evdev devices under ``input_dir`` (Linux; the kernel stamps a device
-    as it delivers events). None where there are none to read (a server, a container
-    without /dev/input, macOS and Windows)."""
+    """Seconds since a user last touched the machine: from the evdev devices under
+    ``input_dir`` where there are any (:func:`evdev_idle_s`), else from the platform's
+    own record (:func:`platform_idle_s`: logind, macOS's HIDIdleTime, Windows'
+    GetLastInputInfo). None where nothing can tell."""
+    idle = evdev_idle_s(input_dir, now)
+    return idle if idle is not None else platform_idle_s()[0]
+
+
+def evdev_idle_s(input_dir: Path, now: float | None = None) -> float | None:
+    """The newest access or change time of the evdev devices under ``input_dir``
+    (Linux; the kernel stamps a device as it delivers events), as seconds ago. None
+    where there are none to read (a server, a container without /dev/input)."""
     try:
         stamps = [max(st.st_atime, st.st_mtime) for p in input_dir.iterdir()
                   if p.name.startswith("event") for st in [p.stat()]]
@@ -144,6 +152,87 @@ def input_idle_s(input_dir: Path, now: float | None = None) -> float | None:
     if not stamps:
         return None
     return max(0.0, (now or time.time()) - max(stamps))
+
+
+#: The platform's idle record is read by a subprocess (logind, ioreg): at most this
+#: often, which bounds the owner's wait where it is the only source.
+PLATFORM_IDLE_EVERY_S = 1.0
+_PLATFORM: tuple[float, float | None, str] | None = None
+
+
+def platform_idle_s() -> tuple[float | None, str]:
+    """(seconds since the last user input, where it was read) from the platform: on
+    Linux logind's IdleHint/IdleSinceHint over the user sessions (`loginctl`; no user
+    session at all counts as idle for ever), on macOS IOKit's HIDIdleTime (`ioreg`), on
+    Windows GetLastInputInfo. (None, why) where none answers. Read at most every
+    :data:`PLATFORM_IDLE_EVERY_S` seconds (cached between)."""
+    global _PLATFORM
+    now = time.monotonic()
+    if _PLATFORM is not None and now - _PLATFORM[0] < PLATFORM_IDLE_EVERY_S:
+        return _PLATFORM[1], _PLATFORM[2]
+    if sys.platform == "darwin":
+        found = _hid_idle_s()
+    elif sys.platform == "win32":
+        found = _last_input_idle_s()
+    else:
+        found = _logind_idle_s()
+    _PLATFORM = (now, *found)
+    return found
+
+
+def _run(*cmd: str) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _logind_idle_s() -> tuple[float | None, str]:
+    listed = _run("loginctl", "list-sessions", "--no-legend")
+    if listed is None:
+        return None, "no logind (loginctl) answers here"
+    sessions = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    if not sessions:
+        return float("inf"), "logind: no one is logged in"
+    shown = _run("loginctl", "show-session", *sessions, "-p", "Class", "-p", "IdleHint",
+                 "-p", "IdleSinceHint")
+    if shown is None:
+        return None, "logind: loginctl show-session failed"
+    idle: list[float] = []
+    for block in shown.split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if props.get("Class", "user") != "user":
+            continue  # greeters, background sessions
+        if props.get("IdleHint") != "yes":
+            idle.append(0.0)  # someone is at it now
+        elif props.get("IdleSinceHint", "0").isdigit():
+            idle.append(max(0.0, time.time() - int(props["IdleSinceHint"]) / 1e6))
+    if not idle:
+        return float("inf"), "logind: no user session"
+    return min(idle), f"logind IdleHint over {len(idle)} user session(s)"
+
+
+def _hid_idle_s() -> tuple[float | None, str]:
+    shown = _run("ioreg", "-c", "IOHIDSystem", "-d", "4")
+    found = re.search(r'"HIDIdleTime"\s*=\s*(\d+)', shown or "")
+    if found is None:
+        return None, "macOS: ioreg gave no HIDIdleTime"
+    return int(found[1]) / 1e9, "macOS IOHIDSystem HIDIdleTime"
+
+
+def _last_input_idle_s() -> tuple[float | None, str]:  # pragma: no cover - Windows only
+    import ctypes
+
+    class LastInput(ctypes.Structure):
+        _fields_ = [("cbSize", ctypes.c_uint), ("dwTime", ctypes.c_uint)]
+
+    info = LastInput(ctypes.sizeof(LastInput), 0)
+    user32, kernel32 = ctypes.windll.user32, ctypes.windll.kernel32  # type: ignore[attr-defined]
+    if not user32.GetLastInputInfo(ctypes.byref(info)):
+        return None, "Windows: GetLastInputInfo failed"
+    return ((kernel32.GetTickCount() - info.dwTime) & 0xFFFFFFFF) / 1000, \
+        "Windows GetLastInputInfo"
 
 
 def on_mains(power_dir: Path) -> bool | None:
@@ -270,14 +359,14 @@ class Probe:
 
 def probes(policy: Policy) -> list[Probe]:
     """What each condition's probe reads on this machine, for ``fedq doctor``."""
-    idle = input_idle_s(policy.input_dir)
+    evdev = evdev_idle_s(policy.input_dir)
+    platform, source = (None, "") if evdev is not None else platform_idle_s()
     mains = on_mains(policy.power_dir)
     cpu = _proc_busy()
     gpu = other_gpu_processes()
     return [
-        Probe("input idle", f"{policy.input_dir}/event*: idle {idle:.0f} s" if idle is not None
-              else f"no input devices under {policy.input_dir}: FEDQ_RUN_WHEN=idle cannot "
-                   "tell and never stops this worker", idle is not None),
+        Probe("input idle", _idle_reads(policy.input_dir, evdev, platform, source),
+              evdev is not None or platform is not None),
         Probe("power", f"{policy.power_dir}: {'mains' if mains else 'battery'}"
               if mains is not None else f"no power supply under {policy.power_dir}: "
               "treated as mains", mains is not None),
@@ -288,6 +377,18 @@ def probes(policy: Policy) -> list[Probe]:
               if gpu is not None else "no NVML (no NVIDIA GPU or no nvidia-ml-py): "
               "FEDQ_MAX_OTHER_GPU cannot tell", gpu is not None),
     ]
+
+
+def _idle_reads(input_dir: Path, evdev: float | None, platform: float | None,
+                source: str) -> str:
+    if evdev is not None:
+        return f"{input_dir}/event*: idle {evdev:.0f} s"
+    if platform == float("inf"):
+        return source
+    if platform is not None:
+        return f"{source}: idle {platform:.0f} s"
+    return (f"no input devices under {input_dir} and {source}: FEDQ_RUN_WHEN=idle cannot "
+            "tell and never stops this worker")
 
 
 # -- the watch ------------------------------------------------------------------------
