@@ -92,6 +92,24 @@ def test_every_output_line_is_checked() -> None:
     with pytest.raises(FormatError, match="bytes"):
         check_output(json.dumps({"i": 0, "text": "x" * 5000}).encode() + b"\n", "generate",
                      0, 1, 256)
+    unit = encode_rows([{"i": 0, "embedding": [0.6, 0.8, 0.0]}])
+    check_output(unit, "embed", 0, 1, 3)  # ``classes``: the embedding width
+    for what, data, width in (("another width", unit, 4),
+                              ("not unit length", unit.replace(b"0.8", b"0.9"), 3),
+                              ("a string", unit.replace(b"0.0", b'"0"'), 3),
+                              ("Infinity", unit.replace(b"0.0", b"Infinity"), 3)):
+        with pytest.raises(FormatError, match="numbers of unit length"):
+            check_output(data, "embed", 0, 1, width)
+            pytest.fail(f"{what}: accepted")
+
+
+def test_an_embed_job_knows_its_width_and_needs_a_model_with_embeddings() -> None:
+    assert jobs.embedding_width({"name": "gpt", "args": {}}) == 128  # gpt's default
+    assert jobs.embedding_width({"name": "gpt", "args": {"n_embd": 32}}) == 32
+    with pytest.raises(SpecError, match="op: embed needs a model with embeddings"):
+        jobs.embedding_width({"name": "small_cnn", "args": {}})
+    with pytest.raises(SpecError, match="n_embd: 'x' is not a width"):
+        jobs.embedding_width({"name": "gpt", "args": {"n_embd": "x"}})
 
 
 def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
@@ -343,6 +361,26 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
                 total += float(logp.gather(-1, piece[1:, None]).sum())
         assert row["tokens"] == len(ids) - 1
         assert row["logprob"] == pytest.approx(total, abs=1e-3), text
+
+    # op: embed on the same worker: each prompt's unit vector, as one prompt at a time
+    # gives it (the long one read in pieces of the model's 32-byte context)
+    spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
+                                  "args": TINY_GPT, "dataset_args": SMALL_TEXT},
+                 inputs={"prompts": prompts.name}, op="embed", shard_size=7, batch_size=5,
+                 name="embed")
+    out = tmp_path / "embed.jsonl"
+    cluster.fedq("infer", str(spec), "--out", str(out), timeout=240)
+    got = _read_out(out)
+    assert [r["i"] for r in got] == list(range(len(texts)))
+    for row, text in zip(got, texts):
+        ids = text_data.encode(text) if text else torch.tensor([ord("\n")])
+        with torch.no_grad():
+            total = sum(model.features(ids[lo:lo + 32][None])[0].double().sum(0)
+                        for lo in range(0, len(ids), 32))
+        want = F.normalize(total, dim=-1)
+        assert len(row["embedding"]) == TINY_GPT["n_embd"]
+        assert torch.allclose(torch.tensor(row["embedding"], dtype=torch.float64), want,
+                              atol=1e-5), text
 
 
 def test_inference_figures_draw_each_shard_and_each_worker() -> None:

@@ -176,6 +176,26 @@ def _latest(s: Session, fits: Inputs | None) -> Job | None:
     return None
 
 
+
+def embedding_width(arch: dict[str, Any]) -> int:
+    """The width of ``arch``'s embeddings (its ``n_embd``, given or the model's default):
+    what every line of an embed job's output must hold (kept as the job's ``classes``)."""
+    import inspect
+
+    from fedq.models import MODELS
+
+    factory = MODELS.get(arch["name"])
+    default = None if factory is None else \
+        inspect.signature(factory).parameters.get("n_embd")
+    if default is None:
+        raise SpecError(f"op: embed needs a model with embeddings (gpt); {arch['name']} "
+                        f"has none")
+    width = (arch.get("args") or {}).get("n_embd", default.default)
+    if not isinstance(width, int) or isinstance(width, bool) or not 0 < width <= 8192:
+        raise SpecError(f"model.args.n_embd: {width!r} is not a width in 1..8192")
+    return width
+
+
 def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> str:
     """Check the spec against what it names, write the job and its shards, and send the
     first shards; the job id. Nothing is left behind when a check fails."""
@@ -196,10 +216,12 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
         raise SpecError(f"model.dataset: {exc}") from None
     if spec.op == "classify" and ds.is_text:
         raise SpecError(f"op: classify needs an image classifier; {arch['name']} on "
-                        f"{arch['dataset']} is a language model (score or generate)")
+                        f"{arch['dataset']} is a language model (score, generate or embed)")
     if spec.op != "classify" and not ds.is_text:
         raise SpecError(f"op: {spec.op} needs a language model; {arch['name']} on "
                         f"{arch['dataset']} is a classifier (classify)")
+    if spec.op == "embed":
+        embedding_width(arch)  # a model that has one
     if weights_bytes is not None:
         import torch
 
@@ -234,7 +256,8 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
                 id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
                 items=items, shards=len(shards), model_key=blob.key,
                 model_sha256=blob.sha256, model_size=blob.size, arch=arch,
-                classes=ds.num_classes, inputs_key=inputs.key if inputs else None,
+                classes=embedding_width(arch) if spec.op == "embed" else ds.num_classes,
+                inputs_key=inputs.key if inputs else None,
                 inputs_sha256=inputs.sha256 if inputs else None,
                 inputs_size=inputs.size if inputs else None))
             s.flush()

@@ -25,7 +25,7 @@ JobId = Annotated[str, Field(pattern=f"^{JOB_ID.pattern}$")]
 #: The most bytes one output line may take, by operation (a classify line holds one
 #: probability per class; a generated line its text, up to 4 bytes a token as JSON
 #: escapes). The output blob's bound is this times the shard's items.
-LINE_BYTES = {"classify": 64 * 1024, "score": 256, "generate": 4 * 1024}
+LINE_BYTES = {"classify": 64 * 1024, "score": 256, "generate": 4 * 1024, "embed": 64 * 1024}
 
 
 def output_key(job: str, shard: int, attempt: int, worker: str | None = None) -> str:
@@ -69,7 +69,7 @@ class ShardTask(_Strict):
     shard: Int32
     attempt: Annotated[int, Field(ge=1, le=INT32)]
     queue: str = Field(max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")
-    op: Literal["classify", "score", "generate"]
+    op: Literal["classify", "score", "generate", "embed"]
     start: Int32
     stop: Int32
     batch_size: Annotated[int, Field(ge=1, le=65_536)]
@@ -191,6 +191,13 @@ def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
                     not math.isfinite(lp) or lp > 0 or \
                     not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
                 raise FormatError(f"output line {n + 1}: not {{i, logprob <= 0, tokens}}")
+        elif op == "embed":  # ``classes``: the model's embedding width
+            vector = row.get("embedding")
+            if set(row) != {"i", "embedding"} or not isinstance(vector, list) or \
+                    len(vector) != classes or not all(_finite(v) for v in vector) or \
+                    abs(math.fsum(v * v for v in vector) - 1.0) > 1e-3:
+                raise FormatError(f"output line {n + 1}: not {{i, embedding: {classes} "
+                                  f"numbers of unit length}}")
         else:
             text = row.get("text")
             if set(row) != {"i", "text"} or not isinstance(text, str):

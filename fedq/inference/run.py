@@ -126,6 +126,35 @@ def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device:
     return rows
 
 
+@torch.no_grad()
+def embed(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size: int,
+          device: torch.device) -> list[dict[str, Any]]:
+    """Each prompt's embedding: the mean of the last layer's normalised hidden states
+    over its bytes, scaled to unit length (so a dot product is the cosine). A prompt
+    longer than the model's context is read in pieces of ``block_size`` bytes (the
+    context starts again at each piece); pieces of all prompts are batched together."""
+    block = cast(int, model.block_size)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for n, prompt in enumerate(prompts):
+        ids = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+        pieces += [(n, ids[lo:lo + block]) for lo in range(0, len(ids), block)]
+    width = int(cast(torch.nn.LayerNorm, model.ln_f).normalized_shape[0])
+    total = torch.zeros(len(prompts), width, dtype=torch.float64)
+    for sl in _batches(len(pieces), batch_size):
+        batch = pieces[sl]
+        x = torch.zeros(len(batch), max(len(ids) for _, ids in batch), dtype=torch.long)
+        mask = torch.zeros(x.shape, dtype=torch.bool)
+        for r, (_, ids) in enumerate(batch):
+            x[r, :len(ids)], mask[r, :len(ids)] = ids, True
+        feats = model.features(x.to(device)).double().cpu()  # type: ignore[operator]
+        sums = (feats * mask[..., None]).sum(1)
+        for (n, _), row in zip(batch, sums):
+            total[n] += row
+    vectors = torch.nn.functional.normalize(total, dim=-1)
+    return [{"i": start + n, "embedding": [round(v, 6) for v in vector]}
+            for n, vector in enumerate(vectors.tolist())]
+
+
 def run_items(model: torch.nn.Module, op: str, items: Any, start: int, batch_size: int,
               device: torch.device, sampling: dict[str, Any] | None = None
               ) -> list[dict[str, Any]]:
@@ -133,6 +162,8 @@ def run_items(model: torch.nn.Module, op: str, items: Any, start: int, batch_siz
         return classify(model, items, start, batch_size, device)
     if op == "score":
         return score(model, items, start, batch_size, device)
+    if op == "embed":
+        return embed(model, items, start, batch_size, device)
     s = sampling or {}
     return generate(model, items, start, device, int(s.get("max_tokens", 32)),
                     float(s.get("temperature", 0.8)), int(s.get("top_k", 40)),

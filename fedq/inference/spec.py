@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fedq.errors import SpecError
 from fedq.spec.load import _error_lines, read_spec_file
 
-OPS = ("classify", "score", "generate")
+OPS = ("classify", "score", "generate", "embed")
 Queue = Literal["gpu_new", "gpu_sm61", "cpu"]
 
 
@@ -71,7 +71,7 @@ class InferenceSpec(_Model):
     name: str = Field(default="inference", max_length=100)
     model: ModelSource
     inputs: Inputs
-    op: Literal["classify", "score", "generate"]
+    op: Literal["classify", "score", "generate", "embed"]
     generate: Sampling = Field(default_factory=Sampling)
     shard_size: int = Field(default=256, ge=1, le=1_000_000)
     batch_size: int = Field(default=64, ge=1, le=65_536)
@@ -85,7 +85,7 @@ class InferenceSpec(_Model):
         problems = []
         if self.op == "classify" and self.inputs.prompts is not None:
             problems.append("op: classify reads images: inputs.dataset, not inputs.prompts")
-        if self.op in ("score", "generate") and self.inputs.dataset is not None:
+        if self.op in ("score", "generate", "embed") and self.inputs.dataset is not None:
             problems.append(f"op: {self.op} reads text: inputs.prompts, not inputs.dataset")
         if len(set(self.queues)) != len(self.queues):
             problems.append("queues: a queue is named twice")

@@ -82,6 +82,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab)."""
+        return self.head(self.features(idx))
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) -> the last layer's normalised hidden states (B, T, n_embd)."""
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens exceeds block_size {self.block_size}")
@@ -89,7 +93,7 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        return self.ln_f(x)  # (B, T, C)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0,
