@@ -441,3 +441,29 @@ def test_a_worker_refuses_to_start_with_a_policy_it_cannot_read(tmp_path: Path) 
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "fedq: worker bad@test refused to start: FEDQ_RUN_DAYS: 'weekdays' is not a day" \
         in proc.stderr
+
+
+def test_queues_auto_sends_an_away_workers_share_to_workers_that_can_train(
+        tmp_path: Path) -> None:
+    """`queues: auto` splits a round's tasks by the throughput of the workers consuming
+    each queue; a worker that stepped aside counts nothing (even while Celery's inspect
+    still lists its queue), so its queue's share goes where workers can train now."""
+    from fedq.coordinator.planning import split_by_throughput
+    from fedq.coordinator.roster import queue_throughput
+    from fedq.db import Worker, session_scope
+    from fedq.db.session import ensure_schema
+
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname="rtx@a", queues=["gpu_new"], hardware={},
+                          samples_per_second=900.0, available=False,
+                          away_reason="owner active (input 2 s ago)"),
+                   Worker(hostname="box@b", queues=["cpu"], hardware={},
+                          samples_per_second=100.0)])
+    live = {"gpu_new": ["rtx@a"], "cpu": ["box@b"]}
+    assert queue_throughput(db, live) == {"gpu_new": 0.0, "cpu": 100.0}
+    assert split_by_throughput(10, queue_throughput(db, live)) == {"cpu": 10}
+    with session_scope(db) as s:  # the owner left: it trains again
+        s.get(Worker, "rtx@a").available = True  # type: ignore[union-attr]
+    assert split_by_throughput(10, queue_throughput(db, live)) == {"gpu_new": 9, "cpu": 1}

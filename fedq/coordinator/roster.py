@@ -216,11 +216,16 @@ def list_workers(db_url: str) -> list[dict[str, Any]]:
 
 def queue_throughput(db_url: str, live: dict[str, list[str]]) -> dict[str, float]:
     """Summed throughput of the live workers of each queue; unmeasured workers count as
-    the median of the measured ones (or 1.0 when none is measured)."""
-    rows = {w["hostname"]: w["samples_per_second"] for w in list_workers(db_url)}
+    the median of the measured ones (or 1.0 when none is measured). A worker that has
+    stepped aside for its machine's owner (docs/owners.md) counts nothing: it stops
+    consuming, but Celery's inspect may still list its queue for a moment."""
+    workers = list_workers(db_url)
+    rows = {w["hostname"]: w["samples_per_second"] for w in workers}
+    away = {w["hostname"] for w in workers if w["available"] is False}
     measured = sorted(v for v in rows.values() if v)
     default = measured[len(measured) // 2] if measured else 1.0
-    return {q: sum(rows.get(h) or default for h in hosts) for q, hosts in live.items()}
+    return {q: sum(0.0 if h in away else rows.get(h) or default for h in hosts)
+            for q, hosts in live.items()}
 
 
 def live_throughput(settings: Settings) -> dict[str, float]:
