@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from fedq.data import load_dataset
-from fedq.inference.serve import Refused, Served, check_batch, parse_completion, parse_predict
+from fedq.inference.serve import (
+    Refused,
+    Served,
+    check_batch,
+    parse_completion,
+    parse_embeddings,
+    parse_predict,
+)
 from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster
 from fedq.testing.wait import wait_until
@@ -53,6 +60,20 @@ def test_requests_and_answers_are_checked() -> None:
                   {**good, "outputs": [{"i": 0, "label": 5, "probs": [0.1, 0.2, 0.7]}]}):
         with pytest.raises(Refused):
             check_batch(wrong, SERVED, 1)
+    # /v1/embeddings: a string or a list of strings; answers of the model's width
+    assert parse_embeddings({"input": "Hi"}, gpt) == ["Hi"]
+    assert parse_embeddings({"input": ["a", "b"], "model": "m"}, gpt) == ["a", "b"]
+    for bad_e in ({"input": 3}, {"input": []}, {"input": ["a", 1]}, {"prompt": "a"},
+                  {"input": "a", "stream": True}, {"input": "x" * 20_000}):
+        with pytest.raises(ValueError):
+            parse_embeddings(bad_e, gpt)
+    wide = Served(**{**gpt.__dict__, "width": 2})
+    unit = {"status": "ok", "worker": "w", "seconds": 0.1,
+            "outputs": [{"i": 0, "embedding": [0.6, 0.8]}]}
+    assert check_batch(unit, wide, 1, op="embed") == [{"embedding": [0.6, 0.8]}]
+    with pytest.raises(Refused, match="numbers of unit length"):
+        check_batch({**unit, "outputs": [{"i": 0, "embedding": [0.6, 0.8, 0.0]}]}, wide, 1,
+                    op="embed")
 
 
 def _post(port: int, path: str, body: Any, key: str | None = None,
@@ -175,3 +196,40 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
         gateway.stop()
     bad = cluster.fedq("serve", *args, "--queues", "gpu9", check=False)
     assert bad.returncode == 2 and "--queues: gpu9" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Path) -> None:
+    """A GPT behind the gateway: /v1/completions and /v1/embeddings (batched apart: one
+    operation a batch) answer on a real worker, the embeddings equal to the model's in
+    one process; a classifier has no /v1/embeddings."""
+    from fedq.data import text as text_data
+    from tests.test_inference import SMALL_TEXT, TINY_GPT, _gpt, _gpt_file
+
+    cluster = redis_cluster
+    cluster.start(w1=["cpu"])
+    weights = _gpt_file(tmp_path)
+    gateway = Gateway(cluster, ["--weights", str(weights), "--model", "gpt", "--dataset",
+                                "shakespeare", "--model-args", json.dumps(TINY_GPT),
+                                "--dataset-args", json.dumps(SMALL_TEXT)])
+    try:
+        status, body, _ = _post(gateway.port, "/v1/completions",
+                                {"prompt": "Good my lord", "max_tokens": 5, "seed": 1})
+        assert status == 200 and body["object"] == "text_completion", body
+        assert 0 < len(body["choices"][0]["text"]) <= 5  # 5 bytes (an untrained model's)
+        texts = ["Good my lord", "", "It is a wise father that knows his own child. " * 2]
+        status, body, _ = _post(gateway.port, "/v1/embeddings", {"input": texts})
+        assert status == 200 and body["object"] == "list", body
+        model = _gpt(weights)
+        for row, text in zip(body["data"], texts, strict=True):
+            ids = text_data.encode(text) if text else torch.tensor([ord("\n")])
+            with torch.no_grad():
+                total = sum(model.features(ids[lo:lo + 32][None])[0].double().sum(0)
+                            for lo in range(0, len(ids), 32))
+            assert torch.allclose(torch.tensor(row["embedding"], dtype=torch.float64),
+                                  F.normalize(total, dim=-1), atol=1e-5), text
+        assert [row["index"] for row in body["data"]] == [0, 1, 2]
+        status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [[0.0]]})
+        assert status == 404 and "/v1/completions" in body["error"]["message"]
+    finally:
+        gateway.stop()

@@ -92,7 +92,7 @@ class ServeBatch(_Strict):
     """A batch of ``fedq serve`` requests (fedq/inference/serve.py)."""
 
     format: Literal[MESSAGE_FORMAT] = MESSAGE_FORMAT  # type: ignore[valid-type]
-    op: Literal["classify", "generate"]
+    op: Literal["classify", "generate", "embed"]
     model: Blob
     arch: Arch
     items: list[Any] = Field(min_length=1, max_length=4096)
@@ -218,6 +218,9 @@ def parse_batch(data: Any) -> ServeBatch:
             if not isinstance(item, list) or len(item) > 1 << 20 or \
                     not all(_finite(v) for v in item):
                 raise FormatError(f"serve batch item {n}: not a list of finite numbers")
+        elif batch.op == "embed":
+            if not isinstance(item, str) or len(item) > 1 << 20:
+                raise FormatError(f"serve batch item {n}: not a prompt (a string)")
         else:
             try:
                 Completion.model_validate(item)

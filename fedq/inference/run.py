@@ -232,8 +232,9 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
 
 
 def serve_batch(data: Any, store: BlobStore, worker: str) -> dict[str, Any]:
-    """One batch of ``fedq serve`` requests: classify images or continue prompts; the
-    outputs in order (never raises). The model stays loaded between batches."""
+    """One batch of ``fedq serve`` requests: classify images, embed or continue
+    prompts; the outputs in order (never raises). The model stays loaded between
+    batches."""
     start = time.perf_counter()
     try:
         msg = parse_batch(data)
@@ -244,6 +245,8 @@ def serve_batch(data: Any, store: BlobStore, worker: str) -> dict[str, Any]:
             ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
             x = torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
             rows = classify(model, x, 0, len(msg.items), device)
+        elif msg.op == "embed":
+            rows = embed(model, msg.items, 0, len(msg.items), device)
         else:
             rows = []
             for n, item in enumerate(msg.items):

@@ -65,6 +65,7 @@ class Served:
     classes: int
     input_shape: tuple[int, ...]
     queues: list[str]
+    width: int | None = None  # a language model's embedding width (/v1/embeddings)
     max_batch: int = 32
     max_wait_ms: float = 5.0
     max_queue: int = 1024
@@ -88,12 +89,16 @@ class _Item:
 @dataclass
 class Batcher:
     served: Served
+    op: str = ""  # what its batches ask of the workers (default: the served op)
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     pending: int = 0  # items waiting or out
     out: int = 0  # batches out
     route: str | None = None
     batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
     metrics: Any = None
+
+    def __post_init__(self) -> None:
+        self.op = self.op or self.served.op
 
     def admit(self, bodies: list[Any]) -> list[asyncio.Future[tuple[Any, int]]] | None:
         """Queue the items, or None when that would pass ``max_queue`` (a 503)."""
@@ -159,7 +164,7 @@ class Batcher:
         s = self.served
         base = f"fedq-serve-{uuid.uuid4().hex[:16]}-a{attempt}"
         tid = base + identity.task_tag(base, s.keys)
-        msg = {"format": MESSAGE_FORMAT, "op": s.op, "model": s.model, "arch": s.arch,
+        msg = {"format": MESSAGE_FORMAT, "op": self.op, "model": s.model, "arch": s.arch,
                "items": [item.body for item in batch]}
         queue = self.route or s.queues[0]
         await asyncio.to_thread(app.send_task, SERVE_TASK,
@@ -170,7 +175,7 @@ class Batcher:
         while time.monotonic() < deadline:
             meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
             if meta.get("status") == "SUCCESS":
-                return check_batch(meta.get("result"), s, len(batch), tid)
+                return check_batch(meta.get("result"), s, len(batch), tid, self.op)
             if meta.get("status") in ("FAILURE", "REVOKED"):
                 raise Refused(502, f"the batch task ended {meta.get('status')}")
             await asyncio.sleep(wait)
@@ -199,9 +204,12 @@ class Batcher:
         self.route = next((q for q in order if live.get(q)), self.served.queues[0])
 
 
-def check_batch(data: Any, served: Served, n: int, task_id: str = "") -> list[dict[str, Any]]:
-    """A worker's answer to a batch of ``n`` items (task ``task_id``), checked item by
-    item; with identity required, signed for that task by an active registered worker."""
+def check_batch(data: Any, served: Served, n: int, task_id: str = "",
+                op: str | None = None) -> list[dict[str, Any]]:
+    """A worker's answer to a batch of ``n`` items (task ``task_id``; ``op``: what the
+    batch asked, the served op by default), checked item by item; with identity
+    required, signed for that task by an active registered worker."""
+    op = op or served.op
     if not isinstance(data, dict) or set(data) - {"status", "outputs", "worker", "seconds",
                                                   "error", "signer", "sig"}:
         raise Refused(502, "the answer is not {status, outputs, worker, seconds}")
@@ -220,7 +228,8 @@ def check_batch(data: Any, served: Served, n: int, task_id: str = "") -> list[di
         raise Refused(502, f"{len(outputs) if isinstance(outputs, list) else 'no'} outputs "
                       f"for {n} items")
     try:
-        check_output(encode_rows(outputs), served.op, 0, n, served.classes)
+        check_output(encode_rows(outputs), op, 0, n,
+                     served.width or 0 if op == "embed" else served.classes)
     except FormatError as exc:
         raise Refused(502, str(exc)) from None
     return [{k: v for k, v in out.items() if k != "i"} for out in outputs]
@@ -282,6 +291,21 @@ def parse_completion(body: Any, served: Served) -> dict[str, Any]:
     return item
 
 
+def parse_embeddings(body: Any, served: Served) -> list[str]:
+    """An OpenAI-style embeddings request: ``input``, a string or a list of strings."""
+    if not isinstance(body, dict) or "input" not in body or set(body) - {"input", "model"}:
+        raise ValueError('expected {"input": "text" or ["text", ...]}')
+    texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    if not 0 < len(texts) <= MAX_ITEMS_PER_REQUEST:
+        raise ValueError(f"input: 1 to {MAX_ITEMS_PER_REQUEST} strings")
+    for n, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"input[{n}]: not a string")
+        if len(text.encode()) > MAX_PROMPT_BYTES:
+            raise ValueError(f"input[{n}]: more than {MAX_PROMPT_BYTES} bytes")
+    return texts
+
+
 class _Metrics:
     def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -311,6 +335,10 @@ def build_app(served: Served) -> Any:
         batcher.metrics = _Metrics()
     except ImportError:  # prometheus-client (fedq[metrics]) not installed: no /metrics
         batcher.metrics = None
+    # a language model also embeds: its own batches (one op a batch), the same bound
+    embedder = Batcher(served, op="embed", metrics=batcher.metrics) \
+        if served.width else None
+    batchers = [b for b in (batcher, embedder) if b is not None]
 
     def error(status: int, message: str, **headers: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "code": status}}, status_code=status,
@@ -322,7 +350,8 @@ def build_app(served: Served) -> Any:
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {served.api_key}".encode())
 
-    async def answer(request: Request, route: str, parse: Any, shape: Any) -> Response:
+    async def answer(request: Request, route: str, parse: Any, shape: Any,
+                     via: Batcher = batcher) -> Response:
         start = time.perf_counter()
         if not authorised(request):
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
@@ -332,14 +361,14 @@ def build_app(served: Served) -> Any:
         except ValueError as exc:
             return error(400, str(exc))
         bodies = items if isinstance(items, list) else [items]
-        futures = batcher.admit(bodies)
+        futures = via.admit(bodies)
         if futures is None:
             if batcher.metrics is not None:
                 batcher.metrics.rejected.inc()
-            return error(503, f"busy: {batcher.pending} items waiting or out (at most "
+            return error(503, f"busy: {via.pending} items waiting or out (at most "
                          f"{served.max_queue})", **{"Retry-After": "1"})
         if batcher.metrics is not None:
-            batcher.metrics.pending.set(batcher.pending)
+            batcher.metrics.pending.set(sum(b.pending for b in batchers))
         try:
             done = await asyncio.gather(*futures)
         except Refused as exc:
@@ -364,10 +393,19 @@ def build_app(served: Served) -> Any:
             "choices": [{"text": done[0][0]["text"], "index": 0, "finish_reason": "length"}],
             "batch_size": done[0][1]})
 
+    async def embeddings(request: Request) -> Response:
+        if embedder is None:
+            return error(404, f"{served.name} is a classifier: POST /v1/predict")
+        return await answer(request, "embeddings", parse_embeddings, lambda done: {
+            "object": "list", "model": served.name,
+            "data": [{"object": "embedding", "index": k, "embedding": out["embedding"]}
+                     for k, (out, _) in enumerate(done)],
+            "batch_sizes": [n for _, n in done]}, embedder)
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": served.name, "op": served.op,
                              "queue": batcher.route or served.queues[0],
-                             "pending": batcher.pending})
+                             "pending": sum(b.pending for b in batchers)})
 
     async def metrics(request: Request) -> Response:
         if not authorised(request):
@@ -376,26 +414,30 @@ def build_app(served: Served) -> Any:
             return error(501, "metrics need prometheus-client: pip install 'fedq[metrics]'")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        batcher.metrics.pending.set(batcher.pending)
+        batcher.metrics.pending.set(sum(b.pending for b in batchers))
         return Response(generate_latest(batcher.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(application: Any) -> AsyncIterator[None]:
-        collector = asyncio.get_running_loop().create_task(batcher.run())
+        collectors = [asyncio.get_running_loop().create_task(b.run()) for b in batchers]
 
         def routes() -> None:
             while True:
                 batcher.reroute()
+                for other in batchers[1:]:
+                    other.route = batcher.route
                 time.sleep(ROUTE_EVERY_S)
 
         threading.Thread(target=routes, name="fedq-serve-route", daemon=True).start()
         yield
-        collector.cancel()
+        for collector in collectors:
+            collector.cancel()
 
     application = Starlette(routes=[
         Route("/v1/predict", predict, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/health", health), Route("/metrics", metrics)], lifespan=lifespan)
     application.state.batcher = batcher
     return application
@@ -445,8 +487,14 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
                    "registry": options["read_registry"]()}
     else:
         options = {**options, "read_registry": None}
+    from fedq.inference.jobs import embedding_width
+
+    try:
+        width = embedding_width(arch) if ds.is_text else None
+    except SpecError:  # a language model without embeddings: no /v1/embeddings
+        width = None
     return Served(name=str(name), op="generate" if ds.is_text else "classify",
-                  model=blob.to_json(), arch=arch, classes=ds.num_classes,
+                  model=blob.to_json(), arch=arch, classes=ds.num_classes, width=width,
                   input_shape=tuple(ds.input_shape), queues=queues, **options)
 
 
