@@ -18,6 +18,8 @@ FEDQ_BROKER_URL_FILE       a file holding FEDQ_BROKER_URL (a Docker secret; set 
 FEDQ_RESULT_BACKEND_FILE   a file holding FEDQ_RESULT_BACKEND
 FEDQ_DATABASE_URL_FILE     a file holding FEDQ_DATABASE_URL
 FEDQ_DATA_DIR              where datasets such as CIFAR-10 are read (and downloaded to)
+FEDQ_DATA_CACHE            where the text corpora are kept once fetched (default
+                           ``$XDG_CACHE_HOME/fedq/data``; fedq/data/text.py)
 FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
 FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
 FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
@@ -154,7 +156,7 @@ _KNOWN = {
     "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "GPU_MEMORY_FRACTION", "INPUT_DIR",
     "POWER_SUPPLY_DIR",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
-    "SERVE_API_KEY", "SERVE_API_KEY_FILE",
+    "SERVE_API_KEY", "SERVE_API_KEY_FILE", "DATA_CACHE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
 #: the convention of Docker's secrets), so that `docker inspect` shows no password.
@@ -164,7 +166,7 @@ _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 #: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
 #: and of scripts/, read by them and not by fedq: never an unknown setting.
 _NOT_SETTINGS = {"FEDQ_BIND", "FEDQ_DOCKER_HOME", "FEDQ_IMAGE_CACHE", "FEDQ_DEBIAN_MIRROR",
-                 "FEDQ_VENV_CACHE", "FEDQ_WHEELHOUSE_PORT"}
+                 "FEDQ_VENV_CACHE", "FEDQ_WHEELHOUSE_PORT", "FEDQ_ENV_FILE", "FEDQ_PKI_DIR"}
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:

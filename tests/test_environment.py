@@ -222,6 +222,24 @@ def test_doctor_smoke_trains_one_round_on_this_machine(tmp_path: Path) -> None:
     assert smoke["bytes_up"] > 40e6  # a whole ResNet-18 delta came back
 
 
+def test_every_variable_fedq_or_its_scripts_read_is_accepted() -> None:
+    """A FEDQ_* variable that fedq's code or scripts/ read must not be refused as an
+    unknown setting (FEDQ_DATA_CACHE, which fedq/data/text.py reads, once was)."""
+    import fedq.settings as settings_module
+
+    root = Path(__file__).resolve().parents[1]
+    reads: set[str] = set()
+    for path in (root / "fedq").rglob("*.py"):
+        reads |= set(re.findall(r"""environ(?:\.get\(|\[)["'](FEDQ_[A-Z0-9_]+)["']""",
+                                path.read_text()))
+    for path in (root / "scripts").glob("*.sh"):
+        reads |= set(re.findall(r"\$\{?(FEDQ_[A-Z0-9_]+)", path.read_text()))
+    assert "FEDQ_DATA_CACHE" in reads and "FEDQ_DOCKER_HOME" in reads  # the search works
+    accepted = {f"FEDQ_{k}" for k in settings_module._KNOWN} | settings_module._NOT_SETTINGS
+    refused = {r for r in reads - accepted if not r.startswith(settings_module._TEST_PREFIXES)}
+    assert not refused, refused
+
+
 def test_every_documented_setting_is_read_and_the_compose_variables_pass() -> None:
     """The table in fedq/settings.py's docstring is the set of settings fedq reads (a
     setting missing from either is a typo the user cannot see); docker/.env's
