@@ -199,3 +199,54 @@ def test_built_image_reports_its_torch(image: str, cls: str) -> None:
     assert floor in report["build_arch"], report["build_arch"]
     if cls == "gpu_sm61":
         assert "sm_50" in report["build_arch"]  # the cu126 build: Maxwell and Pascal
+
+
+#: fedq's worker side, run inside each worker image on that image's torch: safetensors
+#: I/O, the embedded broker's transport, the downlink rebuild, hardware detection and
+#: the start-up checks, replicas (streaming DiLoCo), data shards, the training loop's
+#: options and divergence. Redis and PostgreSQL are this machine's (host network).
+WORKER_TESTS = ["tests/test_weights.py", "tests/test_transport.py", "tests/test_downlink.py",
+                "tests/test_hardware.py", "tests/test_streaming.py", "tests/test_partition.py",
+                "tests/test_divergence.py", "tests/test_strategy_effects.py"]
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("image,cls", [("fedq-worker:cpu", "cpu"),
+                                       ("fedq-worker:gpu_new", "gpu_new"),
+                                       ("fedq-worker:gpu_sm61", "gpu_sm61")])
+def test_the_worker_tests_pass_inside_each_worker_image(image: str, cls: str) -> None:
+    """The worker tests, mounted read-only into the image, run by pytest from the image
+    build's wheelhouse against the fedq and torch installed in the image (for gpu_sm61
+    the older torch of its default_index pin)."""
+    import os
+
+    from fedq.data.text import archive_path
+    from tests.conftest import missing
+
+    if _docker("image", "inspect", image).returncode != 0:
+        missing(f"image {image}", "build it with `bash scripts/images.sh`")
+    cache = Path(os.environ.get("FEDQ_IMAGE_CACHE") or
+                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                 / "fedq" / "images")
+    import hashlib
+
+    lock = (ROOT / "requirements" / "dev.lock").read_bytes()
+    wheels = cache / f"wheels-{hashlib.sha256(lock).hexdigest()[:12]}"  # as images.sh names it
+    if not wheels.is_dir():
+        missing("the images' wheelhouse", f"no {wheels}: run scripts/images.sh")
+    corpus = archive_path().parent  # the text tests' corpus, fetched here once
+    script = ("pip install -q --no-index --find-links /wheels --target /tmp/pt pytest "
+              "pytest-timeout && python -c 'import torch; print(\"torch\", torch.__version__)'"
+              " && PYTHONPATH=/tmp/pt python -m pytest -q -p no:cacheprovider "
+              "-m 'not slow and not docker' " + " ".join(WORKER_TESTS))
+    proc = _docker("run", "--rm", "--network", "host", "-e", "CI=true",
+                   "-e", "XDG_CACHE_HOME=/xdg", "-v", f"{corpus}:/xdg/fedq/data:ro",
+                   "-v", f"{ROOT / 'tests'}:/src/tests:ro",
+                   "-v", f"{ROOT / 'pyproject.toml'}:/src/pyproject.toml:ro",
+                   "-v", f"{wheels}:/wheels:ro", "-w", "/src", image, "sh", "-c", script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    built = pins()[cls].get("default_index") or {"torch": _lock_pin("torch")}
+    assert f"torch {built['torch']}" in out, out[-3000:]  # that image's own torch
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed[1]) >= 70 and " failed" not in out, out[-3000:]
