@@ -1,7 +1,7 @@
 """Run the Byzantine and compression experiment on digits and write its table into
 docs/strategies.md.
 
-    .venv/bin/python -m bench.strategies            # about 3 minutes on 2 cores
+    .venv/bin/python -m bench.strategies            # about 2 minutes on 2 cores
 
 The experiments are tests/test_strategy_jobs.py::test_byzantine_clients_and_int8_updates
 (real jobs on the embedded default with three worker processes: 10 clients, all in
