@@ -12,6 +12,7 @@ missing engine or image fails."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -139,12 +140,43 @@ def _docker_env() -> dict[str, str]:
     return env
 
 
+def stack_files(home: Path) -> tuple[dict[str, str], dict[str, int], Path, Path]:
+    """(passwords, published ports, the secrets folder, the compose env file) of a
+    stack under ``home``, as scripts/env.sh writes them: one file each in a folder only
+    root may enter, the URLs with the compose network's names."""
+    pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
+    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
+    vault = home / "secrets"
+    _write_secrets(vault, {
+        **{f"{k}_password": v for k, v in pw.items()},
+        "broker_url": f"redis://:{pw['redis']}@redis:6379/0",
+        "result_backend": f"redis://:{pw['redis']}@redis:6379/1",
+        "database_url": f"postgresql+psycopg://fedq:{pw['postgres']}@postgres:5432/fedq"})
+    env_file = home / "compose.env"
+    env_file.write_text("".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
+                        f"FEDQ_BIND=127.0.0.1\nSECRETS_DIR={vault}\n")
+    return pw, ports, vault, env_file
+
+
+@contextlib.contextmanager
+def running(s: Stack) -> Iterator[Stack]:
+    """``s`` up; then its worker containers removed and the stack down with its volumes."""
+    try:
+        s.up()
+        yield s
+    finally:
+        for line in s.run("docker", "ps", "-aq", "--filter", f"name={s.project}-w",
+                          check=False).split():
+            s.run("docker", "rm", "-f", line, check=False)
+        subprocess.run([*s.compose, "down", "-v", "--remove-orphans"], env=s.docker,
+                       capture_output=True, timeout=300, check=False)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     docker = _docker_env()
     home = tmp_path_factory.mktemp("deploy")
-    pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
-    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
+    pw, ports, _, env_file = stack_files(home)
     urls = {
         "FEDQ_BROKER_URL": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/0",
         "FEDQ_RESULT_BACKEND": f"redis://:{pw['redis']}@127.0.0.1:{ports['redis']}/1",
@@ -155,17 +187,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "AWS_ACCESS_KEY_ID": "fedq", "AWS_SECRET_ACCESS_KEY": pw["s3"],
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    # the stack's secrets, as scripts/env.sh writes them: one file each in a folder
-    # only root may enter, the URLs with the compose network's names
-    vault = home / "secrets"
-    _write_secrets(vault, {
-        **{f"{k}_password": v for k, v in pw.items()},
-        "broker_url": f"redis://:{pw['redis']}@redis:6379/0",
-        "result_backend": f"redis://:{pw['redis']}@redis:6379/1",
-        "database_url": f"postgresql+psycopg://fedq:{pw['postgres']}@postgres:5432/fedq"})
-    env_file = home / "compose.env"
-    env_file.write_text("".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
-                        f"FEDQ_BIND=127.0.0.1\nSECRETS_DIR={vault}\n")
     # a worker's folder, as docs/deploy.md writes it: its secrets and the settings
     worker_dir = home / "worker"
     _write_secrets(worker_dir, {"broker_url": urls["FEDQ_BROKER_URL"],
@@ -184,17 +205,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     compose = ["docker-compose", "-p", project, "--env-file", str(env_file),
                "-f", str(ROOT / "docker" / "compose.yaml"),
                "-f", str(ROOT / "docker" / "compose.debian.yaml")]
-    s = Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home, ports,
-              pw["flower"], list(pw.values()))
-    try:
-        s.up()
+    with running(Stack(docker, compose, project, Cluster(home, cli_env), worker_env, home,
+                       ports, pw["flower"], list(pw.values()))) as s:
         yield s
-    finally:
-        for line in s.run("docker", "ps", "-aq", "--filter", f"name={project}-w",
-                          check=False).split():
-            s.run("docker", "rm", "-f", line, check=False)
-        subprocess.run([*compose, "down", "-v", "--remove-orphans"], env=docker,
-                       capture_output=True, timeout=300, check=False)
 
 
 def _submit(stack: Stack, **overrides: object) -> str:

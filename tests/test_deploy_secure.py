@@ -16,7 +16,6 @@ A stage of its own (`bash scripts/test-deploy.sh`, marker `docker`)."""
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -26,8 +25,16 @@ import pytest
 
 from fedq.testing.cluster import Cluster
 from fedq.testing.wait import wait_until
-from tests.conftest import free_port
-from tests.test_deploy import JOB, ROOT, Stack, _docker_env, _mounted_secrets, _write_secrets
+from tests.test_deploy import (
+    JOB,
+    ROOT,
+    Stack,
+    _docker_env,
+    _mounted_secrets,
+    _write_secrets,
+    running,
+    stack_files,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
@@ -41,21 +48,11 @@ def _tls_query(folder: Path, ca: str = "ca.crt") -> str:
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     docker = _docker_env()
     home = tmp_path_factory.mktemp("secure")
-    pw = {k: secrets.token_hex(12) for k in ("redis", "postgres", "s3", "flower")}
-    ports = {k: free_port() for k in ("redis", "postgres", "s3", "flower", "metrics")}
+    pw, ports, _, env_file = stack_files(home)  # scripts/env.sh's files
     pki = home / "pki"
     owner = (f"postgresql+psycopg://fedq:{pw['postgres']}@127.0.0.1:{ports['postgres']}/fedq"
              f"?sslmode=verify-full&sslrootcert={pki / 'ca.crt'}")
-    # scripts/env.sh's secrets, then scripts/secure.sh adds the secure stack's
-    vault = home / "secrets"
-    _write_secrets(vault, {
-        **{f"{k}_password": v for k, v in pw.items()},
-        "broker_url": f"redis://:{pw['redis']}@redis:6379/0",
-        "result_backend": f"redis://:{pw['redis']}@redis:6379/1",
-        "database_url": f"postgresql+psycopg://fedq:{pw['postgres']}@postgres:5432/fedq"})
-    env_file = home / "compose.env"
-    env_file.write_text("".join(f"{k.upper()}_PORT={v}\n" for k, v in ports.items()) +
-                        f"FEDQ_BIND=127.0.0.1\nSECRETS_DIR={vault}\n")
+    # then scripts/secure.sh adds the secure stack's
     made = subprocess.run(["bash", str(ROOT / "scripts" / "secure.sh"), "w1"],
                           env={**docker, "FEDQ_ENV_FILE": str(env_file),
                                "FEDQ_PKI_DIR": str(pki)},
@@ -75,17 +72,9 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                "-f", str(ROOT / "docker" / "compose.yaml"),
                "-f", str(ROOT / "docker" / "compose.debian.yaml"),
                "-f", str(ROOT / "docker" / "compose.secure.yaml")]
-    s = Stack(docker, compose, project, Cluster(home, cli_env), home / "unused.env", home,
-              ports, pw["flower"], list(pw.values()))
-    try:
-        s.up()
+    with running(Stack(docker, compose, project, Cluster(home, cli_env), home / "unused.env",
+                       home, ports, pw["flower"], list(pw.values()))) as s:
         yield s
-    finally:
-        for line in s.run("docker", "ps", "-aq", "--filter", f"name={project}-w",
-                          check=False).split():
-            s.run("docker", "rm", "-f", line, check=False)
-        subprocess.run([*compose, "down", "-v", "--remove-orphans"], env=docker,
-                       capture_output=True, timeout=300, check=False)
 
 
 def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: Stack) -> None:
