@@ -4,11 +4,11 @@
 #
 #   bash scripts/env.sh && bash scripts/secure.sh [WORKER...]
 #
-# Makes docker/pki with `fedq provision` (a CA; the services' certificate for `redis`
-# and `postgres`, their names inside the compose network, and FEDQ_BIND, where the CLI
+# Makes docker/pki with `fedq provision` (a CA; the services' certificate for `redis`,
+# `postgres` and `s3`, their names inside the compose network, and FEDQ_BIND, where the CLI
 # and the workers reach them; the coordinator's client certificate; one per WORKER) and adds to the
 # secrets folder what the secure stack mounts:
-#   tls_ca, server_tls_cert, server_tls_key (Redis, PostgreSQL and the dashboard's),
+#   tls_ca, server_tls_cert, server_tls_key (Redis, PostgreSQL, S3 and the dashboard's),
 #   coordinator_tls_cert, coordinator_tls_key
 #   broker_url_tls, result_backend_tls   rediss:// URLs with the coordinator's certificate
 #   control_database_url                 the control worker's own database role (not the
@@ -29,7 +29,7 @@ bind=$(get FEDQ_BIND)
 dir=$(get SECRETS_DIR)
 case "${dir:=./secrets}" in /*) ;; *) dir="docker/${dir#./}" ;; esac
 pki=${FEDQ_PKI_DIR:-docker/pki}
-args=(--host redis --host postgres --host "${bind:-127.0.0.1}")
+args=(--host redis --host postgres --host s3 --host "${bind:-127.0.0.1}")
 for name in "$@"; do args+=(--worker "$name"); done
 mkdir -p "$pki" && chmod 700 "$pki"
 if command -v fedq >/dev/null; then

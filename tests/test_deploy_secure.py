@@ -4,8 +4,8 @@ docs/deploy.md, "The stack with identity and TLS"), on a real Docker engine.
 `scripts/secure.sh` provisions the CA and certificates and writes the secure stack's
 secrets beside the ones `scripts/env.sh` writes; `docker compose up` with the override:
 Redis takes TLS only, with client certificates; PostgreSQL takes TCP logins over TLS
-only; the dashboard answers https; the control worker requires signed results, runs on
-a database role of its own and hands workers presigned S3 URLs. A
+only; the dashboard and S3 answer https only; the control worker requires signed results,
+runs on a database role of its own and hands workers presigned https S3 URLs. A
 worker is added with `fedq worker add` in the control container, joins from a worker
 container on the host's network (as another machine would) with its own certificate
 and no S3 key or database URL, and trains a job submitted by the fedq CLI on the host
@@ -64,7 +64,8 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cli_env = {k: v for k, v in docker.items() if not k.startswith("FEDQ_")}
     cli_env.update(FEDQ_BROKER_URL=f"{admin}/0?{query}", FEDQ_RESULT_BACKEND=f"{admin}/1?{query}",
                    FEDQ_DATABASE_URL=owner, FEDQ_BLOB_URL="s3://fedq/blobs",
-                   FEDQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{ports['s3']}",
+                   FEDQ_S3_ENDPOINT_URL=f"https://127.0.0.1:{ports['s3']}",
+                   AWS_CA_BUNDLE=str(pki / "ca.crt"),
                    AWS_ACCESS_KEY_ID="fedq", AWS_SECRET_ACCESS_KEY=pw["s3"],
                    AWS_DEFAULT_REGION="us-east-1", FEDQ_HOME=str(home / "cli"))
     project = f"fedqs{uuid.uuid4().hex[:8]}"
@@ -103,6 +104,13 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
     assert urllib.request.urlopen(f"https://{flower}", timeout=10, context=ca).status == 200
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(f"http://{flower}", timeout=10)
+    # so does S3 (an S3 error answer is an answer; plain http gets none)
+    s3 = f"127.0.0.1:{stack.ports['s3']}/"
+    with pytest.raises(urllib.error.HTTPError) as answered:
+        urllib.request.urlopen(f"https://{s3}", timeout=10, context=ca)
+    assert answered.value.code == 403, answered.value
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://{s3}", timeout=10)
     # the control worker logs in as its own role, and holds no schema owner's URL
     control = stack.container("control")
     held = stack.run("docker", "exec", control, "cat", "/run/secrets/database_url")
@@ -121,7 +129,7 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
         "exec", "-T", "control", "fedq", "worker", "add", "w1", "--queues", "cpu",
         "--broker-url", f"{reach}/0?{tls}", "--result-backend", f"{reach}/1?{tls}",
         "--blob-url", "s3://fedq/blobs",
-        "--s3-endpoint-url", f"http://127.0.0.1:{stack.ports['s3']}")
+        "--s3-endpoint-url", f"https://127.0.0.1:{stack.ports['s3']}")
     services = json.loads(bundle)["services"]
     assert services["broker_url"].startswith("rediss://fedq-w-w1:"), services
     pki = stack.home / "pki" / "workers" / "w1"
@@ -131,7 +139,9 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
     stack.run("docker", "run", "-d", "--name", container, "--network", "host",
               *(a for name in ("ca.crt", "client.crt", "client.key")
                 for a in ("-v", f"{worker_dir / name}:/etc/fedq/{name}:ro")),
-              "-v", f"{worker_dir / 'bundle'}:/run/fedq.bundle:ro", "fedq-worker:cpu",
+              "-v", f"{worker_dir / 'bundle'}:/run/fedq.bundle:ro",
+              "-e", "AWS_CA_BUNDLE=/etc/fedq/ca.crt",  # its presigned URLs are https
+              "fedq-worker:cpu",
               "sh", "-c", "fedq worker join /run/fedq.bundle && exec celery -A fedq worker "
               "-Q cpu -c 1 -n w1@%h -l INFO")
     wait_until(lambda: "ready." in stack.logs(container), 180, interval=1,

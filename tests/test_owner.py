@@ -467,3 +467,86 @@ def test_queues_auto_sends_an_away_workers_share_to_workers_that_can_train(
     with session_scope(db) as s:  # the owner left: it trains again
         s.get(Worker, "rtx@a").available = True  # type: ignore[union-attr]
     assert split_by_throughput(10, queue_throughput(db, live)) == {"gpu_new": 9, "cpu": 1}
+
+
+def test_clients_per_worker_sizes_a_round_by_the_workers_available_now(
+        tmp_path: Path) -> None:
+    """With `clients_per_worker`, a round takes that many clients per worker consuming
+    the job's queues now and not stepped aside, from the quorum up to
+    clients_per_round; a spec it cannot follow is refused with one line."""
+    from fedq.coordinator.planning import plan_round
+    from fedq.coordinator.roster import LiveView, list_workers
+    from fedq.db import Worker, session_scope
+    from fedq.db.session import ensure_schema
+    from fedq.spec import JobSpec
+
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname=h, queues=["cpu"], hardware={}, available=free)
+                   for h, free in (("a@x", True), ("b@y", False), ("c@z", None))])
+    view = LiveView.of(list_workers(db), {"cpu": ["a@x", "b@y", "c@z"], "gpu_new": ["a@x"]})
+    assert view.available(["cpu"]) == 2  # b@y stepped aside; a@x counts once
+    spec = JobSpec.model_validate({**DIGITS, "num_clients": 20, "clients_per_round": 10,
+                                   "clients_per_worker": 3, "min_clients": 2, "rounds": 1})
+    assert [spec.round_size(n) for n in (None, 0, 1, 2, 3, 4)] == [10, 2, 3, 6, 9, 10]
+    plan = plan_round(spec, 1, None, view.available(["cpu"]))
+    assert len(plan) == 6 and {a.queue for a in plan} == {"cpu"}
+    assert plan == plan_round(spec, 1, None, 2)  # the same clients when planned again
+    auto = spec.model_copy(update={"queues": "auto"})
+    assert [a.queue for a in plan_round(auto, 1, {"gpu_new": 3.0, "cpu": 1.0}, 1)] \
+        == ["gpu_new", "gpu_new", "cpu"]
+    for extra, says in (({"aggregation": {"mode": "buffered", "buffer": 2}},
+                         "sizes synchronous rounds"),
+                        ({"queues": {"cpu": 5, "gpu_new": 5}}, "needs queues: auto or a single"),
+                        ({"dp": {"clip_norm": 1.0, "noise_multiplier": 1.0}},
+                         "cannot be used with dp")):
+        with pytest.raises(ValueError, match=says):
+            JobSpec.model_validate({**spec.model_dump(exclude_unset=True), **extra,
+                                    "min_clients": 1})
+
+
+@pytest.mark.slow
+def test_a_round_is_sized_by_the_workers_that_can_train_now(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """Two workers, one on a laptop that is unplugged (FEDQ_AC_ONLY): a job with
+    `clients_per_worker: 2` plans 2 clients a round; once the laptop is plugged in and
+    back, the next job plans 4. Every planned client trains once."""
+    from fedq.db import Round
+
+    cluster = redis_cluster
+    power = tmp_path / "power_supply"
+    _supply(power, "BAT0", "Battery", None)
+    _supply(power, "AC", "Mains", "0")  # on battery
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    cluster.add("steady", ["cpu"])
+    laptop = cluster.add("laptop", ["cpu"], FEDQ_AC_ONLY="1", FEDQ_RESUME_AFTER_S="1",
+                         FEDQ_POWER_SUPPLY_DIR=str(power))
+    db = cluster.env["FEDQ_DATABASE_URL"]
+
+    def laptop_is(free: bool) -> bool:
+        from fedq.coordinator.roster import list_workers
+
+        return any(w["hostname"] == "laptop@test" and w["available"] is free
+                   for w in list_workers(db))
+
+    spec = {**DIGITS, "name": "sized", "num_clients": 8, "clients_per_round": 8,
+            "clients_per_worker": 2, "rounds": 1}
+    wait_until(lambda: laptop_is(False), 60, what=laptop.tail)
+    first = cluster.submit(spec)
+    assert cluster.wait(first).status == "completed"
+    (power / "AC" / "online").write_text("1\n")
+    wait_until(lambda: laptop_is(True), 60, what=laptop.tail)
+    wait_until(lambda: b"training resumes" in laptop.log_path.read_bytes(), 30,
+               what=laptop.tail)
+    second = cluster.submit(spec)
+    assert cluster.wait(second).status == "completed"
+    with session_scope(db) as s:
+        planned = {r.job_id: r.planned["clients"] for r in s.scalars(select(Round))}
+    assert len(planned[first]) == 2 and len(planned[second]) == 4, planned
+    for job in (first, second):
+        ok = sorted(u.client for u in cluster.updates(job) if u.status == UpdateStatus.OK)
+        assert ok == planned[job]
+    control_log = cluster.by_name("control").log_path.read_text()
+    assert "2 worker(s) available: 4 client(s) (of 8)" in control_log

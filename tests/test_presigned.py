@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,86 @@ def _run(tmp_path: Path, endpoint: str, redis_db: str, pg_url: str) -> None:
                f"through a URL its task carried", fedq=f"refused by S3: HTTP {code}",
                guard="S3's signature over the object and method (blobs/presigned.py)",
                outcome="refused; the worker held no S3 key and trained the job")
+
+
+def test_presigned_urls_over_https_trust_only_the_ca_aws_ca_bundle_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker reads and writes through https URLs when AWS_CA_BUNDLE names the CA of
+    the S3 server's certificate; it refuses the same server without it (the system's
+    CAs do not know a private CA), and an impostor at the same address whose
+    certificate another CA signed, saying why, never with the URL's signature."""
+    import hashlib
+
+    from fedq.blobs.base import BlobRef
+    from fedq.blobs.presigned import PresignedStore
+    from fedq.errors import BlobError
+    from fedq.provision import provision
+
+    provision(tmp_path / "pki", ["127.0.0.1"], [])
+    provision(tmp_path / "impostor", ["127.0.0.1"], [])  # a CA fedq never made
+    objects: dict[str, bytes] = {"/jobs/j/global": b"model bytes"}
+    ref = BlobRef("global", hashlib.sha256(b"model bytes").hexdigest(), 11)
+    with _https_s3(tmp_path / "pki", objects) as base:
+        links = {"get": {"global": f"{base}/jobs/j/global?X-Amz-Signature=secret"},
+                 "put": {"up": f"{base}/jobs/j/up?X-Amz-Signature=secret"}}
+        monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+        with pytest.raises(BlobError, match="CERTIFICATE_VERIFY_FAILED") as refused:
+            PresignedStore(links).get(ref)
+        assert "secret" not in str(refused.value)
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "pki" / "ca.crt"))
+        store = PresignedStore(links)
+        assert store.get(ref) == b"model bytes"
+        assert store.put_parts("up", [b"an ", b"update"]).size == 9
+        assert objects["/jobs/j/up"] == b"an update"
+    with _https_s3(tmp_path / "impostor", objects) as base:
+        links = {"get": {"global": f"{base}/jobs/j/global?X-Amz-Signature=secret"},
+                 "put": {"up": f"{base}/jobs/j/up?X-Amz-Signature=secret"}}
+        with pytest.raises(BlobError, match="CERTIFICATE_VERIFY_FAILED") as refused:
+            PresignedStore(links).put_parts("up", [b"stolen update"])
+        assert "secret" not in str(refused.value) and objects["/jobs/j/up"] == b"an update"
+    record("security", scenario="presigned https: an impostor S3 server",
+           did="answered the worker's presigned URLs with a certificate of another CA",
+           fedq=f"refused before sending a byte: {str(refused.value).split(' (_ssl')[0]}",
+           guard="the S3 certificate checked against AWS_CA_BUNDLE (blobs/presigned.py)",
+           outcome="refused; the update went to no one")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.crt"))
+    with pytest.raises(BlobError, match="AWS_CA_BUNDLE: cannot read"):
+        PresignedStore(links)
+
+
+@contextmanager
+def _https_s3(pki: Path, objects: dict[str, bytes]) -> Iterator[str]:
+    """An https server with ``pki``'s server certificate that GETs and PUTs ``objects``
+    by path (the S3 calls a presigned URL makes; no signature is checked here)."""
+    import http.server
+    import ssl
+    import threading
+
+    class S3(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = objects.get(self.path.split("?")[0], b"")
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_PUT(self) -> None:  # noqa: N802
+            size = int(self.headers["Content-Length"])
+            objects[self.path.split("?")[0]] = self.rfile.read(size)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), S3)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki / "server" / "server.crt", pki / "server" / "server.key")
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

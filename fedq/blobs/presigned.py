@@ -8,11 +8,19 @@ coordinator's S3 key for that one object and method and valid until the task
 expires. The worker reads and writes through them (:class:`PresignedStore`) and
 nothing else; a URL for one key is refused by S3 for any other, so a worker can
 neither read another client's update nor write the global model.
+
+Over https, the S3 server's certificate is checked against the system's CAs, or only
+against the CA file ``AWS_CA_BUNDLE`` names (the variable the coordinator's S3 client,
+boto3, reads for the same purpose), as a private CA's deployment needs
+(docs/deploy.md, "The stack with identity and TLS").
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -33,6 +41,7 @@ class PresignedStore(BlobStore):
         get, put = links.get("get"), links.get("put")  # checked by wire.check_task
         self._get: dict[str, str] = dict(get) if isinstance(get, dict) else {}
         self._put: dict[str, str] = dict(put) if isinstance(put, dict) else {}
+        self._tls = _tls_context()
 
     @property
     def upload_key(self) -> str:
@@ -63,7 +72,8 @@ class PresignedStore(BlobStore):
         request = urllib.request.Request(url, data=body(), method="PUT",
                                          headers={"Content-Length": str(size)})
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S,
+                                        context=self._tls) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as exc:
             raise BlobError(f"cannot write {key} through its presigned URL: "
@@ -85,7 +95,7 @@ class PresignedStore(BlobStore):
     def _fetch(self, key: str, limit: int | None) -> bytes:
         url = self._url(self._get, key, "read")
         try:
-            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=self._tls) as response:
                 size = response.headers.get("Content-Length")
                 if limit is not None and size is not None and int(size) > limit:
                     raise BlobTooLarge(f"blob {key} is {size} bytes, more than the {limit} "
@@ -112,6 +122,21 @@ class PresignedStore(BlobStore):
 
     def check(self) -> None:
         return None
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The https check for presigned URLs: the system's CAs, or only ``AWS_CA_BUNDLE``'s
+    (made once per file: loading a CA store costs milliseconds, a task may be tiny)."""
+    return _context_for(os.environ.get("AWS_CA_BUNDLE") or None)
+
+
+@functools.lru_cache(maxsize=4)
+def _context_for(bundle: str | None) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=bundle)
+    except (OSError, ssl.SSLError) as exc:
+        raise BlobError(f"AWS_CA_BUNDLE: cannot read {bundle} as a CA file "
+                        f"({exc.strerror or exc})") from None
 
 
 def _reason(exc: Exception) -> str:

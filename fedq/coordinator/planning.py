@@ -12,15 +12,27 @@ from fedq.engine.names import TRAINING_QUEUES
 from fedq.spec import JobSpec
 
 
-def queue_counts(spec: JobSpec, live_throughput: dict[str, float] | None = None
-                 ) -> dict[str, int]:
-    """How many tasks go to each training queue per round (sums to clients_per_round):
-    the spec's ``queues``, or with ``queues: auto`` a split following
-    ``live_throughput`` (queue -> summed samples/s of its live workers; with none
-    known, every task goes to ``cpu``)."""
+def queue_counts(spec: JobSpec, live_throughput: dict[str, float] | None = None,
+                 size: int | None = None) -> dict[str, int]:
+    """How many tasks go to each training queue per round (sums to ``size``, by default
+    clients_per_round): the spec's ``queues``, or with ``queues: auto`` a split
+    following ``live_throughput`` (queue -> summed samples/s of its live workers; with
+    none known, every task goes to ``cpu``). A ``size`` other than clients_per_round
+    (``clients_per_worker``) goes to the spec's one queue (JobSpec checks there is one)."""
+    tasks = spec.clients_per_round if size is None else size
     if spec.queues == "auto":
-        return split_by_throughput(spec.clients_per_round, live_throughput or {})
-    return spec.fixed_queue_counts()
+        return split_by_throughput(tasks, live_throughput or {})
+    counts = spec.fixed_queue_counts()
+    if tasks == spec.clients_per_round:
+        return counts
+    (queue,) = counts
+    return {queue: tasks}
+
+
+def sized_queues(spec: JobSpec) -> list[str]:
+    """The training queues whose workers size a round (``clients_per_worker``)."""
+    return list(TRAINING_QUEUES) if spec.queues == "auto" else \
+        [q for q, n in spec.queues.items() if n]
 
 
 def split_by_throughput(tasks: int, throughput: dict[str, float]) -> dict[str, int]:
@@ -46,12 +58,15 @@ class Assignment:
 
 
 def plan_round(spec: JobSpec, round_number: int,
-               live_throughput: dict[str, float] | None = None) -> list[Assignment]:
+               live_throughput: dict[str, float] | None = None,
+               available: int | None = None) -> list[Assignment]:
     """Which clients train in ``round_number`` and on which queue; a pure function of
-    (spec, round, live throughput), so a re-planned round picks the same clients."""
+    (spec, round, live throughput, workers available), so a re-planned round picks the
+    same clients. ``available`` sizes the round when the spec sets
+    ``clients_per_worker`` (JobSpec.round_size)."""
+    size = spec.round_size(available)
     rng = np.random.default_rng([spec.seed, round_number])
-    clients = sorted(int(c) for c in rng.choice(spec.num_clients, spec.clients_per_round,
-                                                replace=False))
-    queues = [q for q, n in queue_counts(spec, live_throughput).items()
+    clients = sorted(int(c) for c in rng.choice(spec.num_clients, size, replace=False))
+    queues = [q for q, n in queue_counts(spec, live_throughput, size).items()
               for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]

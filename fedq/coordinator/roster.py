@@ -219,22 +219,47 @@ def queue_throughput(db_url: str, live: dict[str, list[str]]) -> dict[str, float
     the median of the measured ones (or 1.0 when none is measured). A worker that has
     stepped aside for its machine's owner (docs/owners.md) counts nothing: it stops
     consuming, but Celery's inspect may still list its queue for a moment."""
-    workers = list_workers(db_url)
-    rows = {w["hostname"]: w["samples_per_second"] for w in workers}
-    away = {w["hostname"] for w in workers if w["available"] is False}
-    measured = sorted(v for v in rows.values() if v)
-    default = measured[len(measured) // 2] if measured else 1.0
-    return {q: sum(0.0 if h in away else rows.get(h) or default for h in hosts)
-            for q, hosts in live.items()}
+    return LiveView.of(list_workers(db_url), live).throughput
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """The training workers as the round planner sees them now: who consumes each queue
+    (Celery's inspect), their summed throughput, and who has stepped aside."""
+
+    consumers: dict[str, list[str]]  # queue -> hostnames of its live consumers
+    throughput: dict[str, float]  # queue -> summed samples/s (away workers: 0)
+    away: frozenset[str]
+
+    @classmethod
+    def of(cls, workers: list[dict[str, Any]], live: dict[str, list[str]]) -> LiveView:
+        rows = {w["hostname"]: w["samples_per_second"] for w in workers}
+        away = frozenset(w["hostname"] for w in workers if w["available"] is False)
+        measured = sorted(v for v in rows.values() if v)
+        default = measured[len(measured) // 2] if measured else 1.0
+        return cls(live, {q: sum(0.0 if h in away else rows.get(h) or default for h in hosts)
+                          for q, hosts in live.items()}, away)
+
+    def available(self, queues: Iterable[str]) -> int:
+        """Workers consuming any of ``queues`` now that have not stepped aside."""
+        return len({h for q in queues for h in self.consumers.get(q, ())
+                    if h not in self.away})
+
+
+def live_view(settings: Settings) -> LiveView | None:
+    """The planner's view of the live workers; None when no worker answers inspect in
+    time (the planner then plans as if nothing were known)."""
+    try:
+        live = live_queues(timeout=1.0)
+    except Exception:  # noqa: BLE001 - no answer from the broker: plan blind
+        return None
+    return LiveView.of(list_workers(settings.database_url), live)
 
 
 def live_throughput(settings: Settings) -> dict[str, float]:
     """Queue -> summed measured throughput of its live consumers (for ``queues: auto``)."""
-    try:
-        live = live_queues(timeout=1.0)
-    except Exception:  # no answer: plan as if nothing is measured
-        return {}
-    return queue_throughput(settings.database_url, live)
+    view = live_view(settings)
+    return view.throughput if view is not None else {}
 
 
 @dataclass(frozen=True)

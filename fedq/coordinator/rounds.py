@@ -20,8 +20,8 @@ from sqlalchemy.exc import IntegrityError
 from fedq.blobs import BlobRef
 from fedq.coordinator.intake import Sent, task_id
 from fedq.coordinator.pipeline import step_of
-from fedq.coordinator.planning import Assignment, plan_round
-from fedq.coordinator.roster import live_throughput
+from fedq.coordinator.planning import Assignment, plan_round, sized_queues
+from fedq.coordinator.roster import live_view
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
@@ -60,8 +60,16 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             return {"status": "skipped", "reason": f"job is at round {job.committed_round}"}
         spec = JobSpec.stored(job.spec)
         model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
+        view = live_view(settings) \
+            if spec.queues == "auto" or spec.clients_per_worker is not None else None
+        available = view.available(sized_queues(spec)) \
+            if view is not None and spec.clients_per_worker is not None else None
         plan = plan_round(spec, round_number,
-                          live_throughput(settings) if spec.queues == "auto" else None)
+                          view.throughput if view is not None and spec.queues == "auto"
+                          else None, available)
+        if available is not None:
+            log.info("job %s round %d: %d worker(s) available: %d client(s) (of %d)",
+                     job_id, round_number, available, len(plan), spec.clients_per_round)
         rnd = Round(job_id=job_id, number=round_number, status=RoundStatus.TRAINING, attempt=1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s),
                     planned={"clients": [a.client for a in plan],

@@ -222,6 +222,11 @@ class JobSpec(_Strict):
     partition: Partition = Field(default_factory=IIDPartition)
     num_clients: int = Field(ge=1, le=100_000, description="clients the data is split into")
     clients_per_round: int = Field(ge=1, description="clients sampled each round")
+    clients_per_worker: int | None = Field(
+        default=None, ge=1, description="size each round by who can train now: this many "
+                                        "clients per available worker, from the quorum up "
+                                        "to clients_per_round (unset: every round takes "
+                                        "clients_per_round)")
     rounds: int = Field(ge=1, le=100_000)
     local_epochs: int | None = Field(default=1, ge=1, description="passes over the shard")
     local_steps: int | None = Field(default=None, ge=1, description="or a fixed step count")
@@ -321,6 +326,7 @@ class JobSpec(_Strict):
             yield ("min_clients", f"{self.quorum} exceeds clients_per_round "
                                   f"({self.clients_per_round})")
         yield from self._unused()
+        yield from self._sizing_problems()
         if self.streaming is not None and self.buffered:
             yield ("streaming", "needs synchronous rounds (aggregation.mode: sync): each "
                                 "round synchronises the next fragment")
@@ -393,6 +399,30 @@ class JobSpec(_Strict):
         if self.weight_by != "samples" and (self.dp is not None or not weighted):
             yield ("weight_by", "not used: " + ("DP weighs every update alike" if self.dp
                                                  else f"{self.reducer.name} is unweighted"))
+
+    def _sizing_problems(self) -> Iterator[tuple[str, str]]:
+        """``clients_per_worker`` changes how many clients a round takes, which only a
+        synchronous round on one queue (or ``queues: auto``) without DP can follow."""
+        if self.clients_per_worker is None:
+            return
+        if self.buffered:
+            yield ("clients_per_worker", "sizes synchronous rounds; a buffered job keeps "
+                                         "clients_per_round tasks in flight")
+        elif self.dp is not None:
+            yield ("clients_per_worker", "cannot be used with dp: the privacy accountant "
+                                         "assumes clients_per_round clients every round")
+        elif self.queues != "auto" and len([n for n in self.queues.values() if n]) > 1:
+            yield ("clients_per_worker", "needs queues: auto or a single queue (a fixed "
+                                         "split over queues fixes the round's size)")
+
+    def round_size(self, available: int | None) -> int:
+        """Clients in a round when ``available`` workers can train now (None: unknown):
+        ``clients_per_worker`` per available worker, from the quorum (rounds wait for
+        workers to come back rather than shrink below it) up to ``clients_per_round``."""
+        if self.clients_per_worker is None or available is None:
+            return self.clients_per_round
+        return max(min(self.quorum, self.clients_per_round),
+                   min(self.clients_per_round, available * self.clients_per_worker))
 
     @property
     def buffered(self) -> bool:
