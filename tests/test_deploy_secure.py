@@ -150,7 +150,11 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
     assert "joined as w1" in stack.logs(container)
 
     job = cli.submit({**JOB, "name": "secure", "rounds": 2})
-    view = cli.wait(job, timeout=400)
+    try:
+        view = cli.wait(job, timeout=400)
+    except AssertionError as exc:  # say what the control worker and the worker saw
+        raise AssertionError(f"{exc}\ncontrol:\n{stack.logs(control)[-4000:]}\n"
+                             f"{container}:\n{stack.logs(container)[-4000:]}") from None
     assert view.status == "completed", f"{view.error}\n{stack.logs(container)[-3000:]}"
     rows = [u for u in cli.updates(job) if u.status == "ok"]
     assert len(rows) == 4 and {u.signer for u in rows} == {"w1"}, rows
