@@ -69,6 +69,25 @@ def test_a_spec_mistake_is_one_line_with_its_place(tmp_path: Path) -> None:
         load_inference(path)
 
 
+def test_parquet_takes_each_ops_columns_and_refuses_a_line_that_does_not_fit(
+        tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from fedq.errors import FedqError
+    from fedq.inference.jobs import _write_parquet
+
+    shards = [encode_rows([{"i": 0, "text": "to be"}, {"i": 1, "text": ""}]),
+              encode_rows([{"i": 2, "text": "é"}])]
+    assert _write_parquet(tmp_path / "g.parquet", "generate", iter(shards)) == 3
+    assert pq.read_table(tmp_path / "g.parquet").to_pylist() == [
+        {"i": 0, "text": "to be"}, {"i": 1, "text": ""}, {"i": 2, "text": "é"}]
+    with pytest.raises(FedqError, match="does not fit op score"):
+        _write_parquet(tmp_path / "s.parquet", "score",
+                       iter([encode_rows([{"i": 0, "logprob": -1.0, "tokens": 3, "x": 1}])]))
+    with pytest.raises(FedqError, match="no columns known for op 'paint'"):
+        _write_parquet(tmp_path / "p.parquet", "paint", iter([]))
+
+
 def test_every_output_line_is_checked() -> None:
     good = encode_rows([{"i": 5, "label": 1, "probs": [0.25, 0.75]},
                         {"i": 6, "label": 0, "probs": [1.0, 0.0]}])
@@ -224,8 +243,19 @@ def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
     assert worst <= 1e-5, worst
     assert all(r["label"] == max(range(10), key=w.__getitem__) for r, w in zip(got, want)
                if sorted(w)[-1] - sorted(w)[-2] > 1e-4)
+    # the same outputs as Parquet: the op's columns, a row group per shard, input order
+    import pyarrow.parquet as pq
+
+    table = embedded.fedq("results", job, "--out", str(tmp_path / "out.parquet")).stdout
+    assert f"{len(want)} outputs" in table
+    parquet = pq.ParquetFile(tmp_path / "out.parquet")
+    assert parquet.schema_arrow.names == ["i", "label", "probs"]
+    probs = parquet.schema_arrow.field("probs").type
+    assert str(probs).startswith("list<") and str(probs.value_type) == "double"
+    assert parquet.read().to_pylist() == got
     data = json.loads(embedded.fedq("results", job, "--json").stdout)
     assert data["status"] == "completed" and data["done_items"] == len(want)
+    assert parquet.metadata.num_row_groups == data["shards"]
     assert {w["worker"].split("@")[0] for w in data["workers"]} == {"w1", "w2"}
     table = embedded.fedq("results", job).stdout
     assert "items/s" in table and "w1@test" in table
@@ -348,6 +378,10 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
     assert "completed" in watched.stdout, watched.stdout + watched.stderr
     cluster.fedq("results", job, "--out", str(out))
     got = _read_out(out)
+    import pyarrow.parquet as pq
+
+    cluster.fedq("results", job, "--out", str(tmp_path / "out.parquet"))
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == got  # logprob, tokens
     model = _gpt(weights)
     texts = [*PROMPTS[:-2], long]
     assert [r["i"] for r in got] == list(range(len(texts)))

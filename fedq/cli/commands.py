@@ -108,7 +108,8 @@ def _inference(job_id: str) -> Any:
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="follow the job with a progress bar until it finishes")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="with --wait: write the outputs here when it completes (JSONL)")
+              help="with --wait: write the outputs here when it completes (JSONL; a "
+                   "name ending .parquet: Parquet)")
 @click.option("--timeout", default=0.0, help="--wait: give up after this many seconds")
 @expected_errors
 def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) -> None:
@@ -343,7 +344,8 @@ def resume(job_id: str) -> None:
 @click.option("--clients", "per_client", is_flag=True,
               help="also a table per client update: device, AMP, samples/s, GPU use")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="an inference job: write its outputs here (JSONL, in input order)")
+              help="an inference job: write its outputs here, in input order (JSONL; a "
+                   "name ending .parquet: Parquet)")
 @expected_errors
 def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool,
             out_path: Path | None) -> None:

@@ -16,12 +16,14 @@ sha256 and size bound, each line: :func:`fedq.inference.messages.check_output`).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +41,7 @@ from fedq.db.session import ensure_schema
 from fedq.engine.app import app
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
-from fedq.errors import BlobError, FedqError, JobNotFound, SpecError
+from fedq.errors import BlobError, FedqError, JobNotFound, SpecError, require_extra
 from fedq.inference.messages import (
     LINE_BYTES,
     check_output,
@@ -658,9 +660,13 @@ def recent(settings: Settings, limit: int = 20) -> list[dict[str, Any]]:
 
 
 def merge(settings: Settings, job_id: str, out: Path) -> int:
-    """Write the completed job's outputs to ``out`` (JSONL, input order), each shard's
-    blob checked against its sha256; written to a temporary file and renamed, so ``out``
-    is whole or untouched. The lines written."""
+    """Write the completed job's outputs to ``out`` in input order, each shard's blob
+    checked against its sha256: JSONL, or Parquet when ``out`` ends in ``.parquet`` (one
+    row group per shard, the columns of the job's op: :func:`parquet_schema`). Written
+    to a temporary file and renamed, so ``out`` is whole or untouched. The rows written."""
+    parquet = out.suffix.lower() == ".parquet"
+    if parquet:
+        require_extra("pyarrow", "parquet", f"--out {out.name} (Parquet)")
     with session_scope(settings.database_url) as s:
         job = s.get(InferenceJob, job_id)
         if job is None:
@@ -671,16 +677,12 @@ def merge(settings: Settings, job_id: str, out: Path) -> int:
         refs = [BlobRef(r.key or "", r.sha256 or "", r.size or 0) for r in s.scalars(
             select(InferenceShard).where(InferenceShard.job_id == job_id)
             .order_by(InferenceShard.shard))]
-        items = job.items
+        items, op = job.items, str(job.spec.get("op", ""))
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
-    lines = 0
+    bodies = (store.get(ref, limit=ref.size) for ref in refs)
     try:
-        with open(tmp, "wb") as fh:
-            for ref in refs:
-                body = store.get(ref, limit=ref.size)
-                fh.write(body)
-                lines += body.count(b"\n")
+        lines = _write_parquet(tmp, op, bodies) if parquet else _write_jsonl(tmp, bodies)
         if lines != items:
             raise FedqError(f"job {job_id}: {lines} output lines for {items} items")
         os.replace(tmp, out)
@@ -690,6 +692,53 @@ def merge(settings: Settings, job_id: str, out: Path) -> int:
         if tmp.exists():
             tmp.unlink()
     return lines
+
+
+def _write_jsonl(path: Path, bodies: Iterable[bytes]) -> int:
+    lines = 0
+    with open(path, "wb") as fh:
+        for body in bodies:
+            fh.write(body)
+            lines += body.count(b"\n")
+    return lines
+
+
+def parquet_schema(op: str) -> Any:
+    """The Parquet columns of an op's outputs: the JSONL lines' keys, typed (checked
+    when each shard arrived: fedq/inference/messages.py, ``check_output``)."""
+    import pyarrow as pa
+
+    columns = {"classify": [("label", pa.int64()), ("probs", pa.list_(pa.float64()))],
+               "score": [("logprob", pa.float64()), ("tokens", pa.int64())],
+               "generate": [("text", pa.string())],
+               "embed": [("embedding", pa.list_(pa.float64()))]}
+    if op not in columns:
+        raise FedqError(f"Parquet: no columns known for op {op!r}")
+    return pa.schema([("i", pa.int64()), *columns[op]])
+
+
+def _write_parquet(path: Path, op: str, bodies: Iterable[bytes]) -> int:
+    """Each shard's JSONL as one row group, parsed by Arrow with the op's schema (a line
+    with another key or type is an error, not a guess)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    schema = parquet_schema(op)
+    options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+    rows = 0
+    with pq.ParquetWriter(path, schema) as writer:
+        for body in bodies:
+            try:
+                table = pj.read_json(io.BytesIO(body), parse_options=options,
+                                     read_options=pj.ReadOptions(  # the shard in one block
+                                         block_size=max(len(body), 1 << 16)))
+            except pa.ArrowInvalid as exc:
+                raise FedqError(f"Parquet: a shard's output does not fit op {op}: "
+                                f"{str(exc).splitlines()[0]}") from None
+            writer.write_table(table.select(schema.names).cast(schema))
+            rows += table.num_rows
+    return rows
 
 
 def wait(settings: Settings, job_id: str, timeout: float = 0, interval: float = 0.5,
