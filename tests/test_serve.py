@@ -40,6 +40,37 @@ SERVED = Served(name="m", op="classify", model={}, arch={}, classes=3, input_sha
                 queues=["cpu"])
 
 
+def test_a_streamed_answer_takes_only_checked_progress_and_a_final_that_continues_it() -> None:
+    """What a worker writes while it generates is hostile too: anything but a list of
+    strings no longer than their items' max_tokens is ignored; a piece that does not
+    continue what was sent is not sent; a final answer that does not continue the
+    stream ends it with an error event, never with other text."""
+    import asyncio
+
+    from fedq.inference.serve import _Item, _pass_on, stream_events, stream_texts
+
+    async def run(progress: list[Any], final: str) -> list[str]:
+        loop = asyncio.get_running_loop()
+        item = _Item({"prompt": "p", "max_tokens": 8}, loop.create_future(), asyncio.Queue())
+        other = _Item({"prompt": "q", "max_tokens": 8}, loop.create_future())
+        for data in progress:
+            _pass_on([item, other], stream_texts(data, [item, other]))
+        item.future.set_result(({"text": final}, 2))
+        return [e async for e in stream_events(item, {"id": "c"})]
+
+    events = asyncio.run(run([{"stream": ["to"]}, {"stream": ["to be"]},
+                              {"stream": ["x" * 9]},  # longer than max_tokens: ignored
+                              {"stream": "to be"}, {"stream": [1]}, ["to be"],  # not texts
+                              {"stream": ["to", "be", "or"]},  # more texts than items
+                              {"stream": ["tx"]}],  # does not continue "to be": not sent
+                             "to be or"))
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["to", " be", " or"] and events[-1] == "data: [DONE]\n\n"
+    events = asyncio.run(run([{"stream": ["to be"]}], "not that"))
+    assert "does not continue what was streamed" in events[-2] and "not that" not in \
+        "".join(events)
+
+
 def test_requests_and_answers_are_checked() -> None:
     assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
         [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]
@@ -86,6 +117,16 @@ def _post(port: int, path: str, body: Any, key: str | None = None,
             return resp.status, json.loads(resp.read()), dict(resp.headers)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def _sse(port: int, path: str, body: Any) -> list[str]:
+    """The ``data:`` fields of a server-sent event stream, read to its end."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text = resp.read().decode()
+    return [block[len("data: "):] for block in text.split("\n\n") if block.strip()]
 
 
 class Gateway:
@@ -217,6 +258,17 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
                                 {"prompt": "Good my lord", "max_tokens": 5, "seed": 1})
         assert status == 200 and body["object"] == "text_completion", body
         assert 0 < len(body["choices"][0]["text"]) <= 5  # 5 bytes (an untrained model's)
+        # streamed (server-sent events): pieces while the worker generates, which add up
+        # to the text the same request gets whole, then the finish and [DONE]
+        ask = {"prompt": "Good my lord", "max_tokens": 256, "seed": 3}
+        status, whole, _ = _post(gateway.port, "/v1/completions", ask)
+        assert status == 200, whole
+        events = _sse(gateway.port, "/v1/completions", {**ask, "stream": True})
+        assert events[-1] == "[DONE]", events
+        pieces = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert len(pieces) >= 2 and all(p["finish_reason"] is None for p in pieces[:-1])
+        assert pieces[-1]["finish_reason"] == "length"
+        assert "".join(p["text"] for p in pieces) == whole["choices"][0]["text"]
         texts = ["Good my lord", "", "It is a wise father that knows his own child. " * 2]
         status, body, _ = _post(gateway.port, "/v1/embeddings", {"input": texts})
         assert status == 200 and body["object"] == "list", body

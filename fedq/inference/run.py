@@ -7,10 +7,11 @@ pay no download and no build."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -113,17 +114,40 @@ def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device: torch.device,
-             max_tokens: int, temperature: float, top_k: int, seed: int) -> list[dict[str, Any]]:
+             max_tokens: int, temperature: float, top_k: int, seed: int,
+             on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
     """Each prompt continued by ``max_tokens`` bytes; item ``i`` samples with seed
-    ``seed + i``, so the text does not depend on how the items were sharded."""
+    ``seed + i``, so the text does not depend on how the items were sharded.
+    ``on_text(n, text)``: prompt ``n``'s text so far, at most every
+    :data:`STREAM_EVERY_S` (the first token at once), cut before a UTF-8 sequence that is
+    not complete yet, so that the final text always continues it."""
     rows = []
     for n, prompt in enumerate(prompts):
         ids = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
         gen = torch.Generator(device=device).manual_seed(seed + start + n)
         out = model.generate(ids[None, :].to(device), max_tokens,  # type: ignore[operator]
-                             temperature=temperature, top_k=top_k or None, generator=gen)
+                             temperature=temperature, top_k=top_k or None, generator=gen,
+                             on_token=_streamer(n, len(ids), on_text) if on_text else None)
         rows.append({"i": start + n, "text": text_data.decode(out[0, len(ids):].cpu())})
     return rows
+
+
+STREAM_EVERY_S = 0.05
+
+
+def _streamer(n: int, skip: int, on_text: Callable[[int, str], None]
+              ) -> Callable[[torch.Tensor], None]:
+    last = [float("-inf")]
+
+    def on_token(idx: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if now - last[0] < STREAM_EVERY_S:
+            return
+        last[0] = now
+        raw = bytes(int(v) for v in idx[0, skip:].tolist())
+        on_text(n, codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=False))
+
+    return on_token
 
 
 @torch.no_grad()
@@ -231,10 +255,13 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
                 "seconds": time.perf_counter() - start}
 
 
-def serve_batch(data: Any, store: BlobStore, worker: str) -> dict[str, Any]:
+def serve_batch(data: Any, store: BlobStore, worker: str,
+                progress: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """One batch of ``fedq serve`` requests: classify images, embed or continue
     prompts; the outputs in order (never raises). The model stays loaded between
-    batches."""
+    batches. ``progress(texts)``, while completions are generated: the text of each
+    item so far (the finished ones whole, then the one being generated), for the
+    gateway's streamed answers."""
     start = time.perf_counter()
     try:
         msg = parse_batch(data)
@@ -249,10 +276,17 @@ def serve_batch(data: Any, store: BlobStore, worker: str) -> dict[str, Any]:
             rows = embed(model, msg.items, 0, len(msg.items), device)
         else:
             rows = []
+            texts: list[str] = []
+
+            def so_far(_: int, text: str) -> None:
+                if progress is not None:
+                    progress([*texts, text])
+
             for n, item in enumerate(msg.items):
                 out = generate(model, [item["prompt"]], 0, device, item["max_tokens"],
-                               item["temperature"], item["top_k"], item["seed"])
+                               item["temperature"], item["top_k"], item["seed"], so_far)
                 rows.append({**out[0], "i": n})
+                texts.append(out[0]["text"])
         return {"status": "ok", "outputs": rows, "worker": worker,
                 "seconds": time.perf_counter() - start}
     except Exception as exc:  # noqa: BLE001 - reported as data; the gateway sends it again

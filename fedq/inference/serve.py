@@ -15,6 +15,13 @@ shard's (fedq/inference/messages.py) before any of it is returned.
   more; then its requests get 504 (no answer) or 502 (a refused answer).
 - ``FEDQ_SERVE_API_KEY`` set: every request but ``/health`` needs
   ``Authorization: Bearer KEY`` (compared in constant time).
+- ``"stream": true`` on a completion: server-sent events as OpenAI's API sends them.
+  The worker writes each item's text so far into its batch task's state
+  (``STREAMING``, at most every 50 ms); the gateway, which polls that state anyway,
+  checks it (a list of strings, no longer than the items' ``max_tokens``) and sends
+  what was added. The final answer is checked as a non-streamed one is; if it does not
+  continue what was streamed, the stream ends with an error event. Streamed pieces are
+  not signed (with identity required, the final answer is).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from fedq.engine.app import app
 from fedq.engine.names import SERVE_TASK, TRAINING_QUEUES
 from fedq.inference.messages import check_output
 from fedq.inference.run import encode_rows
-from fedq.wire import MESSAGE_FORMAT, FormatError
+from fedq.wire import MESSAGE_FORMAT, STREAM_STATE, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,8 @@ class Served:
 class _Item:
     body: Any
     future: asyncio.Future[tuple[Any, int]]
+    texts: asyncio.Queue[str] | None = None  # streamed: each newer text so far
+    last: str = ""
 
 
 @dataclass
@@ -100,18 +109,18 @@ class Batcher:
     def __post_init__(self) -> None:
         self.op = self.op or self.served.op
 
-    def admit(self, bodies: list[Any]) -> list[asyncio.Future[tuple[Any, int]]] | None:
+    def admit(self, bodies: list[Any], stream: bool = False) -> list[_Item] | None:
         """Queue the items, or None when that would pass ``max_queue`` (a 503)."""
         if self.pending + len(bodies) > self.served.max_queue:
             return None
         loop = asyncio.get_running_loop()
-        futures = []
+        items = []
         for body in bodies:
-            item = _Item(body, loop.create_future())
+            item = _Item(body, loop.create_future(), asyncio.Queue() if stream else None)
             self.queue.put_nowait(item)
-            futures.append(item.future)
+            items.append(item)
         self.pending += len(bodies)
-        return futures
+        return items
 
     async def run(self) -> None:
         """Collect batches forever; each is sent without waiting for the one before."""
@@ -174,6 +183,8 @@ class Batcher:
         wait = 0.001
         while time.monotonic() < deadline:
             meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
+            if meta.get("status") == STREAM_STATE:
+                _pass_on(batch, stream_texts(meta.get("result"), batch))
             if meta.get("status") == "SUCCESS":
                 return check_batch(meta.get("result"), s, len(batch), tid, self.op)
             if meta.get("status") in ("FAILURE", "REVOKED"):
@@ -202,6 +213,63 @@ class Batcher:
             return
         order = [q for q in TRAINING_QUEUES if q in self.served.queues]
         self.route = next((q for q in order if live.get(q)), self.served.queues[0])
+
+
+def stream_texts(data: Any, batch: list[_Item]) -> list[str]:
+    """A worker's progress on a batch of completions (its ``STREAMING`` state): the text
+    so far of its first items; anything else, or a text longer than its item's
+    ``max_tokens`` (one character per byte at most), is ignored."""
+    texts = data.get("stream") if isinstance(data, dict) else None
+    if not isinstance(texts, list) or len(texts) > len(batch) or not all(
+            isinstance(t, str) and isinstance(item.body, dict)
+            and len(t) <= item.body.get("max_tokens", 0) for t, item in zip(texts, batch)):
+        return []
+    return texts
+
+
+def _pass_on(batch: list[_Item], texts: list[str]) -> None:
+    for item, text in zip(batch, texts):
+        if item.texts is not None and text != item.last:
+            item.last = text
+            item.texts.put_nowait(text)
+
+
+async def stream_events(item: _Item, head: dict[str, Any]) -> AsyncIterator[str]:
+    """Server-sent events for one streamed completion: each piece added to its text,
+    then the rest of the checked answer with ``finish_reason``, then ``[DONE]``."""
+    def event(data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data)}\n\n"
+
+    def piece(text: str, finish: str | None) -> str:
+        return event({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                           "finish_reason": finish}]})
+
+    assert item.texts is not None
+    sent = ""
+    while True:
+        newer: asyncio.Future[Any] = asyncio.ensure_future(item.texts.get())
+        waiting: set[asyncio.Future[Any]] = {item.future, newer}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if newer.done():
+            text = newer.result()
+            if text.startswith(sent) and len(text) > len(sent):
+                yield piece(text[len(sent):], None)
+                sent = text
+            continue
+        newer.cancel()
+        try:
+            out, _ = item.future.result()
+        except Refused as exc:
+            yield event({"error": {"message": str(exc), "code": exc.status}})
+        else:
+            final = out["text"]
+            if final.startswith(sent):
+                yield piece(final[len(sent):], "length")
+            else:
+                yield event({"error": {"message": "the worker's answer does not continue "
+                                                  "what was streamed", "code": 502}})
+        yield "data: [DONE]\n\n"
+        return
 
 
 def check_batch(data: Any, served: Served, n: int, task_id: str = "",
@@ -267,8 +335,11 @@ def parse_predict(body: Any, served: Served) -> list[list[float]]:
 
 
 def parse_completion(body: Any, served: Served) -> dict[str, Any]:
-    """An OpenAI-style completion request: prompt, max_tokens, temperature, top_k, seed."""
-    allowed = {"prompt", "max_tokens", "temperature", "top_k", "seed", "model"}
+    """An OpenAI-style completion request: prompt, max_tokens, temperature, top_k, seed
+    (and ``stream``, which the endpoint reads: not part of the item)."""
+    allowed = {"prompt", "max_tokens", "temperature", "top_k", "seed", "model", "stream"}
+    if isinstance(body, dict) and not isinstance(body.get("stream", False), bool):
+        raise ValueError("stream: true or false")
     if not isinstance(body, dict) or not isinstance(body.get("prompt"), str) or \
             set(body) - allowed:
         raise ValueError(f"expected an object with a \"prompt\" string (fields: "
@@ -327,7 +398,7 @@ def build_app(served: Served) -> Any:
     """The Starlette application."""
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     batcher = Batcher(served)
@@ -351,7 +422,9 @@ def build_app(served: Served) -> Any:
         return hmac.compare_digest(given.encode(), f"Bearer {served.api_key}".encode())
 
     async def answer(request: Request, route: str, parse: Any, shape: Any,
-                     via: Batcher = batcher) -> Response:
+                     via: Batcher = batcher, stream: Any = None) -> Response:
+        """Parse, admit and wait; ``stream(item, start)``: the response for a request
+        that asked for a stream (its one item is queued with a stream of its own)."""
         start = time.perf_counter()
         if not authorised(request):
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
@@ -360,22 +433,40 @@ def build_app(served: Served) -> Any:
             items = parse(body, served)
         except ValueError as exc:
             return error(400, str(exc))
+        streamed = stream is not None and body.get("stream") is True
         bodies = items if isinstance(items, list) else [items]
-        futures = via.admit(bodies)
-        if futures is None:
+        admitted = via.admit(bodies, stream=streamed)
+        if admitted is None:
             if batcher.metrics is not None:
                 batcher.metrics.rejected.inc()
             return error(503, f"busy: {via.pending} items waiting or out (at most "
                          f"{served.max_queue})", **{"Retry-After": "1"})
         if batcher.metrics is not None:
             batcher.metrics.pending.set(sum(b.pending for b in batchers))
+        if streamed:
+            return stream(admitted[0], start)
         try:
-            done = await asyncio.gather(*futures)
+            done = await asyncio.gather(*(item.future for item in admitted))
         except Refused as exc:
             return error(exc.status, str(exc))
+        observe(route, start)
+        return JSONResponse(shape(done))
+
+    def observe(route: str, start: float) -> None:
         if batcher.metrics is not None:
             batcher.metrics.latency.labels(route).observe(time.perf_counter() - start)
-        return JSONResponse(shape(done))
+
+    def completion_stream(item: _Item, start: float) -> Response:
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+                "created": int(time.time()), "model": served.name}
+
+        async def events() -> AsyncIterator[str]:
+            async for event in stream_events(item, head):
+                yield event
+            observe("completions", start)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def predict(request: Request) -> Response:
         if served.op != "classify":
@@ -391,7 +482,7 @@ def build_app(served: Served) -> Any:
             "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
             "created": int(time.time()), "model": served.name,
             "choices": [{"text": done[0][0]["text"], "index": 0, "finish_reason": "length"}],
-            "batch_size": done[0][1]})
+            "batch_size": done[0][1]}, stream=completion_stream)
 
     async def embeddings(request: Request) -> Response:
         if embedder is None:

@@ -12,6 +12,7 @@ Sizes (byte-level vocabulary of 256, context 64):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -97,9 +98,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None
-                 ) -> torch.Tensor:
-        """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens)."""
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens).
+        ``on_token(idx)`` is called after each token (a served stream's progress)."""
         for _ in range(tokens):
             logits = self(idx[:, -self.block_size:])[:, -1, :] / max(temperature, 1e-6)
             if top_k is not None:
@@ -107,6 +109,8 @@ class GPT(nn.Module):
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
+            if on_token is not None:
+                on_token(idx)
         return idx
 
 

@@ -20,6 +20,7 @@ from fedq.engine.names import (
 )
 from fedq.process import PROCESS
 from fedq.settings import get_settings
+from fedq.wire import STREAM_STATE
 from fedq.worker import owner
 
 log = logging.getLogger(__name__)
@@ -86,5 +87,12 @@ def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
             return me.sign_result({"status": "error", "error": str(exc), "worker": worker},
                                   self.request.id)
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    answer = run_batch(batch, store, worker)
+
+    def progress(texts: list[str]) -> None:  # read by the gateway for streamed answers
+        try:
+            self.update_state(state=STREAM_STATE, meta={"stream": texts})
+        except Exception as exc:  # noqa: BLE001 - a stream falls behind; the answer stands
+            log.warning("serve batch: progress not written (%s)", exc)
+
+    answer = run_batch(batch, store, worker, progress)
     return answer if me is None else me.sign_result(answer, self.request.id)
