@@ -335,3 +335,41 @@ def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, st
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "broker redis://127.0.0.1:1/0 is not reachable" in bad.stderr
+
+
+def test_a_rounds_measurements_fold_into_each_worker_in_order(tmp_path: Path) -> None:
+    """A round's throughput and task rows, workers interleaved as results arrive, fold
+    into each worker's row as if applied one by one: the moving average in order, every
+    task and failure counted, the last task's GPU figures kept; rows of tasks still
+    training or missing, or of no worker, count nothing."""
+    from fedq.coordinator.roster import ema, record_tasks, record_throughput
+    from fedq.db import ClientUpdate, Worker, session_scope
+    from fedq.db.session import ensure_schema
+    from fedq.status import UpdateStatus
+
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add(Worker(hostname="a@x", queues=["cpu"], hardware={}, tasks_done=3,
+                     samples_per_second=50.0))
+    measured = [("a@x", 100, 1.0), ("b@y", 30, 1.0), ("a@x", 200, 1.0), ("b@y", 0, 1.0),
+                ("a@x", 10, 0.0), ("b@y", 60, 2.0)]
+
+    def row(worker: str, status: str, gpu: float | None = None) -> ClientUpdate:
+        return ClientUpdate(job_id="j", round_number=1, client=0, worker=worker,
+                            status=status, gpu_peak_mb=gpu)
+
+    rows = [row("a@x", UpdateStatus.OK, 10.0), row("b@y", UpdateStatus.REJECTED),
+            row("a@x", UpdateStatus.ERROR, 20.0), row("b@y", UpdateStatus.MISSING),
+            row("?", UpdateStatus.ERROR)]
+    with session_scope(db) as s:
+        record_throughput(s, measured)
+        record_tasks(s, rows)
+    with session_scope(db) as s:
+        a, b = s.get(Worker, "a@x"), s.get(Worker, "b@y")
+        assert a is not None and b is not None
+        assert a.samples_per_second == pytest.approx(ema(ema(50.0, 100.0), 200.0))
+        assert b.samples_per_second == pytest.approx(ema(ema(None, 30.0), 30.0))
+        assert (a.tasks_done, b.tasks_done) == (5, 2)  # only measurements with work in them
+        assert (a.tasks_failed, b.tasks_failed) == (1, 1) and a.gpu_peak_mb == 20.0
+        assert s.get(Worker, "?") is None

@@ -54,7 +54,7 @@ from fedq.coordinator.roster import record_tasks, record_throughput
 from fedq.coordinator.rounds import redispatch, request_round, start_round
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
-from fedq.db.rows import fill_row, new_row
+from fedq.db.rows import fill_row, insert_rows, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.phases import current_times, phase, recording, summary
@@ -343,7 +343,7 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
         if claimed.rowcount != 1:  # type: ignore[attr-defined]
             s.rollback()
             return False, False
-        s.add_all(rows)
+        insert_rows(s, rows)
         record_throughput(s, throughput)
         record_tasks(s, rows)
         job = s.get(Job, job_id)

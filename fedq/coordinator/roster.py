@@ -152,19 +152,26 @@ def ema(previous: float | None, sample: float, alpha: float = THROUGHPUT_ALPHA) 
 
 
 def record_throughput(session: Any, measurements: Iterable[tuple[str, int, float]]) -> None:
-    """Fold (worker, samples processed, seconds) into each worker's moving average.
+    """Fold (worker, samples processed, seconds) into each worker's moving average, in
+    order.
 
-    Runs inside the caller's transaction (the round commit)."""
+    Runs inside the caller's transaction (the round commit). Grouped by worker first:
+    the session's identity map holds a flushed row only weakly, so fetching the rows
+    in the measurements' order (workers interleaved) read each one again from the
+    database every time: 0.8 s for a round of 1,000 clients on 2 workers."""
     now = utcnow()
+    rates: dict[str, list[float]] = {}
     for hostname, seen, seconds in measurements:
-        if seconds <= 0 or seen <= 0:
-            continue
+        if seconds > 0 and seen > 0:
+            rates.setdefault(hostname, []).append(seen / seconds)
+    for hostname, theirs in rates.items():
         row = session.get(Worker, hostname)
         if row is None:
             row = Worker(hostname=hostname, queues=[], hardware={}, tasks_done=0)
             session.add(row)
-        row.samples_per_second = ema(row.samples_per_second, seen / seconds)
-        row.tasks_done = (row.tasks_done or 0) + 1
+        for rate in theirs:
+            row.samples_per_second = ema(row.samples_per_second, rate)
+        row.tasks_done = (row.tasks_done or 0) + len(theirs)
         row.last_seen = now
 
 
@@ -172,25 +179,29 @@ def record_tasks(session: Any, rows: Iterable[ClientUpdate]) -> None:
     """Per-worker diagnostics from finished task rows: failures (``error``,
     ``rejected``), the GPU memory and utilisation of the last task, when it ran.
 
-    Runs inside the caller's transaction (the round commit, a buffered absorb)."""
+    Runs inside the caller's transaction (the round commit, a buffered absorb); grouped
+    by worker as :func:`record_throughput` is."""
     now = utcnow()
+    theirs: dict[str, list[ClientUpdate]] = {}
     for row in rows:
-        if not row.worker or row.worker == "?" or \
-                row.status in (UpdateStatus.TRAINING, UpdateStatus.MISSING):
-            continue
-        worker = session.get(Worker, row.worker)
+        if row.worker and row.worker != "?" and \
+                row.status not in (UpdateStatus.TRAINING, UpdateStatus.MISSING):
+            theirs.setdefault(row.worker, []).append(row)
+    for name, done in theirs.items():
+        worker = session.get(Worker, name)
         if worker is None:
-            worker = Worker(hostname=row.worker, queues=[], hardware={}, tasks_done=0,
+            worker = Worker(hostname=name, queues=[], hardware={}, tasks_done=0,
                             tasks_failed=0)
             session.add(worker)
-        if row.status in FAILED_UPDATES:
-            worker.tasks_failed = (worker.tasks_failed or 0) + 1
-        if row.gpu_peak_mb is not None or row.gpu_util is not None:
-            worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util
-        if row.codec:
-            worker.codec = row.codec
-        if row.uplink_mbit:
-            worker.uplink_mbit = row.uplink_mbit
+        for row in done:
+            if row.status in FAILED_UPDATES:
+                worker.tasks_failed = (worker.tasks_failed or 0) + 1
+            if row.gpu_peak_mb is not None or row.gpu_util is not None:
+                worker.gpu_peak_mb, worker.gpu_util = row.gpu_peak_mb, row.gpu_util
+            if row.codec:
+                worker.codec = row.codec
+            if row.uplink_mbit:
+                worker.uplink_mbit = row.uplink_mbit
         worker.last_task_at = now
 
 

@@ -6,8 +6,25 @@ its updates back through :func:`row_ref`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import insert, inspect
+
 from fedq.db.models import ClientUpdate, worker_time
 from fedq.refs import TrainStats, UpdateRef
+
+_COLUMNS = [a.key for a in inspect(ClientUpdate).column_attrs]
+
+
+def insert_rows(session: Any, rows: Sequence[ClientUpdate]) -> None:
+    """Insert new ``rows`` in one batched INSERT (within the caller's transaction),
+    without the ORM's unit of work: 1,000 rows take about 0.07 s this way and 0.5 s as
+    ``add_all`` on PostgreSQL (docs/benchmarks.md, "Scale"). Unset attributes take the
+    column's default, as ``add_all`` would; ``rows`` stay detached (no ids)."""
+    if rows:
+        session.execute(insert(ClientUpdate), [
+            {k: v for k in _COLUMNS if (v := getattr(row, k)) is not None} for row in rows])
 
 
 def fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
