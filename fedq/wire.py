@@ -206,11 +206,6 @@ def parse_result(data: Any) -> ResultModel:
 #: fedq/coordinator/liveness.py reads it.
 CLAIM_STATE = "STARTED"
 
-#: The state a served batch's worker writes while it generates: ``{"stream": [text so
-#: far of each item]}`` (fedq/tasks/infer.py), which the gateway turns into a streamed
-#: answer (fedq/inference/serve.py, where it is checked like everything a worker sends).
-STREAM_STATE = "STREAMING"
-
 
 @dataclass(frozen=True)
 class Beat:

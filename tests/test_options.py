@@ -212,6 +212,9 @@ TABLE: dict[str, tuple[Part, Part, tuple[Cell, Cell]]] = {
     "optimizer.keep_state": ({}, {"optimizer": {"keep_state": True}}, both(Tested(
         "tests/test_lm.py::test_diloco_inner_state_survives_rounds_and_a_worker_restart"))),
     "queues": ({}, {"queues": {"gpu_new": 2, "cpu": -1}}, both(plan)),
+    "clients_per_worker": ({}, {"clients_per_worker": 2}, (
+        Tested("tests/test_owner.py::test_a_round_is_sized_by_the_workers_that_can_train_now"),
+        Refused("sizes synchronous rounds"))),
     "time_budget_s": ({}, {"time_budget_s": 1e-6}, both(update)),
     "weight_by": ({}, {"weight_by": "processed"}, both(model)),
     "server.name": ({}, {"server": {"name": "fedadam"}}, both(model)),

@@ -81,7 +81,7 @@ def test_requests_and_answers_are_checked() -> None:
     gpt = Served(**{**SERVED.__dict__, "op": "generate"})
     assert parse_completion({"prompt": "Hi", "max_tokens": 4}, gpt)["max_tokens"] == 4
     for bad_c in ({"prompt": 3}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_k": -1},
-                  {"prompt": "a", "temperature": 0}, {"prompt": "a", "stream": True}):
+                  {"prompt": "a", "temperature": 0}, {"prompt": "a", "stream": "yes"}):
         with pytest.raises(ValueError):
             parse_completion(bad_c, gpt)
     good = {"status": "ok", "worker": "w", "seconds": 0.1,

@@ -31,3 +31,8 @@ INFER_TASK = "fedq.infer_shard"
 ABSORB_SHARD_TASK = "fedq.absorb_shard"
 # fedq serve: one batch of requests per task on a hardware queue.
 SERVE_TASK = "fedq.serve_batch"
+
+#: The state a served batch's worker writes while it generates: ``{"stream": [text so
+#: far of each item]}`` (fedq/tasks/infer.py), which the gateway turns into a streamed
+#: answer (fedq/inference/serve.py, where it is checked like everything a worker sends).
+STREAM_STATE = "STREAMING"

@@ -41,10 +41,10 @@ from typing import Any
 
 import fedq.identity as identity
 from fedq.engine.app import app
-from fedq.engine.names import SERVE_TASK, TRAINING_QUEUES
+from fedq.engine.names import SERVE_TASK, STREAM_STATE, TRAINING_QUEUES
 from fedq.inference.messages import check_output
 from fedq.inference.run import encode_rows
-from fedq.wire import MESSAGE_FORMAT, STREAM_STATE, FormatError
+from fedq.wire import MESSAGE_FORMAT, FormatError
 
 log = logging.getLogger(__name__)
 

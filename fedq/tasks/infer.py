@@ -15,12 +15,12 @@ from fedq.engine.names import (
     CONTROL_TIME_LIMIT,
     INFER_TASK,
     SERVE_TASK,
+    STREAM_STATE,
     TRAIN_SOFT_TIME_LIMIT,
     TRAIN_TIME_LIMIT,
 )
 from fedq.process import PROCESS
 from fedq.settings import get_settings
-from fedq.wire import STREAM_STATE
 from fedq.worker import owner
 
 log = logging.getLogger(__name__)
