@@ -47,6 +47,10 @@ FEDQ_SERVE_API_KEY_FILE    a file holding FEDQ_SERVE_API_KEY
 FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
                            coordinator's, or a joined worker's with its ``worker.json``,
                            whose service URLs are used where the variables are not set
+FEDQ_RABBITMQ_API          RabbitMQ's management API, where ``fedq worker add`` makes a worker's
+                           own broker user (default: the broker's host, port 15672, its
+                           credentials; fedq/coordinator/rabbit.py)
+FEDQ_RABBITMQ_API_FILE     a file holding FEDQ_RABBITMQ_API
 FEDQ_PRESIGN_ENDPOINT      the S3 endpoint as workers reach it: each training task then
                            carries presigned URLs for its blobs, and workers need no S3
                            key (an ``s3://`` FEDQ_BLOB_URL; fedq/blobs/presigned.py)
@@ -123,6 +127,7 @@ class Settings(BaseModel):
     keys_dir: Path = Path(DEFAULT_HOME) / "keys"
     joined_as: str | None = None  # the registered name of a joined worker (worker.json)
     presign_endpoint: str | None = None
+    rabbitmq_api: str | None = None
     # the owner comes first (fedq/worker/owner.py; docs/owners.md)
     run_when: Literal["always", "idle", "schedule"] = "always"
     idle_after_min: float = Field(default=5.0, ge=0)
@@ -151,16 +156,16 @@ _KNOWN = {
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
-    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT",
+    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
     "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
     "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "GPU_MEMORY_FRACTION", "INPUT_DIR",
     "POWER_SUPPLY_DIR",
-    "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE",
+    "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE", "RABBITMQ_API_FILE",
     "SERVE_API_KEY", "SERVE_API_KEY_FILE", "DATA_CACHE",
 }
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
 #: the convention of Docker's secrets), so that `docker inspect` shows no password.
-_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "SERVE_API_KEY")
+_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "SERVE_API_KEY", "RABBITMQ_API")
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 #: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
@@ -226,6 +231,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "keys_dir": keys_dir,
         "joined_as": joined_as,
         "presign_endpoint": get("PRESIGN_ENDPOINT"),
+        "rabbitmq_api": get("RABBITMQ_API"),
         "run_when": get("RUN_WHEN") or "always",
         "idle_after_min": get("IDLE_AFTER_MIN") or 5.0,
         "run_window": get("RUN_WINDOW"),

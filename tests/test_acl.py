@@ -182,3 +182,139 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(bundle["services"]["broker_url"]).ping()
     assert acl.username("w1") in {u.decode() for u in root.execute_command("ACL", "USERS")}
+
+
+@pytest.fixture
+def rabbit_admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str, str]]:
+    """RabbitMQ (a vhost of the test's own, guest as its administrator, the management
+    API on) as the broker; a protected Redis of the test's own for results and blobs."""
+    from fedq.coordinator import rabbit
+    from fedq.errors import ServiceUnavailable
+    from tests.conftest import migrated_cluster, missing
+    from tests.test_faults import rabbit_vhost
+
+    vhosts = rabbit_vhost.__wrapped__()  # type: ignore[attr-defined]
+    broker = next(vhosts)
+    try:
+        rabbit.user_exists(broker, "probe")
+    except ServiceUnavailable:  # the plugin ships with RabbitMQ; turn it on
+        import shutil
+        import subprocess
+        import time
+
+        plugins = shutil.which("rabbitmq-plugins")
+        if plugins is None:
+            missing("RabbitMQ's management API", "rabbitmq-plugins not found")
+        subprocess.run([plugins, "enable", "rabbitmq_management"], capture_output=True,
+                       timeout=120, check=False)
+        for _ in range(60):
+            try:
+                rabbit.user_exists(broker, "probe")
+                break
+            except ServiceUnavailable:
+                time.sleep(0.5)
+        else:
+            missing("RabbitMQ's management API", "not answering on 15672")
+    try:
+        with protected_redis(tmp_path) as url:
+            redis_url = f"{url}/0"
+            cluster = migrated_cluster(tmp_path, broker, redis_url, pg_url)
+            cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"),
+                               FEDQ_BLOB_URL=redis_url)
+            cluster.start(control=["control"])
+            cluster.start_beat()
+            yield cluster, broker, redis_url
+            cluster.stop()
+    finally:
+        next(vhosts, None)  # the vhost, and with it the worker's permissions, deleted
+        rabbit.disable_user(broker, "w1")
+
+
+@pytest.mark.slow
+def test_a_worker_rabbitmq_user_can_train_and_nothing_else(
+        rabbit_admin: tuple[Cluster, str, str]) -> None:
+    """RabbitMQ's side of least privilege (fedq/coordinator/rabbit.py): `fedq worker
+    add` makes the worker's own RabbitMQ user on the broker's vhost, a real worker
+    trains a job with it, and what it must not do is refused by RabbitMQ."""
+    import amqp
+    import redis
+
+    from fedq.coordinator import rabbit
+
+    cluster, broker, admin_redis = rabbit_admin
+    cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
+                 str(cluster.home / "w1.bundle"))
+    bundle = json.loads((cluster.home / "w1.bundle").read_text())
+    mine = bundle["services"]["broker_url"]
+    assert mine.startswith("amqp://fedq-w-w1:") and mine.endswith(broker.rsplit("/", 1)[1])
+    assert bundle["services"]["result_backend"].startswith("redis://fedq-w-w1:")
+    _join(cluster, "w1", cluster.home / "w1.bundle")
+    root = redis.Redis.from_url(admin_redis)
+    root.execute_command("ACL", "LOG", "RESET")
+    w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+    view = cluster.wait(cluster.submit({**SPEC, "name": "acl-rabbit"}))
+    assert view.status == "completed", f"{view.error}\n{w1.tail(40)}"
+    assert b"ACCESS_REFUSED" not in w1.log_path.read_bytes(), w1.tail(40)
+    assert not root.execute_command("ACL", "LOG")  # nor did its Redis user lack anything
+
+    # a remote-control `shutdown` with its credentials never reaches the control worker
+    from celery import Celery
+
+    from fedq.engine.app import celery_config
+    from fedq.settings import load_settings
+
+    env = {**cluster.env, **_joined_worker(cluster, "w1")}
+    hostile = Celery("hostile", set_as_current=False)
+    hostile.conf.update(celery_config(load_settings({k: v for k, v in env.items() if v})))
+    try:
+        hostile.control.shutdown(destination=["control@test"])
+    except Exception:  # noqa: BLE001  (refused at once, or when the channel closes)
+        pass
+    import time
+
+    time.sleep(3.0)
+    assert cluster.by_name("control").alive()
+    record("security", scenario="rabbitmq user: shut down the control worker",
+           did="`celery control shutdown` aimed at the control worker, with its credentials",
+           fedq="refused by RabbitMQ (no write on the celery.pidbox exchange)",
+           guard="its RabbitMQ user's permissions (coordinator/rabbit.py)",
+           outcome="the control worker lives")
+
+    # each limit, tried with its credentials: `fedq doctor --services` on its machine
+    code, report = _doctor({**env, "FEDQ_DATABASE_URL": ""})
+    limits = {limit["what"]: limit for limit in report["services"]["limits"]}
+    assert code == 0 and not report["problems"], report["problems"]
+    assert all(limit["holds"] for limit in limits.values()), limits
+    refused = {w: lim["detail"] for w, lim in limits.items()
+               if lim["detail"].startswith("ACCESS_REFUSED")}
+    assert set(refused) >= {"cannot take tasks from another queue (gpu_new)",
+                            "cannot take tasks from the control queue",
+                            "cannot declare the control queue",
+                            "cannot declare a queue of its own choosing",
+                            "cannot send remote-control commands (shutdown, revoke)",
+                            "cannot publish through the default exchange (to any queue)"}, \
+        [(w, lim["detail"]) for w, lim in limits.items()]
+    for what, said in refused.items():
+        record("security", scenario=f"rabbitmq user: {what.removeprefix('cannot ')}",
+               did="`fedq doctor --services` tried it with the worker's own RabbitMQ user",
+               fedq=f"refused by RabbitMQ: {said[:80]}",
+               guard="its RabbitMQ user's permissions (coordinator/rabbit.py)",
+               outcome="refused; the same user trained a job")
+    # the same check with the broker's administrator under w1's name names what fails
+    code, report = _doctor({**env, "FEDQ_DATABASE_URL": "", "FEDQ_BROKER_URL": broker})
+    lax = [p for p in report["problems"] if "can do more than it needs" in p]
+    assert code == 1 and any("remote-control" in p for p in lax), report["problems"]
+
+    # revoked: the user is gone, its connections closed, the worker told to stop
+    cluster.fedq("worker", "revoke", "w1")
+    assert not rabbit.user_exists(broker, "w1")
+    wait_until(lambda: not w1.alive(), 30, what="the revoked worker to stop")
+    parts = mine.split("@", 1)[1]
+    user, password = mine.split("//", 1)[1].split("@", 1)[0].split(":", 1)
+    with pytest.raises(amqp.exceptions.AccessRefused):
+        amqp.Connection(parts.split("/", 1)[0], userid=user, password=password,
+                        virtual_host=parts.split("/", 1)[1]).connect()
+    record("security", scenario="rabbitmq user: a revoked worker reconnects",
+           did="connected with its bundle's broker URL after `fedq worker revoke`",
+           fedq="refused by RabbitMQ: the user was deleted, its connections closed",
+           guard="enrol.revoke, rabbit.disable_user", outcome="refused; its process stopped")

@@ -63,7 +63,7 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
     else:
         _write_private(out_path, text)
         out.print(f"wrote {out_path}: the join bundle of worker {name} ({','.join(qs)})"
-                  + (f"; its own Redis user {users[0]}" if users else ""))
+                  + (f"; its own broker user(s): {', '.join(users)}" if users else ""))
     err.print(f"fedq: the bundle holds a one-time token and the services' passwords: move "
               f"it to the worker's machine privately, run `fedq worker join BUNDLE` there, "
               f"then delete it. This coordinator admits signed results only with "
@@ -175,7 +175,9 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
     from fedq.engine.names import CONTROL_QUEUE, JOIN_WORKER_TASK
 
     try:
-        result = app.send_task(JOIN_WORKER_TASK, args=(proof,), queue=CONTROL_QUEUE)
+        # not declared: the bundle's broker user may send to the control queue only
+        result = app.send_task(JOIN_WORKER_TASK, args=(proof,), queue=CONTROL_QUEUE,
+                               declare=[])
         answer = result.get(timeout=timeout)
     except CeleryTimeout:
         raise ServiceUnavailable(f"no answer from the coordinator's control worker in "

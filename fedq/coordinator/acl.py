@@ -8,7 +8,7 @@ A worker's user may:
   unacknowledged messages under keys of its own (``unacked:NAME``: kombu's
   ``unacked_key`` transport options, set by fedq/engine/app.py for a joined worker) and
   send tasks to the ``control`` queue (the chord's doorbell, a buffered job's callback,
-  registration) without reading it;
+  registration) without reading it or declaring it;
 - write and read result-backend entries (Celery's task results, chord counters) and
   publish their notifications;
 - listen for remote-control commands and answer them, and send task events (the
@@ -71,9 +71,9 @@ def worker_rules(name: str, queues: Iterable[str], password: str, db: int = 0) -
     keys += [
         f"%W~{CONTROL_QUEUE}", f"%W~{CONTROL_QUEUE}\x06\x16*",  # send, never read
         f"~unacked:{name}", f"~unacked_index:{name}", f"~unacked_mutex:{name}",
-        # bindings: read any (publishing looks them up); declare its own queues' and the
-        # control queue's (kombu declares a queue before it publishes to it)
-        "%R~_kombu.binding*", *(f"~_kombu.binding{kind}.{q}" for q in (*queues, CONTROL_QUEUE)
+        # bindings: read any (publishing looks them up); declare its own queues' (a
+        # joined worker never declares the control queue: fedq/engine/app.py)
+        "%R~_kombu.binding*", *(f"~_kombu.binding{kind}.{q}" for q in queues
                                 for kind in ("", "_permanent")),
         "~_kombu.binding_deadlines",  # kombu's expiry of its bindings
         "%W~*.reply.celery.pidbox*",  # answers to remote-control commands

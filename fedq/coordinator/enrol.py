@@ -82,13 +82,19 @@ def invite(settings: Settings, name: str, queues: list[str]) -> str:
 def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str],
               services: dict[str, str | None]) -> tuple[dict[str, str | None], list[str]]:
     """``services`` with worker ``name``'s own credentials wherever the coordinator's
-    service is Redis: a Redis user with only what a worker needs is created there
-    (fedq/coordinator/acl.py). Returns the services and the users made."""
-    from fedq.coordinator import acl
+    service is Redis or RabbitMQ: a user with only what a worker needs is created there
+    (fedq/coordinator/acl.py, rabbit.py). Returns the services and the users made."""
+    from fedq.coordinator import acl, rabbit
 
     password = secrets.token_urlsafe(24)
     servers: set[str] = set()  # a Redis user belongs to its server: made once per server
     out = dict(services)
+    made: list[str] = []
+    broker = services.get("broker_url")
+    if rabbit.is_amqp(settings.broker_url) and rabbit.is_amqp(broker):
+        rabbit.create_user(settings.broker_url, name, queues, password, settings.rabbitmq_api)
+        out["broker_url"] = acl.with_user(str(broker), acl.username(name), password)
+        made.append(f"{acl.username(name)} (RabbitMQ)")
     for key in ("broker_url", "result_backend", "blob_url"):
         mine, theirs = getattr(settings, key), services.get(key)
         if not (acl.is_redis(mine) and acl.is_redis(theirs)):
@@ -97,7 +103,9 @@ def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str]
             acl.create_user(mine, name, queues, password)
             servers.add(acl.server(mine))
         out[key] = acl.with_user(str(theirs), acl.username(name), password)
-    return out, [acl.username(name)] if servers else []
+    if servers:
+        made.append(f"{acl.username(name)} (Redis)")
+    return out, made
 
 
 def join(db_url: str, proof: Any) -> dict[str, Any]:
@@ -143,15 +151,18 @@ def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
         member = _member(row)
         hosts = sorted(h for h in s.scalars(select(ClientUpdate.worker).distinct()
                                             .where(ClientUpdate.signer == name)) if h)
-    from fedq.coordinator import acl
+    from fedq.coordinator import acl, rabbit
 
     cut_off(hosts)  # first, while they can still hear it
     redis_urls = {acl.server(u): u for u in (settings.broker_url, settings.result_backend,
                                              settings.blob_url) if acl.is_redis(u)}.values()
-    if hosts and redis_urls:
+    amqp = rabbit.is_amqp(settings.broker_url)
+    if hosts and (redis_urls or amqp):
         time.sleep(1.0)  # the shutdown is read before the connections go
     for url in redis_urls:
         acl.disable_user(url, name)  # its connections dropped, its password gone
+    if amqp:
+        rabbit.disable_user(settings.broker_url, name, settings.rabbitmq_api)
     return member, hosts
 
 

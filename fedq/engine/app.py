@@ -16,11 +16,12 @@ from fedq.engine import logs  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Ce
 from fedq.engine.names import (
     ABSORB_SHARD_TASK,
     ABSORB_UPDATE_TASK,
-    ALL_QUEUES,
+    CONTROL_EXCHANGE,
     CONTROL_QUEUE,
     FINALIZE_ROUND_TASK,
     REGISTER_WORKER_TASK,
     START_ROUND_TASK,
+    TRAINING_QUEUES,
     WATCHDOG_TASK,
     WORKER_STATE_TASK,
 )
@@ -51,7 +52,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             from pathlib import Path
 
             Path(path).mkdir(parents=True, exist_ok=True)
-    queues = [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in ALL_QUEUES]
+    # The control queue's exchange has another name and is a topic exchange: Celery
+    # publishes to it by name, not through the default exchange (which a worker's
+    # RabbitMQ user may not use: it reaches every queue), and a joined worker neither
+    # declares nor binds it (fedq/coordinator/rabbit.py, acl.py).
+    queues = [Queue(CONTROL_QUEUE, Exchange(CONTROL_EXCHANGE, type="topic"),
+                    routing_key=CONTROL_QUEUE, no_declare=bool(settings.joined_as))]
+    queues += [Queue(name, Exchange(name, type="direct"), routing_key=name)
+               for name in TRAINING_QUEUES]
     extra: dict[str, Any] = {}
     if settings.embedded_broker:
         extra["broker_transport"] = "fedq.engine.transport:Transport"  # atomic message files

@@ -7,6 +7,11 @@ the spec and the aggregation math can name queues without loading Celery.
 from __future__ import annotations
 
 CONTROL_QUEUE = "control"
+#: The control queue's exchange: a topic exchange of another name, so that Celery
+#: publishes to it by name (never through RabbitMQ's default exchange, which reaches
+#: every queue) and a right to send to it is not a right to read the queue
+#: (fedq/coordinator/rabbit.py).
+CONTROL_EXCHANGE = "fedq.control"
 TRAINING_QUEUES = ("gpu_new", "gpu_sm61", "cpu")
 GPU_QUEUES = ("gpu_new", "gpu_sm61")
 ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)

@@ -1,5 +1,7 @@
 """``fedq doctor --services``: which of a registered worker's limits hold for the
-credentials this shell holds (docs/security.md, "Least privilege").
+credentials this shell holds (docs/security.md, "Least privilege"). With RabbitMQ as the
+broker its limits are tried on channels of their own (:func:`_amqp_limits`), and the
+Redis limits on the result backend's Redis.
 
 Each Redis limit is probed inside ``MULTI`` ... ``DISCARD``: Redis checks a command's
 ACL (its name, keys and channels) when it is queued, so a refused command answers
@@ -10,13 +12,15 @@ each refusal (that is the limit working).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from fedq.blobs.redis import KEY_PREFIX
-from fedq.engine.names import CONTROL_QUEUE, TRAINING_QUEUES
+from fedq.engine.names import CONTROL_EXCHANGE, CONTROL_QUEUE, TRAINING_QUEUES
 from fedq.settings import Settings, secret
 
 #: A job id no real job has: the probes' keys name it.
@@ -39,17 +43,25 @@ def worker_limits(settings: Settings, name: str | None,
     the few things it needs, checked with this shell's credentials."""
     name = name or "this-worker"
     queues = queues or ("cpu",)
-    found = _redis_limits(settings, name, queues)
+    if urlsplit(settings.broker_url).scheme in ("amqp", "amqps", "pyamqp"):
+        found = _amqp_limits(settings.broker_url, queues)
+        redis_url = next((u for u in (settings.result_backend, settings.blob_url)
+                          if urlsplit(u).scheme in ("redis", "rediss")), None)
+        if redis_url is not None:  # results and blobs: its Redis user
+            found += [Limit(f"{limit.what} (Redis)", limit.holds, limit.detail)
+                      for limit in _redis_limits(settings, name, queues, redis_url)]
+    else:
+        found = _redis_limits(settings, name, queues, settings.broker_url)
     found.append(_no_database(settings))
     found.append(_no_s3_key(settings))
     return found
 
 
-def _redis_limits(settings: Settings, name: str, queues: tuple[str, ...]) -> list[Limit]:
-    url = settings.broker_url
+def _redis_limits(settings: Settings, name: str, queues: tuple[str, ...],
+                  url: str) -> list[Limit]:
     if urlsplit(url).scheme not in ("redis", "rediss"):
         return [Limit("a broker user of its own", None,
-                      f"per-worker users are made on Redis only; the broker is "
+                      f"per-worker users are made on Redis and RabbitMQ only; the broker is "
                       f"{urlsplit(url).scheme}")]
     import redis
 
@@ -88,6 +100,80 @@ def _redis_limits(settings: Settings, name: str, queues: tuple[str, ...]) -> lis
         return [Limit("the broker's limits", None, f"{type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")]
     return found
+
+
+def _amqp_limits(url: str, queues: tuple[str, ...]) -> list[Limit]:
+    """A worker's RabbitMQ limits (fedq/coordinator/rabbit.py), each tried on a channel
+    of its own (a refusal closes the channel). What is tried cannot do harm if it is
+    allowed: publishes are routed nowhere or to no one, the queue declared is this
+    connection's own and goes with it, the control queue is declared as it is."""
+    import amqp
+
+    other_queue = next((q for q in TRAINING_QUEUES if q not in queues), None)
+    probe = f"fedq-{PROBE_JOB}"
+    command = json.dumps({"method": "ping", "arguments": {}, "destination": [f"{probe}@none"]})
+
+    def consume(queue: str) -> Callable[[Any], object]:
+        def run(channel: Any) -> None:
+            channel.basic_qos(0, 1, False)
+            channel.basic_cancel(channel.basic_consume(queue))  # unacked: put back
+
+        return run
+
+    def publish(exchange: str, key: str, body: str = "{}") -> Callable[[Any], object]:
+        def run(channel: Any) -> None:  # confirmed: the broker's verdict comes back
+            channel.basic_publish_confirm(amqp.Message(body), exchange=exchange,
+                                          routing_key=key, confirm_timeout=5)
+
+        return run
+
+    refused: list[tuple[str, Callable[[Any], object]]] = [
+        (f"cannot take tasks from the {CONTROL_QUEUE} queue", consume(CONTROL_QUEUE)),
+        (f"cannot declare the {CONTROL_QUEUE} queue",
+         lambda ch: ch.queue_declare(CONTROL_QUEUE, durable=True, auto_delete=False)),
+        ("cannot declare a queue of its own choosing",
+         lambda ch: ch.queue_declare(probe, exclusive=True, auto_delete=True)),
+        ("cannot send remote-control commands (shutdown, revoke)",
+         publish("celery.pidbox", "", command)),
+        ("cannot publish through the default exchange (to any queue)", publish("", probe)),
+    ]
+    if other_queue is not None:
+        refused.insert(0, (f"cannot take tasks from another queue ({other_queue})",
+                           consume(other_queue)))
+    needed: list[tuple[str, Callable[[Any], object]]] = [
+        (f"can take tasks from its queue ({queues[0]})", consume(queues[0])),
+        (f"can send to the {CONTROL_QUEUE} queue", publish(CONTROL_EXCHANGE, probe)),
+    ]
+    parts = urlsplit(url)
+    path = parts.path[1:] if parts.path.startswith("/") else ""
+    try:
+        conn = amqp.Connection(f"{parts.hostname or 'localhost'}:{parts.port or 5672}",
+                               userid=unquote(parts.username or "guest"),
+                               password=unquote(parts.password or "guest"),
+                               virtual_host=unquote(path) or "/",
+                               ssl=parts.scheme == "amqps", connect_timeout=5)
+        conn.connect()
+    except (OSError, amqp.exceptions.AMQPError) as exc:
+        return [Limit("the broker's limits", None, f"{type(exc).__name__}: {exc}"[:200])]
+    try:
+        found = []
+        for (what, action), allowed in [*((r, False) for r in refused),
+                                        *((n, True) for n in needed)]:
+            channel = conn.channel()
+            try:
+                action(channel)
+                permitted, said = True, "allowed"
+            except amqp.exceptions.AccessRefused as exc:
+                permitted, said = False, f"ACCESS_REFUSED {str(exc)[:90]}"
+            except amqp.exceptions.AMQPError as exc:  # not found, locked: not a permission
+                permitted, said = True, f"{type(exc).__name__} {str(exc)[:90]}"
+            finally:
+                if channel.is_open:
+                    channel.close()
+            found.append(Limit(what, permitted == allowed, said))
+        return found
+    finally:
+        conn.close()
 
 
 def _probe(client: Any, what: str, command: tuple[object, ...], allowed: bool) -> Limit:
