@@ -271,7 +271,8 @@ def test_watchdog_repairs_every_job_whatever_one_does(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A job whose spec cannot be read and one whose repair raises are each recorded
     with their error; the healthy job beside them is repaired in the same pass.
-    Delete the try/except in run_watchdog and this fails."""
+    Delete the try/except in run_watchdog and this fails. The unreadable one (a field
+    a newer fedq wrote) is failed once, saying what to do, not reported every pass."""
     from sqlalchemy import select
 
     from fedq.coordinator.watchdog import run_watchdog
@@ -288,7 +289,7 @@ def test_watchdog_repairs_every_job_whatever_one_does(tmp_path: Path,
                            "num_clients": 4, "clients_per_round": 2, "rounds": 2})
         old = utcnow() - timedelta(minutes=5)
         with session_scope(settings.database_url) as s:
-            for job_id, body in (("unreadable", {"bogus": True}), ("broken", spec.to_json()),
+            for job_id, body in (("unreadable", {**spec.to_json(), "a_newer_field": 2}), ("broken", spec.to_json()),
                                  ("healthy", spec.to_json())):
                 s.add(Job(id=job_id, name="t", spec=body, status="running", total_rounds=2,
                           committed_round=0, global_key=global_key(job_id, 0),
@@ -304,11 +305,17 @@ def test_watchdog_repairs_every_job_whatever_one_does(tmp_path: Path,
         assert actions["broken"]["action"] == "error (repair)"
         assert "ValueError" in actions["broken"]["error"]
         assert actions["healthy"]["action"] == "start"  # its lost start, repaired
+        said = actions["unreadable"]["error"]
+        assert "cannot read the job's spec: a_newer_field: Extra inputs" in said, said
+        assert "`fedq resume unreadable`" in said
+        assert "unreadable" not in {a["job"] for a in run_watchdog(settings)}  # once
         with session_scope(settings.database_url) as s:
             recorded = {a.job_id: a for a in s.scalars(select(WatchdogAction))}
             assert recorded["broken"].result == "error"
             assert "ValueError" in (recorded["broken"].error or "")
             assert recorded["healthy"].action == "start"
+            job = s.get(Job, "unreadable")
+            assert job is not None and job.status == "failed" and job.error == said
     finally:
         get_settings.cache_clear()
 

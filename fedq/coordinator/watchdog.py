@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -71,9 +72,29 @@ def scan(settings: Settings) -> list[NextRound | tuple[str, str]]:
             try:
                 with s.begin_nested():
                     out.append(_next_round(s, job_id))
+            except ValidationError as exc:  # never readable by this coordinator: fail it
+                out.append((job_id, _unreadable(s, job_id, exc)))
             except Exception as exc:  # noqa: BLE001 - one job's problem, not the pass's
                 out.append((job_id, _why(exc)))
         return out
+
+
+def _unreadable(s: Session, job_id: str, exc: ValidationError) -> str:
+    """Fail a running job whose stored spec this coordinator's schema refuses (a spec
+    written by a newer ``fedq submit``, say), once, with what to do: otherwise the
+    watchdog would find it unreadable every pass, forever."""
+    from fedq import __version__
+
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+    where = ".".join(str(part) for part in first.get("loc", ())) or "spec"
+    reason = redact_text(
+        f"this coordinator (fedq {__version__}) cannot read the job's spec: {where}: "
+        f"{first.get('msg', '')} (a spec from a newer fedq submit? upgrade the control "
+        f"worker, then `fedq resume {job_id}`)")[:1000]
+    job = s.get(Job, job_id)
+    if job is not None and job.status == JobStatus.RUNNING:
+        job.status, job.error, job.finished_at = JobStatus.FAILED, reason, utcnow()
+    return reason
 
 
 def _next_round(s: Session, job_id: str) -> NextRound:
