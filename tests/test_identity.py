@@ -565,8 +565,8 @@ def test_inference_shards_are_sealed_and_their_answers_signed(coordinator: Clust
 @pytest.mark.slow
 def test_served_batches_are_sealed_and_their_answers_signed(coordinator: Cluster) -> None:
     """`fedq serve` with FEDQ_IDENTITY=required: a joined worker answers sealed batches
-    with signed answers; with only a worker that never joined, every batch's answer is
-    refused (502, saying why)."""
+    with signed answers, and streams signed pieces; with only a worker that never
+    joined, every batch's answer is refused (502, saying why)."""
     from fedq.data import load_dataset
     from tests.test_serve import Gateway, _post
 
@@ -581,6 +581,23 @@ def test_served_batches_are_sealed_and_their_answers_signed(coordinator: Cluster
             status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[i].tolist()]})
             assert status == 200 and len(body["predictions"][0]["probs"]) == 10, body
         assert "refused task" not in w1.log_path.read_text()
+        # a streamed completion: the joined worker signs each piece for its task, and
+        # the gateway passes on only signed pieces (several arrive before the answer)
+        from tests.test_inference import SMALL_TEXT, TINY_GPT, _gpt_file
+        from tests.test_serve import _sse
+
+        gpt = Gateway(cluster, ["--weights", str(_gpt_file(cluster.home)), "--model", "gpt",
+                                "--dataset", "shakespeare", "--model-args",
+                                json.dumps(TINY_GPT), "--dataset-args", json.dumps(SMALL_TEXT)])
+        try:
+            events = _sse(gpt.port, "/v1/completions", {"prompt": "Good my lord",
+                                                        "max_tokens": 256, "seed": 3,
+                                                        "stream": True})
+        finally:
+            gpt.stop()
+        pieces = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert events[-1] == "[DONE]" and len(pieces) >= 2, events
+        assert all(p["finish_reason"] is None for p in pieces[:-1])
         w1.stop()
         cluster.add("stranger", ["cpu"])
         status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]},

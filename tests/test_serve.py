@@ -71,6 +71,41 @@ def test_a_streamed_answer_takes_only_checked_progress_and_a_final_that_continue
         "".join(events)
 
 
+def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path: Path) -> None:
+    """Any worker may write the result backend's entries, and a streamed piece reaches
+    the user before the signed answer: with identity required, a piece unsigned, signed
+    for another task, by an unregistered or a revoked worker, or altered after signing,
+    is dropped. Remove the check in stream_texts and this fails."""
+    import asyncio
+
+    import fedq.identity as identity
+    from fedq.inference.serve import _Item, stream_texts
+
+    def worker(name: str) -> identity.Joined:
+        key = identity.load_key(tmp_path / f"{name}.key", create=True)
+        return identity.Joined(name, key, "", ("cpu",))
+
+    w1, w2, w3 = worker("w1"), worker("w2"), worker("w3")
+    registry = identity.Registry({w.name: identity.public_text(w.key) for w in (w1, w2)},
+                                 frozenset({"w2"}))
+    loop = asyncio.new_event_loop()
+    batch = [_Item({"prompt": "p", "max_tokens": 8}, loop.create_future())]
+    piece = {"stream": ["to be"]}
+    assert stream_texts(w1.sign_result(piece, "t1"), batch, registry, "t1") == ["to be"]
+    refused = {
+        "unsigned": piece,
+        "signed for another task": w1.sign_result(piece, "t0"),
+        "by an unregistered worker": w3.sign_result(piece, "t1"),
+        "by a revoked worker": w2.sign_result(piece, "t1"),
+        "altered": {**w1.sign_result(piece, "t1"), "stream": ["to be, or"]},
+        "not a mapping": ["to be"],
+    }
+    for what, data in refused.items():
+        assert stream_texts(data, batch, registry, "t1") == [], what
+    assert stream_texts(piece, batch) == ["to be"]  # identity off: shape checks only
+    loop.close()
+
+
 def test_requests_and_answers_are_checked() -> None:
     assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
         [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]

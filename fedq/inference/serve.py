@@ -21,7 +21,8 @@ shard's (fedq/inference/messages.py) before any of it is returned.
   checks it (a list of strings, no longer than the items' ``max_tokens``) and sends
   what was added. The final answer is checked as a non-streamed one is; if it does not
   continue what was streamed, the stream ends with an error event. Streamed pieces are
-  not signed (with identity required, the final answer is).
+  signed too (with identity required, a piece not signed for its task by a registered
+  worker is dropped, as an unsigned answer is refused).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Batcher:
         while time.monotonic() < deadline:
             meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
             if meta.get("status") == STREAM_STATE:
-                _pass_on(batch, stream_texts(meta.get("result"), batch))
+                _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
             if meta.get("status") == "SUCCESS":
                 return check_batch(meta.get("result"), s, len(batch), tid, self.op)
             if meta.get("status") in ("FAILURE", "REVOKED"):
@@ -215,10 +216,19 @@ class Batcher:
         self.route = next((q for q in order if live.get(q)), self.served.queues[0])
 
 
-def stream_texts(data: Any, batch: list[_Item]) -> list[str]:
+def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | None = None,
+                 task_id: str = "") -> list[str]:
     """A worker's progress on a batch of completions (its ``STREAMING`` state): the text
     so far of its first items; anything else, or a text longer than its item's
-    ``max_tokens`` (one character per byte at most), is ignored."""
+    ``max_tokens`` (one character per byte at most), is ignored. With identity required
+    (``registry``), so is a piece not signed for ``task_id`` by an active registered
+    worker: the result backend's entry is writable by any worker, and a streamed piece
+    reaches the user before the signed answer does."""
+    if registry is not None and (not isinstance(data, dict) or identity.result_problem(
+            data, data.get("signer") if isinstance(data.get("signer"), str) else None,
+            data.get("sig") if isinstance(data.get("sig"), str) else None, "?", task_id,
+            registry) is not None):
+        return []
     texts = data.get("stream") if isinstance(data, dict) else None
     if not isinstance(texts, list) or len(texts) > len(batch) or not all(
             isinstance(t, str) and isinstance(item.body, dict)

@@ -89,8 +89,10 @@ def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
 
     def progress(texts: list[str]) -> None:  # read by the gateway for streamed answers
+        meta: dict[str, Any] = {"stream": texts}
         try:
-            self.update_state(state=STREAM_STATE, meta={"stream": texts})
+            self.update_state(state=STREAM_STATE, meta=meta if me is None
+                              else me.sign_result(meta, self.request.id))
         except Exception as exc:  # noqa: BLE001 - a stream falls behind; the answer stands
             log.warning("serve batch: progress not written (%s)", exc)
 
