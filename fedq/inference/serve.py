@@ -96,6 +96,76 @@ class _Item:
     last: str = ""
 
 
+class ResultWatch:
+    """Wakes a batch's waiter when the result backend stores its task's state.
+
+    Celery's Redis result backend publishes every state it stores (a stream's pieces,
+    the answer) on the channel named by the task's key; one pattern subscription for
+    the gateway's task ids hears them all, so a waiter reads the state as soon as it
+    is written instead of at its next poll. What is published is only a doorbell: the
+    state is read from its key and checked as before. The waiter still polls, slowly,
+    in case a notice is lost (a reconnect)."""
+
+    PATTERN = "fedq-serve-*"
+
+    def __init__(self, url: str) -> None:
+        import redis.asyncio
+
+        self.client = redis.asyncio.Redis.from_url(url)
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        self.waiting: dict[bytes, asyncio.Event] = {}
+        self.heard = 0  # notices that woke a waiter (/health)
+        self.prefix = app.backend.task_keyprefix
+        if isinstance(self.prefix, str):
+            self.prefix = self.prefix.encode()
+
+    async def start(self) -> None:
+        await self.pubsub.psubscribe(self.prefix + self.PATTERN.encode())
+
+    async def listen(self) -> None:
+        """Set the event of each task whose state was stored; runs until cancelled."""
+        while True:
+            try:
+                message = await self.pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the waiters poll meanwhile
+                log.warning("fedq serve: result notices lost (%s); polling", exc)
+                await asyncio.sleep(1.0)
+                with contextlib.suppress(Exception):
+                    await self.start()
+                continue
+            if message is not None:
+                event = self.waiting.get(message.get("channel", b""))
+                if event is not None:
+                    event.set()
+                    self.heard += 1
+
+    def watch(self, task_id: str) -> asyncio.Event:
+        event = asyncio.Event()
+        self.waiting[self.prefix + task_id.encode()] = event
+        return event
+
+    def forget(self, task_id: str) -> None:
+        self.waiting.pop(self.prefix + task_id.encode(), None)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.pubsub.aclose()
+            await self.client.aclose()
+
+
+def result_watch(url: str) -> ResultWatch | None:
+    """A watch on a Redis result backend ``url``; None for other backends (polled)."""
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    try:
+        return ResultWatch(url)
+    except Exception as exc:  # noqa: BLE001 - polling works without it
+        log.warning("fedq serve: no result notices (%s); polling", exc)
+        return None
+
+
 @dataclass
 class Batcher:
     served: Served
@@ -106,6 +176,7 @@ class Batcher:
     route: str | None = None
     batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
     metrics: Any = None
+    watch: ResultWatch | None = None  # notices of stored states (else polled)
 
     def __post_init__(self) -> None:
         self.op = self.op or self.served.op
@@ -177,21 +248,31 @@ class Batcher:
         msg = {"format": MESSAGE_FORMAT, "op": self.op, "model": s.model, "arch": s.arch,
                "items": [item.body for item in batch]}
         queue = self.route or s.queues[0]
-        await asyncio.to_thread(app.send_task, SERVE_TASK,
-                                args=(identity.seal(msg, tid, s.batch_timeout_s, s.keys),),
-                                queue=queue, task_id=tid)
-        deadline = time.monotonic() + s.batch_timeout_s
-        wait = 0.001
-        while time.monotonic() < deadline:
-            meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
-            if meta.get("status") == STREAM_STATE:
-                _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
-            if meta.get("status") == "SUCCESS":
-                return check_batch(meta.get("result"), s, len(batch), tid, self.op)
-            if meta.get("status") in ("FAILURE", "REVOKED"):
-                raise Refused(502, f"the batch task ended {meta.get('status')}")
-            await asyncio.sleep(wait)
-            wait = min(wait * 1.5, 0.02)
+        stored = self.watch.watch(tid) if self.watch is not None else None
+        try:
+            await asyncio.to_thread(app.send_task, SERVE_TASK,
+                                    args=(identity.seal(msg, tid, s.batch_timeout_s, s.keys),),
+                                    queue=queue, task_id=tid)
+            deadline = time.monotonic() + s.batch_timeout_s
+            wait = 0.001
+            while time.monotonic() < deadline:
+                if stored is not None:  # woken when a state is stored; polled seldom
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stored.wait(), 0.05)
+                    stored.clear()
+                meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
+                if meta.get("status") == STREAM_STATE:
+                    _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
+                if meta.get("status") == "SUCCESS":
+                    return check_batch(meta.get("result"), s, len(batch), tid, self.op)
+                if meta.get("status") in ("FAILURE", "REVOKED"):
+                    raise Refused(502, f"the batch task ended {meta.get('status')}")
+                if stored is None:
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 1.5, 0.02)
+        finally:
+            if self.watch is not None:
+                self.watch.forget(tid)
         app.control.revoke(tid)
         raise Refused(504, f"no answer within {s.batch_timeout_s:g}s on queue {queue}")
 
@@ -506,7 +587,10 @@ def build_app(served: Served) -> Any:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": served.name, "op": served.op,
                              "queue": batcher.route or served.queues[0],
-                             "pending": sum(b.pending for b in batchers)})
+                             "pending": sum(b.pending for b in batchers),
+                             # how answers are found: notices of stored states, or polls
+                             "results": "notified" if batcher.watch else "polled",
+                             "notices": batcher.watch.heard if batcher.watch else 0})
 
     async def metrics(request: Request) -> Response:
         if not authorised(request):
@@ -522,6 +606,18 @@ def build_app(served: Served) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(application: Any) -> AsyncIterator[None]:
         collectors = [asyncio.get_running_loop().create_task(b.run()) for b in batchers]
+        watch = result_watch(str(app.conf.result_backend or "").split("+", 1)[-1])
+        if watch is not None:
+            try:
+                await watch.start()
+            except Exception as exc:  # noqa: BLE001 - polling works without it
+                log.warning("fedq serve: no result notices (%s); polling", exc)
+                await watch.close()
+                watch = None
+        if watch is not None:
+            collectors.append(asyncio.get_running_loop().create_task(watch.listen()))
+            for b in batchers:
+                b.watch = watch
 
         def routes() -> None:
             while True:
@@ -534,6 +630,8 @@ def build_app(served: Served) -> Any:
         yield
         for collector in collectors:
             collector.cancel()
+        if watch is not None:
+            await watch.close()
 
     application = Starlette(routes=[
         Route("/v1/predict", predict, methods=["POST"]),
