@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from fedq.blobs import open_store
+from fedq.blobs import BlobRef, open_store
 from fedq.data import load_dataset
 from fedq.data import text as text_data
 from fedq.errors import SpecError
@@ -142,6 +142,34 @@ def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
                 {"op": "shell"}, {"format": 2}, {"extra": 1}, {"split": None}):
         with pytest.raises(FormatError):
             parse_task({**task, **bad})
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard runs under the AMP mode of the worker's GPU class (bf16 from sm_80, fp16
+    on sm_7x, off on Pascal, MPS and the CPU: fedq.worker.hardware.amp_mode, as
+    training). This machine has no GPU, so the class's answer is faked; the CPU's
+    autocast runs it for real: the outputs stay within bf16's error of the float32
+    model's, they differ from it only when AMP is on, and the result says which."""
+    import fedq.inference.run as run
+
+    monkeypatch.setattr(run, "device_amp", lambda device: amp)
+    store = open_store(str(tmp_path / "blobs"))
+    weights = _classifier_file(tmp_path)
+    ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
+    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+            "op": "classify", "start": 0, "stop": 64, "batch_size": 32, "split": "test",
+            "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size},
+            "arch": {"name": "small_cnn", "dataset": "digits"}}
+    result = run.run_shard(task, store, "w1")
+    assert result["status"] == "ok", result
+    assert result["device"] == ("cpu" if amp == "off" else "cpu+bf16")
+    out = BlobRef(result["key"], result["sha256"], result["size"])
+    rows = [json.loads(line) for line in store.get(out).decode().splitlines()]
+    want = _reference_classify(weights)[:64]
+    worst = max(abs(a - b) for row, w in zip(rows, want) for a, b in zip(row["probs"], w))
+    assert (worst == 0.0) if amp == "off" else (0.0 < worst <= 0.05), worst
 
 
 def _classifier_file(tmp_path: Path) -> Path:

@@ -45,6 +45,7 @@ from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus
+from fedq.wire import FEDQ_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,10 @@ def _unreadable(s: Session, job_id: str, exc: ValidationError) -> str:
     """Fail a running job whose stored spec this coordinator's schema refuses (a spec
     written by a newer ``fedq submit``, say), once, with what to do: otherwise the
     watchdog would find it unreadable every pass, forever."""
-    from fedq import __version__
-
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
     where = ".".join(str(part) for part in first.get("loc", ())) or "spec"
     reason = redact_text(
-        f"this coordinator (fedq {__version__}) cannot read the job's spec: {where}: "
+        f"this coordinator (fedq {FEDQ_VERSION}) cannot read the job's spec: {where}: "
         f"{first.get('msg', '')} (a spec from a newer fedq submit? upgrade the control "
         f"worker, then `fedq resume {job_id}`)")[:1000]
     job = s.get(Job, job_id)

@@ -34,6 +34,7 @@ from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.weights import loads
+from fedq.worker.loop import amp_autocast, device_amp
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +240,10 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
         began = time.perf_counter()
-        rows = run_items(model, task.op, items, task.start, task.batch_size, device,
-                         task.sampling)
+        amp = device_amp(device)  # by the GPU's class, as training (bf16 | fp16 | off)
+        with amp_autocast(amp, device):
+            rows = run_items(model, task.op, items, task.start, task.batch_size, device,
+                             task.sampling)
         slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
         if slowdown > 1:
             time.sleep((slowdown - 1) * (time.perf_counter() - began))
@@ -248,7 +251,8 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
                         encode_rows(rows))
         return {**base, "status": "ok", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
                 "items": len(rows), "seconds": time.perf_counter() - start,
-                "device": device.type}
+                # the device and its mixed precision (``cuda+bf16``), shown per worker
+                "device": device.type if amp == "off" else f"{device.type}+{amp}"}
     except Exception as exc:  # noqa: BLE001 - reported as data, the shard is re-sent
         log.warning("inference shard failed: %s", exc)
         return {**base, "status": "error", "error": redact_text(f"{type(exc).__name__}: {exc}"),
@@ -268,28 +272,36 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         device = pick_device()
         task = ShardTask.model_construct(model=msg.model, arch=msg.arch)
         model, _ = _model(task.model, task.arch, store, device)
-        if msg.op == "classify":
-            ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
-            x = torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
-            rows = classify(model, x, 0, len(msg.items), device)
-        elif msg.op == "embed":
-            rows = embed(model, msg.items, 0, len(msg.items), device)
-        else:
-            rows = []
-            texts: list[str] = []
-
-            def so_far(_: int, text: str) -> None:
-                if progress is not None:
-                    progress([*texts, text])
-
-            for n, item in enumerate(msg.items):
-                out = generate(model, [item["prompt"]], 0, device, item["max_tokens"],
-                               item["temperature"], item["top_k"], item["seed"], so_far)
-                rows.append({**out[0], "i": n})
-                texts.append(out[0]["text"])
+        with amp_autocast(device_amp(device), device):
+            rows = _serve_items(model, msg, device, progress)
         return {"status": "ok", "outputs": rows, "worker": worker,
                 "seconds": time.perf_counter() - start}
     except Exception as exc:  # noqa: BLE001 - reported as data; the gateway sends it again
         log.warning("serve batch failed: %s", exc)
         return {"status": "error", "error": redact_text(f"{type(exc).__name__}: {exc}"),
                 "worker": worker, "seconds": time.perf_counter() - start}
+
+
+def _serve_items(model: torch.nn.Module, msg: Any, device: torch.device,
+                 progress: Callable[[list[str]], None] | None) -> list[dict[str, Any]]:
+    """A batch's outputs, in order (``serve_batch`` runs it under its AMP mode)."""
+    if msg.op == "classify":
+        ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
+        x = torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
+        rows = classify(model, x, 0, len(msg.items), device)
+    elif msg.op == "embed":
+        rows = embed(model, msg.items, 0, len(msg.items), device)
+    else:
+        rows = []
+        texts: list[str] = []
+
+        def so_far(_: int, text: str) -> None:
+            if progress is not None:
+                progress([*texts, text])
+
+        for n, item in enumerate(msg.items):
+            out = generate(model, [item["prompt"]], 0, device, item["max_tokens"],
+                           item["temperature"], item["top_k"], item["seed"], so_far)
+            rows.append({**out[0], "i": n})
+            texts.append(out[0]["text"])
+    return rows

@@ -103,7 +103,8 @@ class GPT(nn.Module):
         """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens).
         ``on_token(idx)`` is called after each token (a served stream's progress)."""
         for _ in range(tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1, :] / max(temperature, 1e-6)
+            # float32 sampling whatever precision the forward pass ran in (AMP)
+            logits = self(idx[:, -self.block_size:])[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

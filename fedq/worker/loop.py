@@ -85,6 +85,13 @@ def device_amp(device: torch.device) -> str:
     return amp_mode(torch.cuda.get_device_capability(device))
 
 
+def amp_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Run ``device``'s ops in mixed precision ``amp`` (bf16 | fp16), or as they are."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 optimizer: OptimizerSpec, batch_size: int, epochs: int | None,
                 steps: int | None, seed: int, device: torch.device,
@@ -123,8 +130,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
         first_step = inner.load(opt, state_path) or first_step
     amp = device_amp(device)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
-                if amp != "off" else contextlib.nullcontext())
+    autocast = amp_autocast(amp, device)
     anchor = ([p.detach().clone() for p in model.parameters()] if prox_mu > 0 else [])
     sampler = _UtilSampler(device) if device.type == "cuda" else None
     if device.type == "cuda":
