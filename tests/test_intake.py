@@ -289,8 +289,8 @@ def test_watchdog_repairs_every_job_whatever_one_does(tmp_path: Path,
                            "num_clients": 4, "clients_per_round": 2, "rounds": 2})
         old = utcnow() - timedelta(minutes=5)
         with session_scope(settings.database_url) as s:
-            for job_id, body in (("unreadable", {**spec.to_json(), "a_newer_field": 2}), ("broken", spec.to_json()),
-                                 ("healthy", spec.to_json())):
+            for job_id, body in (("unreadable", {**spec.to_json(), "a_newer_field": 2}),
+                                 ("broken", spec.to_json()), ("healthy", spec.to_json())):
                 s.add(Job(id=job_id, name="t", spec=body, status="running", total_rounds=2,
                           committed_round=0, global_key=global_key(job_id, 0),
                           global_sha256="0" * 64, global_size=10, updated_at=old))

@@ -106,6 +106,44 @@ def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path
     loop.close()
 
 
+def test_the_router_sends_each_batch_where_it_is_expected_back_soonest() -> None:
+    """fedq.inference.serve.Router: the class order with nothing measured; then the
+    measured round trips times the backlog per worker; a faster class that comes is
+    tried at once (any queue not measured yet is); every 20th batch probes the queue
+    measured longest ago."""
+    from fedq.inference.serve import Router
+
+    r = Router(["gpu_new", "cpu"], live={"cpu": 2})
+    assert r.choose() == "cpu"  # the only live queue
+    r.done("cpu", 0.010)
+    r.live = {"gpu_new": 1, "cpu": 2}  # a GPU worker came: tried at once
+    assert r.best() == "gpu_new" and r.choose() == "gpu_new"
+    r.done("gpu_new", 0.004)
+    assert r.choose() == "gpu_new"  # measured faster
+    r.done("gpu_new", 0.004)
+    # the GPU's queue backs up: batches out on its one worker make it the slower bet
+    picks = [r.choose() for _ in range(4)]
+    # 4 ms x (1 + out): 4, 8, then 12 > the cpu queue's 10 ms (2 workers: 10 x 1.5 next)
+    assert picks == ["gpu_new", "gpu_new", "cpu", "gpu_new"], picks
+    for q in picks:
+        r.done(q, 0.004 if q == "gpu_new" else 0.010)
+    # overloaded for real: its round trips grow, and the cpu queue takes the batches
+    for _ in range(6):
+        r.done("gpu_new", 0.2)
+    assert r.best() == "cpu"
+    r.sent = Router.PROBE_EVERY - 1  # the next is a probe: the queue measured longest ago
+    assert r.choose() == "gpu_new"
+    r.done("gpu_new", 0.2)
+    assert r.choose() == "cpu"
+    r.done("cpu", 0.010)
+    r.live = {"gpu_new": 0, "cpu": 0}  # nobody live: the first served queue, not nowhere
+    assert r.choose() == "gpu_new"
+    # a batch that got no answer counts as the whole timeout
+    r.live = {"gpu_new": 1, "cpu": 1}
+    r.done("cpu", 30.0)
+    assert r.best() == "gpu_new" and r.to_json()["cpu"]["batches"] >= 3
+
+
 def test_requests_and_answers_are_checked() -> None:
     assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
         [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]
@@ -165,12 +203,13 @@ def _sse(port: int, path: str, body: Any) -> list[str]:
 
 
 class Gateway:
-    def __init__(self, cluster: Cluster, args: list[str], **env: str) -> None:
+    def __init__(self, cluster: Cluster, args: list[str], queues: str = "cpu",
+                 **env: str) -> None:
         self.port = free_port()
         self.log = cluster.home / f"serve-{self.port}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fedq.cli", "serve", *args, "--port", str(self.port),
-             "--queues", "cpu"], env={**cluster.env, **env}, stdout=open(self.log, "wb"),
+             "--queues", queues], env={**cluster.env, **env}, stdout=open(self.log, "wb"),
             stderr=subprocess.STDOUT, start_new_session=True)
 
         def up() -> bool:
@@ -276,6 +315,35 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
         gateway.stop()
     bad = cluster.fedq("serve", *args, "--queues", "gpu9", check=False)
     assert bad.returncode == 2 and "--queues: gpu9" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
+                                                         weights: Path) -> None:
+    """Two served queues: gpu_new, whose one worker is slowed 100x, and cpu. The class
+    order alone would send every batch to gpu_new; the router measures both and sends
+    most to cpu, probing gpu_new now and then (/health's routes)."""
+    cluster = redis_cluster
+    cluster.add("slow", ["gpu_new"], FEDQ_SLOWDOWN="100", FEDQ_SKIP_HARDWARE_CHECK="1")
+    cluster.add("fast", ["cpu"])
+    gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
+                                "--dataset", "digits"], queues="gpu_new,cpu")
+    try:
+        def routes() -> dict[str, Any]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/health") as resp:
+                return json.loads(resp.read())["routes"]
+
+        wait_until(lambda: all(r["live_workers"] for r in routes().values()), 60,
+                   what="both queues' workers to be seen live")
+        x = load_dataset("digits").x_test[:1]
+        for _ in range(40):  # one at a time: each batch's round trip is measured alone
+            status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]})
+            assert status == 200, body
+        seen = routes()
+        assert seen["gpu_new"]["batches"] >= 1 and seen["cpu"]["batches"] >= 30, seen
+        assert seen["gpu_new"]["batch_s"] > 5 * seen["cpu"]["batch_s"], seen
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.slow

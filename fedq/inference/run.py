@@ -272,8 +272,12 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         device = pick_device()
         task = ShardTask.model_construct(model=msg.model, arch=msg.arch)
         model, _ = _model(task.model, task.arch, store, device)
+        began = time.perf_counter()
         with amp_autocast(device_amp(device), device):
             rows = _serve_items(model, msg, device, progress)
+        slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
+        if slowdown > 1:
+            time.sleep((slowdown - 1) * (time.perf_counter() - began))
         return {"status": "ok", "outputs": rows, "worker": worker,
                 "seconds": time.perf_counter() - start}
     except Exception as exc:  # noqa: BLE001 - reported as data; the gateway sends it again

@@ -167,19 +167,86 @@ def result_watch(url: str) -> ResultWatch | None:
 
 
 @dataclass
+class Router:
+    """Which queue a batch goes to: the live queue expected to answer soonest.
+
+    Each queue's expected time is the moving average of its batches' round trips (sent
+    to answered), scaled by its batches out per live worker, so a loaded GPU queue
+    gives way to an idle CPU one and takes batches again as its backlog clears. A live
+    queue not measured yet takes the next batch (the faster class first: a GPU worker
+    that came is tried at once); every ``PROBE_EVERY``-th batch goes to the live queue
+    measured longest ago, so that an estimate does not go stale. A batch with no answer
+    counts as the whole timeout. Ties go to the faster class (gpu_new, gpu_sm61, cpu)."""
+
+    order: list[str]  # the served queues, fastest class first
+    live: dict[str, int] = field(default_factory=dict)  # queue -> live workers
+    ewma: dict[str, float] = field(default_factory=dict)  # queue -> seconds a batch
+    measured: dict[str, int] = field(default_factory=dict)  # queue -> batch no. of last
+    out: dict[str, int] = field(default_factory=dict)  # queue -> batches out
+    sent: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # queue -> batches sent
+
+    ALPHA = 0.3
+    PROBE_EVERY = 20
+
+    def expected(self, queue: str) -> float:
+        return self.ewma[queue] * (1 + self.out.get(queue, 0) / max(self.live.get(queue, 1), 1))
+
+    def candidates(self) -> list[str]:
+        return [q for q in self.order if self.live.get(q)] or self.order[:1]
+
+    def best(self) -> str:
+        """The queue the next batch would go to, apart from probes."""
+        candidates = self.candidates()
+        unmeasured = [q for q in candidates if q not in self.ewma]
+        if unmeasured:  # measured once before anything is compared (fastest class first)
+            return unmeasured[0]
+        return min(candidates, key=self.expected)  # ties: the faster class (order)
+
+    def choose(self) -> str:
+        """The queue for the next batch (counted as out until :meth:`done`)."""
+        self.sent += 1
+        candidates = self.candidates()
+        queue = self.best()
+        if self.sent % self.PROBE_EVERY == 0 and len(candidates) > 1:
+            others = [q for q in candidates if q != queue]
+            queue = min(others, key=lambda q: self.measured.get(q, -1))
+        self.out[queue] = self.out.get(queue, 0) + 1
+        self.counts[queue] = self.counts.get(queue, 0) + 1
+        return queue
+
+    def done(self, queue: str, seconds: float) -> None:
+        """A batch sent to ``queue`` came back after ``seconds`` (or failed: the timeout)."""
+        self.out[queue] = max(self.out.get(queue, 0) - 1, 0)
+        before = self.ewma.get(queue)
+        self.ewma[queue] = seconds if before is None else \
+            (1 - self.ALPHA) * before + self.ALPHA * seconds
+        self.measured[queue] = self.sent
+
+    def to_json(self) -> dict[str, Any]:
+        return {q: {"live_workers": self.live.get(q, 0), "batches": self.counts.get(q, 0),
+                    "out": self.out.get(q, 0),
+                    "batch_s": round(self.ewma[q], 4) if q in self.ewma else None}
+                for q in self.order}
+
+
+@dataclass
 class Batcher:
     served: Served
     op: str = ""  # what its batches ask of the workers (default: the served op)
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     pending: int = 0  # items waiting or out
     out: int = 0  # batches out
-    route: str | None = None
+    router: Router | None = None
     batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
     metrics: Any = None
     watch: ResultWatch | None = None  # notices of stored states (else polled)
 
     def __post_init__(self) -> None:
         self.op = self.op or self.served.op
+        if self.router is None:
+            self.router = Router([q for q in TRAINING_QUEUES if q in self.served.queues]
+                                 or list(self.served.queues))
 
     def admit(self, bodies: list[Any], stream: bool = False) -> list[_Item] | None:
         """Queue the items, or None when that would pass ``max_queue`` (a 503)."""
@@ -247,7 +314,9 @@ class Batcher:
         tid = base + identity.task_tag(base, s.keys)
         msg = {"format": MESSAGE_FORMAT, "op": self.op, "model": s.model, "arch": s.arch,
                "items": [item.body for item in batch]}
-        queue = self.route or s.queues[0]
+        assert self.router is not None
+        queue = self.router.choose()
+        sent, took = time.perf_counter(), s.batch_timeout_s  # no answer: the whole timeout
         stored = self.watch.watch(tid) if self.watch is not None else None
         try:
             await asyncio.to_thread(app.send_task, SERVE_TASK,
@@ -264,7 +333,9 @@ class Batcher:
                 if meta.get("status") == STREAM_STATE:
                     _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
                 if meta.get("status") == "SUCCESS":
-                    return check_batch(meta.get("result"), s, len(batch), tid, self.op)
+                    outputs = check_batch(meta.get("result"), s, len(batch), tid, self.op)
+                    took = time.perf_counter() - sent
+                    return outputs
                 if meta.get("status") in ("FAILURE", "REVOKED"):
                     raise Refused(502, f"the batch task ended {meta.get('status')}")
                 if stored is None:
@@ -273,12 +344,13 @@ class Batcher:
         finally:
             if self.watch is not None:
                 self.watch.forget(tid)
+            self.router.done(queue, took)
         app.control.revoke(tid)
         raise Refused(504, f"no answer within {s.batch_timeout_s:g}s on queue {queue}")
 
     def reroute(self) -> None:
-        """The fastest class with a live worker among the served queues (and, with
-        identity required, the registered workers read again)."""
+        """The live workers of each served queue, for the router (and, with identity
+        required, the registered workers read again)."""
         from fedq.engine.broker import live_queues
 
         if self.served.read_registry is not None:
@@ -291,10 +363,10 @@ class Batcher:
 
         try:
             live = live_queues(timeout=1.0)
-        except Exception:  # noqa: BLE001 - keep the route we had
+        except Exception:  # noqa: BLE001 - keep what we knew
             return
-        order = [q for q in TRAINING_QUEUES if q in self.served.queues]
-        self.route = next((q for q in order if live.get(q)), self.served.queues[0])
+        assert self.router is not None
+        self.router.live = {q: len(live.get(q) or []) for q in self.router.order}
 
 
 def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | None = None,
@@ -586,7 +658,9 @@ def build_app(served: Served) -> Any:
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": served.name, "op": served.op,
-                             "queue": batcher.route or served.queues[0],
+                             "queue": batcher.router.best() if batcher.router
+                             else served.queues[0],
+                             "routes": batcher.router.to_json() if batcher.router else {},
                              "pending": sum(b.pending for b in batchers),
                              # how answers are found: notices of stored states, or polls
                              "results": "notified" if batcher.watch else "polled",
@@ -623,7 +697,8 @@ def build_app(served: Served) -> Any:
             while True:
                 batcher.reroute()
                 for other in batchers[1:]:
-                    other.route = batcher.route
+                    assert other.router is not None and batcher.router is not None
+                    other.router.live = dict(batcher.router.live)
                 time.sleep(ROUTE_EVERY_S)
 
         threading.Thread(target=routes, name="fedq-serve-route", daemon=True).start()
