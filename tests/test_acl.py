@@ -318,3 +318,30 @@ def test_a_worker_rabbitmq_user_can_train_and_nothing_else(
            did="connected with its bundle's broker URL after `fedq worker revoke`",
            fedq="refused by RabbitMQ: the user was deleted, its connections closed",
            guard="enrol.revoke, rabbit.disable_user", outcome="refused; its process stopped")
+
+
+def test_worker_add_without_rabbitmqs_api_is_one_line_and_leaves_no_invitation(
+        tmp_path: Path) -> None:
+    """With RabbitMQ as the broker and its management API unreachable, `fedq worker
+    add` says so in one line, exits non-zero, and no invitation is left behind."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
+    env.update(FEDQ_HOME=str(tmp_path), FEDQ_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//",
+               FEDQ_RABBITMQ_API=f"http://127.0.0.1:{free_port()}")
+
+    def fedq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    added = fedq("worker", "add", "w1", "--queues", "cpu", "--out", str(tmp_path / "b"))
+    assert added.returncode != 0 and "Traceback" not in added.stderr, added.stderr
+    lines = added.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RabbitMQ's management API" in lines[0], lines
+    assert not (tmp_path / "b").exists()
+    listed = fedq("worker", "list")
+    assert listed.returncode == 0 and "w1" not in listed.stdout, listed.stdout

@@ -53,7 +53,11 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
                   "another machine cannot reach it (set FEDQ_BROKER_URL)")
     public = identity.public_text(identity.coordinator_key(settings.keys_dir))
     token = enrol.invite(settings, name, qs)
-    services, users = enrol.own_users(settings, name, qs, services)
+    try:
+        services, users = enrol.own_users(settings, name, qs, services)
+    except FedqError:  # no broker user, no bundle: no invitation either
+        enrol.withdraw(settings, name)
+        raise
     bundle = {"fedq_bundle": BUNDLE_FORMAT, "name": name, "queues": qs, "token": token,
               "coordinator_key": public,
               "services": {k: v for k, v in services.items() if v}}

@@ -79,6 +79,15 @@ def invite(settings: Settings, name: str, queues: list[str]) -> str:
     return token
 
 
+def withdraw(settings: Settings, name: str) -> None:
+    """Forget worker ``name``'s invitation (its bundle could not be made: nothing of
+    it is left behind). Only an invitation: a joined or revoked name stays."""
+    with session_scope(settings.database_url) as s:
+        row = s.get(RegisteredWorker, name)
+        if row is not None and row.state == INVITED:
+            s.delete(row)
+
+
 def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str],
               services: dict[str, str | None]) -> tuple[dict[str, str | None], list[str]]:
     """``services`` with worker ``name``'s own credentials wherever the coordinator's
