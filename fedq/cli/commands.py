@@ -151,7 +151,7 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
 @click.option("--model-args", default="{}", help="--weights: the model's arguments (JSON)")
 @click.option("--dataset-args", default="{}", help="--weights: the data set's arguments (JSON)")
 @click.option("--queues", default="gpu_new,gpu_sm61,cpu", show_default=True,
-              help="queues batches may go to; the fastest class with a live worker is used")
+              help="queues batches may go to; each batch goes where it is expected back soonest")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--max-batch", default=32, show_default=True, help="items per batch at most")
