@@ -317,6 +317,53 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
     assert bad.returncode == 2 and "--queues: gpu9" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_each_user_has_an_api_key_of_their_own_and_a_revoked_one_is_refused(
+        tmp_path: Path, weights: Path) -> None:
+    """`fedq serve-key add/list/revoke` (fedq/inference/keys.py) on the embedded default:
+    once a key exists the gateway takes only an active key; a revoked key is refused
+    within a few seconds, and revoking the last key leaves the gateway closed, not open.
+    Remove the key table from `authorised` and this fails."""
+    import time
+
+    from fedq.testing.cluster import base_env
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    made = cluster.fedq("serve-key", "add", "alice")
+    alice = made.stdout.strip()
+    assert alice.startswith("fedq-") and len(alice) > 40 and "\n" not in alice
+    again = cluster.fedq("serve-key", "add", "alice", check=False)
+    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "exists" in again.stderr
+    bad = cluster.fedq("serve-key", "add", "Alice Smith", check=False)
+    assert bad.returncode != 0 and "key name" in bad.stderr and "Traceback" not in bad.stderr
+    gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
+                                "--dataset", "digits"])
+
+    def status(key: str | None) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{gateway.port}/metrics",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    try:
+        assert status(alice) == 200
+        assert status(None) == 401 and status("fedq-" + "x" * 43) == 401
+        cluster.fedq("serve-key", "revoke", "alice")
+        deadline = time.monotonic() + 15
+        while status(alice) != 401 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status(alice) == 401 and status(None) == 401  # closed, not open
+    finally:
+        gateway.stop()
+    listed = cluster.fedq("serve-key", "list").stdout
+    assert "alice" in listed and listed.count("-") >= 2, listed
+    gone = cluster.fedq("serve-key", "revoke", "bob", check=False)
+    assert gone.returncode == 4 and "no serve key bob" in gone.stderr
+
+
 @pytest.mark.slow
 def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
                                                          weights: Path) -> None:

@@ -174,6 +174,7 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
 
     from fedq.coordinator.enrol import registry
     from fedq.errors import SpecError
+    from fedq.inference.keys import read as read_keys
     from fedq.inference.serve import prepare, run
     from fedq.inference.spec import ModelSource
 
@@ -199,13 +200,61 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
     served = prepare(settings, src, Path("."), wanted, max_batch=max_batch,
                      max_wait_ms=max_wait_ms, max_queue=max_queue,
                      batch_timeout_s=batch_timeout_s, api_key=settings.serve_api_key,
-                     read_registry=lambda: registry(settings.database_url))
+                     read_registry=lambda: registry(settings.database_url),
+                     read_key_table=lambda: read_keys(settings.database_url))
     err.print(f"fedq serve: {served.name} ({served.op}, {served.arch['name']}) on "
               f"http://{host}:{port} — POST /v1/"
               f"{'predict' if served.op == 'classify' else 'completions'}; batches of at most "
               f"{max_batch} after {max_wait_ms:g} ms to {', '.join(wanted)}"
-              + ("; API key required" if served.api_key else ""), highlight=False)
+              + ("; API key required" if served.api_key else "")
+              + ("; the keys of `fedq serve-key` required" if read_keys(
+                  settings.database_url).required else ""), highlight=False)
     run(served, host, port)
+
+
+@main.group("serve-key")
+def serve_key() -> None:
+    """API keys of `fedq serve`, one per person or program: once one exists, every
+    request needs an active key ('Authorization: Bearer KEY')."""
+
+
+@serve_key.command("add")
+@click.argument("name")
+@expected_errors
+def serve_key_add(name: str) -> None:
+    """Make key NAME and print it (once: only its sha256 is kept)."""
+    from fedq.inference import keys
+
+    key = keys.add(_settings().database_url, name)
+    out.print(key, highlight=False, soft_wrap=True)
+    err.print(f"fedq: serve key {name}: give it to its user privately; running gateways "
+              f"take it within 3 s. `fedq serve-key revoke {name}` ends it.", highlight=False)
+
+
+@serve_key.command("list")
+@expected_errors
+def serve_key_list() -> None:
+    """The keys: name, made, revoked."""
+    from rich.table import Table
+
+    from fedq.inference import keys
+
+    table = Table("key", "made", "revoked")
+    for row in keys.listed(_settings().database_url):
+        table.add_row(row.name, row.created.isoformat(timespec="seconds"),
+                      row.revoked.isoformat(timespec="seconds") if row.revoked else "-")
+    out.print(table)
+
+
+@serve_key.command("revoke")
+@click.argument("name")
+@expected_errors
+def serve_key_revoke(name: str) -> None:
+    """Revoke key NAME: running gateways refuse it within 3 s."""
+    from fedq.inference import keys
+
+    keys.revoke(_settings().database_url, name)
+    out.print(f"serve key {name} revoked")
 
 
 @main.command()

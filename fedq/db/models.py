@@ -255,6 +255,18 @@ class WatchdogAction(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)  # a failed repair's reason
 
 
+class ServeKey(Base):
+    """An API key of ``fedq serve`` (migration 0017; fedq/inference/keys.py): its name,
+    the sha256 of the key (the key itself is shown once), and when it was revoked."""
+
+    __tablename__ = "serve_keys"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
 class InferenceJob(Base):
     """A batch inference job (migration 0015; fedq/inference/jobs.py)."""
 

@@ -12,7 +12,8 @@ coordinator    SELECT, INSERT, UPDATE, DELETE on every table of the schema but
 submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds,
                client_updates, inference_jobs and inference_shards (submit, infer,
                cancel, resume); INSERT, UPDATE on
-               registered_workers (``fedq worker add`` / ``revoke``)
+               registered_workers (``fedq worker add`` / ``revoke``) and
+               serve_keys (``fedq serve-key add`` / ``revoke``)
 =============  =================================================================
 
 Tables a later migration adds get the same rights (``ALTER DEFAULT PRIVILEGES`` for
@@ -34,7 +35,7 @@ from fedq.errors import ConfigError
 Kind = Literal["coordinator", "submitter"]
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 SUBMITTER_WRITES = ("jobs", "rounds", "client_updates", "inference_jobs", "inference_shards")
-SUBMITTER_ADDS = ("registered_workers",)
+SUBMITTER_ADDS = ("registered_workers", "serve_keys")
 
 
 def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) -> str:

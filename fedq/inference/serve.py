@@ -50,6 +50,7 @@ from fedq.wire import MESSAGE_FORMAT, FormatError
 log = logging.getLogger(__name__)
 
 ROUTE_EVERY_S = 15.0
+KEYS_EVERY_S = 3.0
 MAX_ITEMS_PER_REQUEST = 256
 MAX_PROMPT_BYTES = 16_384
 
@@ -86,6 +87,10 @@ class Served:
     keys: Any = None
     read_registry: Any = None
     registry: Any = None
+    # API keys one per person (fedq/inference/keys.py): a reader of the table, read at
+    # start and every KEYS_EVERY_S, and what it last read
+    read_key_table: Any = None
+    key_table: Any = None
 
 
 @dataclass
@@ -579,10 +584,21 @@ def build_app(served: Served) -> Any:
                             headers=headers or None)
 
     def authorised(request: Request) -> bool:
-        if served.api_key is None:
+        """The shared key (FEDQ_SERVE_API_KEY), or an active key of `fedq serve-key`;
+        once either exists, nothing else passes."""
+        from fedq.inference.keys import digest
+
+        table = served.key_table
+        if served.api_key is None and (table is None or not table.required):
             return True
         given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {served.api_key}".encode())
+        if not given.startswith("Bearer "):
+            return False
+        token = given[len("Bearer "):]
+        if served.api_key is not None and hmac.compare_digest(token.encode(),
+                                                              served.api_key.encode()):
+            return True
+        return table is not None and digest(token) in table.active
 
     async def answer(request: Request, route: str, parse: Any, shape: Any,
                      via: Batcher = batcher, stream: Any = None) -> Response:
@@ -693,13 +709,31 @@ def build_app(served: Served) -> Any:
             for b in batchers:
                 b.watch = watch
 
+        def read_keys() -> None:
+            if served.read_key_table is None:
+                return
+            try:
+                served.key_table = served.read_key_table()
+            except Exception as exc:  # noqa: BLE001 - the database away: keep the last
+                log.warning("fedq serve: could not read the API keys: %s", exc)
+
         def routes() -> None:
+            last = 0.0
             while True:
-                batcher.reroute()
-                for other in batchers[1:]:
-                    assert other.router is not None and batcher.router is not None
-                    other.router.live = dict(batcher.router.live)
-                time.sleep(ROUTE_EVERY_S)
+                if time.monotonic() - last >= ROUTE_EVERY_S:
+                    last = time.monotonic()
+                    batcher.reroute()
+                    for other in batchers[1:]:
+                        assert other.router is not None and batcher.router is not None
+                        other.router.live = dict(batcher.router.live)
+                read_keys()
+                time.sleep(KEYS_EVERY_S)
+
+        if served.read_key_table is not None and served.key_table is None:
+            from fedq.inference.keys import Keys
+
+            served.key_table = Keys(True, frozenset())  # closed until the table is read
+        await asyncio.to_thread(read_keys)  # before the first request
 
         threading.Thread(target=routes, name="fedq-serve-route", daemon=True).start()
         yield
