@@ -188,18 +188,13 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
 def rabbit_admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str, str]]:
     """RabbitMQ (a vhost of the test's own, guest as its administrator, the management
     API on) as the broker; a protected Redis of the test's own for results and blobs."""
-    from tests.test_faults import own_vhost
-
-    with own_vhost() as broker:
-        yield from _on_rabbitmq(tmp_path, pg_url, broker)
-
-
-def _on_rabbitmq(tmp_path: Path, pg_url: str,
-                 broker: str) -> Iterator[tuple[Cluster, str, str]]:
     from fedq.coordinator import rabbit
     from fedq.errors import ServiceUnavailable
     from tests.conftest import migrated_cluster, missing
+    from tests.test_faults import rabbit_vhost
 
+    vhosts = rabbit_vhost.__wrapped__()  # type: ignore[attr-defined]
+    broker = next(vhosts)
     try:
         rabbit.user_exists(broker, "probe")
     except ServiceUnavailable:  # the plugin ships with RabbitMQ; turn it on
@@ -231,7 +226,8 @@ def _on_rabbitmq(tmp_path: Path, pg_url: str,
             yield cluster, broker, redis_url
             cluster.stop()
     finally:
-        rabbit.disable_user(broker, "w1")  # (the vhost, with its permissions, goes after)
+        next(vhosts, None)  # the vhost, and with it the worker's permissions, deleted
+        rabbit.disable_user(broker, "w1")
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ runs these tests and writes the table)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -136,13 +135,6 @@ def test_worker_killed_mid_task_in_rounds_2_and_4_on_redis(redis_cluster: Cluste
 @pytest.fixture
 def rabbit_vhost() -> Iterator[str]:
     """A RabbitMQ vhost of its own on the local server (guest/guest)."""
-    with own_vhost() as url:
-        yield url
-
-
-@contextlib.contextmanager
-def own_vhost() -> Iterator[str]:
-    """A RabbitMQ vhost made for the caller on the local server, deleted after."""
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
         missing("RabbitMQ", "rabbitmqctl not found")
@@ -153,11 +145,8 @@ def own_vhost() -> Iterator[str]:
         missing("RabbitMQ", made.stderr.strip() or made.stdout.strip())
     subprocess.run([ctl, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
                    capture_output=True, timeout=60, check=True)
-    try:
-        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
-    finally:
-        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60,
-                       check=False)
+    yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60, check=False)
 
 
 @pytest.mark.slow
