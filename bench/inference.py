@@ -1,19 +1,29 @@
 """Batch inference and ``fedq serve`` measured: write the tables into docs/inference.md.
 
     .venv/bin/python -m bench.inference          # about 3 minutes on 2 cores
+    python -m bench.inference --gpu --json-out F # on a GPU machine: about 4 minutes
+    .venv/bin/python -m bench.inference --from-json F   # write F's GPU tables
 
-Real deployments on Redis + PostgreSQL with real workers (``FEDQ_TORCH_THREADS=1``):
+Real deployments on Redis (the broker and result backend) with real workers:
 
-- batch: a GPT ``generate`` job (the tiny GPT, ``--prompts`` prompts, 48 bytes each)
-  on two ``cpu`` workers, one slowed 4x (``FEDQ_SLOWDOWN=4``: it sleeps three times
-  its compute after each shard). Each worker alone first (its standalone items/s), then
-  both: fedq's items/s against the sum of the standalone ones, against a static equal
-  split (half the items each: the slow worker's half decides, computed from its
-  standalone rate), and the tail (the share of the job's time the last 5% of items took).
-- served: ``fedq serve`` with the small CNN on digits and two ``cpu`` workers; one
-  image per request at concurrency 1, 8 and 64: p50/p99 latency and requests/s, against
-  the model called in the bench's own process (one image: the latency floor; batches
-  of 32: the throughput floor).
+- batch: a GPT ``generate`` job on ``--workers`` workers (default 2), the last slowed
+  4x (``FEDQ_SLOWDOWN=4``: it sleeps three times its compute after each shard). A fast
+  worker alone and the slow one alone first (their standalone items/s), then all of
+  them: fedq's items/s against the sum of the standalone ones, against a static equal
+  split (the same share of the items each: the slowest share decides, computed from the
+  standalone rates), and the tail (the share of the job's time the last 5% of items took).
+- served: ``fedq serve`` with the small CNN on digits and two workers; one image per
+  request at concurrency 1, 8 and 64: p50/p99 latency and requests/s, against the
+  model called in the bench's own process (one image: the latency floor; batches of
+  32: the throughput floor).
+
+On the CPU (the default): the tiny GPT, ``cpu`` workers with one torch thread each and
+PostgreSQL as the database. With ``--gpu``: the ~10M-parameter GPT (6 layers, width
+384, context 256), workers on this machine's GPU class sharing its GPU, the database a
+SQLite file (a GPU machine lent here has no PostgreSQL), and ``fedq serve`` measured
+with the GPT too (``/v1/completions``, 16 tokens per request). ``--json-out`` keeps the
+measurements; ``--from-json`` writes the tables of such a file into the doc (the GPU
+section) without running anything.
 
 Ray Data and Ray Serve are not measured here yet (docs/inference.md, "Not done").
 """
@@ -30,8 +40,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +56,68 @@ import yaml
 from bench.common import BenchError, pg_database, redis_database, write_section
 from fedq.data import load_dataset
 from fedq.inference import jobs
+from fedq.inference.run import generate
 from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster, base_env
 from fedq.testing.wait import wait_until
-from fedq.weights import dumps, state_of
+from fedq.weights import dumps, loads, state_of
+from fedq.worker.loop import amp_autocast, device_amp
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "inference.md"
 BEGIN, END = "<!-- inference tables -->", "<!-- end of inference tables -->"
-TEXT = {"block_size": 32, "max_works": 3, "eval_windows": 64}
-GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32}
+GPU_BEGIN, GPU_END = "<!-- inference gpu tables -->", "<!-- end of inference gpu tables -->"
 
 
-def _cluster(home: Path, redis_url: str, pg_url: str) -> Cluster:
+@dataclass
+class Setup:
+    """What one run measures: the CPU defaults, or :func:`gpu_setup`'s."""
+
+    queue: str = "cpu"
+    device: str = "cpu"
+    workers: int = 2  # batch workers, the last slowed 4x
+    gpt: dict[str, Any] = field(default_factory=lambda: {"n_layer": 1, "n_head": 2,
+                                                         "n_embd": 32})
+    text: dict[str, Any] = field(default_factory=lambda: {
+        "block_size": 32, "max_works": 3, "eval_windows": 64})
+    prompts: int = 96
+    max_tokens: int = 48
+    shard_size: int = 8
+    requests: int = 256
+    gpt_requests: int = 0  # 0: the served GPT is not measured
+    gpt_tokens: int = 16
+    sqlite: bool = False
+    command: str = ".venv/bin/python -m bench.inference"
+
+
+def gpu_setup(prompts: int, requests: int, tiny: bool = False) -> Setup:
+    """``--gpu``: the 10M GPT on this machine's GPU class. ``tiny``: the same layout
+    (four workers, SQLite, the served GPT) with the tiny GPT on whatever this machine
+    is (the test's size)."""
+    from fedq.worker.hardware import probe
+
+    queue = probe(run_smoke=False).hardware_class
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if tiny:
+        return Setup(queue=queue, device=device, workers=4, prompts=prompts,
+                     requests=requests, gpt_requests=16, gpt_tokens=4, sqlite=True,
+                     command="python -m bench.inference --gpu --tiny")
+    return Setup(queue=queue, device=device, workers=4,
+                 gpt={"n_layer": 6, "n_head": 6, "n_embd": 384},
+                 text={"block_size": 256, "max_works": 3, "eval_windows": 64},
+                 prompts=prompts, max_tokens=32, shard_size=16, requests=requests,
+                 gpt_requests=max(requests // 2, 16), sqlite=True,
+                 command="python -m bench.inference --gpu")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cluster(home: Path, redis_url: str, db_url: str) -> Cluster:
     env = base_env(home, FEDQ_BROKER_URL=redis_url, FEDQ_RESULT_BACKEND=redis_url,
-                   FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=str(home / "blobs"),
+                   FEDQ_DATABASE_URL=db_url, FEDQ_BLOB_URL=str(home / "blobs"),
                    FEDQ_WATCHDOG_INTERVAL="1")
     (home / "logs").mkdir(parents=True, exist_ok=True)
     cluster = Cluster(home, env)
@@ -84,150 +145,211 @@ def _job(cluster: Cluster, spec: Path) -> dict[str, Any]:
             "by_worker": {w.worker.split("@")[0]: w.items for w in view.workers}}
 
 
-def batch(home: Path, redis_url: str, pg_url: str, prompts: int) -> dict[str, Any]:
-    home.mkdir(parents=True, exist_ok=True)
-    ds = load_dataset("shakespeare", None, TEXT)
+def _gpt_weights(home: Path, setup: Setup) -> Path:
     weights = home / "gpt.safetensors"
-    weights.write_bytes(dumps(state_of(seeded_model("gpt", ds.input_shape, ds.num_classes,
-                                                    5, **GPT))))
-    text = bytes(ds.x_test[:prompts, :].clamp(0, 255).to(torch.uint8).flatten().tolist())
-    lines = [text[i * 32:(i + 1) * 32].decode("latin-1").replace("\n", " ") + " and"
-             for i in range(prompts)]
-    (home / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    if not weights.exists():
+        ds = load_dataset("shakespeare", None, setup.text)
+        weights.write_bytes(dumps(state_of(seeded_model(
+            "gpt", ds.input_shape, ds.num_classes, 5, **setup.gpt))))
+    return weights
+
+
+def _prompts(setup: Setup, n: int) -> list[str]:
+    ds = load_dataset("shakespeare", None, setup.text)
+    text = bytes(ds.x_test[:, :32].clamp(0, 255).to(torch.uint8).flatten().tolist())
+    return [text[i * 32:(i + 1) * 32].decode("latin-1").replace("\n", " ") + " and"
+            for i in range(n)]
+
+
+def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, Any]:
+    home.mkdir(parents=True, exist_ok=True)
+    weights = _gpt_weights(home, setup)
+    prompts = _prompts(setup, setup.prompts)
+    (home / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                                for p in prompts))
     spec = home / "batch.yaml"
     spec.write_text(yaml.safe_dump({
         "kind": "inference", "name": "bench", "op": "generate",
         "model": {"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
-                  "args": GPT, "dataset_args": TEXT},
-        "inputs": {"prompts": "prompts.jsonl"}, "generate": {"max_tokens": 48, "seed": 1},
-        "shard_size": 8, "batch_size": 8, "in_flight": 2}))
-    out: dict[str, Any] = {"prompts": prompts}
+                  "args": setup.gpt, "dataset_args": setup.text},
+        "inputs": {"prompts": "prompts.jsonl"},
+        "generate": {"max_tokens": setup.max_tokens, "seed": 1},
+        "queues": [setup.queue], "shard_size": setup.shard_size,
+        "batch_size": setup.shard_size, "in_flight": 2}))
+    out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers}
+    q = [setup.queue]
     for name, env in (("fast", {}), ("slow", {"FEDQ_SLOWDOWN": "4"})):
-        cluster = _cluster(home / name, redis_url, pg_url)
+        cluster = _cluster(home / name, redis_url, db_url)
         try:
             cluster.start(control=["control"])
-            cluster.add(name, ["cpu"], **env)
+            cluster.add(name, q, **env)
             out[name] = _job(cluster, spec)
         finally:
             cluster.stop()
-    cluster = _cluster(home / "both", redis_url, pg_url)
+    cluster = _cluster(home / "all", redis_url, db_url)
     try:
-        cluster.start(control=["control"], fast=["cpu"])
-        cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="4")
+        fast = {"fast" if setup.workers == 2 else f"fast{i}": q
+                for i in range(1, setup.workers)}
+        cluster.start(control=["control"], **fast)
+        cluster.add("slow", q, FEDQ_SLOWDOWN="4")
         out["both"] = _job(cluster, spec)
     finally:
         cluster.stop()
-    rates = [out["fast"]["items_per_s"], out["slow"]["items_per_s"]]
+    rates = [out["fast"]["items_per_s"]] * (setup.workers - 1) + [out["slow"]["items_per_s"]]
     out["sum_standalone"] = sum(rates)
-    out["static_s"] = max(prompts / 2 / r for r in rates)
+    out["static_s"] = max(setup.prompts / setup.workers / r for r in rates)
     return out
 
 
-def _post(port: int, body: bytes) -> float:
+def _post(port: int, path: str, body: bytes) -> float:
     start = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/predict", data=body)
-    with urllib.request.urlopen(req, timeout=60) as resp:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body)
+    with urllib.request.urlopen(req, timeout=120) as resp:
         resp.read()
     return time.perf_counter() - start
 
 
-def served(home: Path, redis_url: str, pg_url: str, requests: int) -> dict[str, Any]:
+@contextmanager
+def _gateway(cluster: Cluster, home: Path, args: list[str]) -> Iterator[int]:
+    """``fedq serve ARGS`` on a port of its own, listening; killed afterwards."""
+    port = 18000 + (os.getpid() + len(args)) % 1000
+    log = open(home / "serve.log", "ab")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "fedq.cli", "serve", *args, "--port", str(port),
+         "--max-batch", "32", "--max-wait-ms", "5"], env=cluster.env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+
+    def up() -> bool:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 90, what="fedq serve to listen")
+        yield port
+    finally:
+        if gateway.poll() is None:
+            os.killpg(gateway.pid, signal.SIGKILL)
+            gateway.wait(10)
+
+
+def _rows(port: int, path: str, bodies: list[bytes]) -> list[dict[str, Any]]:
+    """p50/p99 and requests/s at concurrency 1, 8 and 64, after 20 requests to warm."""
+    for body in bodies[:20]:  # the workers load the model
+        _post(port, path, body)
+    rows = []
+    for conc in (1, 8, 64):
+        with ThreadPoolExecutor(conc) as pool:
+            t = time.perf_counter()
+            lat = list(pool.map(lambda b: _post(port, path, b), bodies))
+            wall = time.perf_counter() - t
+        rows.append({"concurrency": conc, "p50_ms": float(np.quantile(lat, 0.5)) * 1e3,
+                     "p99_ms": float(np.quantile(lat, 0.99)) * 1e3, "rps": len(lat) / wall})
+    return rows
+
+
+def _timed(device: str, call: Callable[[], Any]) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    call()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def served(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, Any]:
     home.mkdir(parents=True, exist_ok=True)
     ds = load_dataset("digits")
     weights = home / "cnn.safetensors"
     state = state_of(seeded_model("small_cnn", ds.input_shape, ds.num_classes, 3))
     weights.write_bytes(dumps(state))
     torch.set_num_threads(1)
+    dev = torch.device(setup.device)
     model = build_model("small_cnn", ds.input_shape, ds.num_classes).eval()
     model.load_state_dict(state)
+    model.to(dev)
     x = ds.x_test
-    with torch.no_grad():
-        one = []
-        for i in range(200):
-            t = time.perf_counter()
-            model(x[i % len(x)][None])
-            one.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for i in range(0, 320, 32):
-            model(x[i:i + 32])
-        floor_rps = 320 / (time.perf_counter() - t)
-    cluster = _cluster(home / "serve", redis_url, pg_url)
-    port = 18000 + os.getpid() % 1000
-    log = open(home / "serve.log", "wb")
-    gateway = None
+    floors = {}
+    for amp in _amp_modes(dev):  # the worker's mode first
+        with torch.no_grad(), amp_autocast(amp, dev):
+            for i in range(20):  # warm (cuDNN picks its kernels)
+                model(x[i:i + 32].to(dev))
+            one = [_timed(setup.device, partial(model, x[i % len(x)][None].to(dev)))
+                   for i in range(200)]
+            seconds = _timed(setup.device, lambda: [model(x[i:i + 32].to(dev))
+                                                    for i in range(0, 320, 32)])
+        floors[amp] = {"p50_ms": float(np.quantile(one, 0.5)) * 1e3, "rps": 320 / seconds}
+    cluster = _cluster(home / "serve", redis_url, db_url)
     try:
-        cluster.start(w1=["cpu"], w2=["cpu"])
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "fedq.cli", "serve", "--weights", str(weights), "--model",
-             "small_cnn", "--dataset", "digits", "--queues", "cpu", "--port", str(port),
-             "--max-batch", "32", "--max-wait-ms", "5"], env=cluster.env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-
-        def up() -> bool:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                return True
-            except OSError:
-                return False
-
-        wait_until(up, 90, what="fedq serve to listen")
-        bodies = [json.dumps({"inputs": [x[i % len(x)].tolist()]}).encode()
-                  for i in range(requests)]
-        for body in bodies[:20]:  # warm: the workers load the model
-            _post(port, body)
-        rows = []
-        for conc in (1, 8, 64):
-            with ThreadPoolExecutor(conc) as pool:
-                t = time.perf_counter()
-                lat = list(pool.map(lambda b: _post(port, b), bodies))
-                wall = time.perf_counter() - t
-            rows.append({"concurrency": conc, "p50_ms": float(np.quantile(lat, 0.5)) * 1e3,
-                         "p99_ms": float(np.quantile(lat, 0.99)) * 1e3,
-                         "rps": len(lat) / wall})
+        cluster.start(w1=[setup.queue], w2=[setup.queue])
+        with _gateway(cluster, home, ["--weights", str(weights), "--model", "small_cnn",
+                                      "--dataset", "digits", "--queues", setup.queue]) as port:
+            bodies = [json.dumps({"inputs": [x[i % len(x)].tolist()]}).encode()
+                      for i in range(setup.requests)]
+            rows = _rows(port, "/v1/predict", bodies)
     finally:
-        if gateway is not None and gateway.poll() is None:
-            os.killpg(gateway.pid, signal.SIGKILL)
         cluster.stop()
-    return {"floor_p50_ms": float(np.quantile(one, 0.5)) * 1e3, "floor_rps": floor_rps,
-            "rows": rows, "requests": requests}
+    first = floors[_amp_modes(dev)[0]]
+    return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"], "floors": floors,
+            "rows": rows, "requests": setup.requests}
 
 
-def table(b: dict[str, Any], s: dict[str, Any]) -> list[str]:
-    both = b["both"]
-    ratio = both["items_per_s"] / b["sum_standalone"]
-    vs_static = b["static_s"] / both["wall_s"]
+def _amp_modes(dev: torch.device) -> list[str]:
+    """The worker's AMP mode on ``dev``, then float32 when that differs (AMP's gain)."""
+    amp = device_amp(dev)
+    return [amp] if amp == "off" else [amp, "off"]
+
+
+def served_gpt(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, Any]:
+    """``/v1/completions`` with ``setup.gpt_tokens`` tokens per request. The floor: the
+    same ``generate`` the worker runs, in this process under the worker's AMP mode
+    (a worker continues a batch's prompts one after another, so one prompt's time is
+    both floors)."""
+    home.mkdir(parents=True, exist_ok=True)
+    weights = _gpt_weights(home, setup)
+    ds = load_dataset("shakespeare", None, setup.text)
+    dev = torch.device(setup.device)
+    model = build_model("gpt", ds.input_shape, ds.num_classes, **setup.gpt).eval()
+    model.load_state_dict(loads(weights.read_bytes()))
+    model.to(dev)
+    prompts = _prompts(setup, setup.gpt_requests)
+    floors = {}
+    for amp in _amp_modes(dev):
+        with torch.no_grad(), amp_autocast(amp, dev):
+            for p in prompts[:5]:
+                generate(model, [p], 0, dev, setup.gpt_tokens, 1.0, 0, 0)
+            one = [_timed(setup.device, partial(generate, model, [p], 0, dev,
+                                                setup.gpt_tokens, 1.0, 0, i))
+                   for i, p in enumerate(prompts)]
+        floors[amp] = {"p50_ms": float(np.quantile(one, 0.5)) * 1e3,
+                       "rps": len(one) / sum(one)}
+    cluster = _cluster(home / "serve-gpt", redis_url, db_url)
+    try:
+        cluster.start(w1=[setup.queue], w2=[setup.queue])
+        with _gateway(cluster, home, [
+                "--weights", str(weights), "--model", "gpt", "--dataset", "shakespeare",
+                "--model-args", json.dumps(setup.gpt),
+                "--dataset-args", json.dumps(setup.text), "--queues", setup.queue]) as port:
+            bodies = [json.dumps({"prompt": p, "max_tokens": setup.gpt_tokens,
+                                  "seed": i}).encode() for i, p in enumerate(prompts)]
+            rows = _rows(port, "/v1/completions", bodies)
+    finally:
+        cluster.stop()
+    first = floors[_amp_modes(dev)[0]]
+    return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"], "floors": floors,
+            "rows": rows, "requests": setup.gpt_requests, "tokens": setup.gpt_tokens}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
     lines = [
-        f"Generated by `.venv/bin/python -m bench.inference` on "
-        f"{datetime.now(timezone.utc):%Y-%m-%d} ({platform.machine()}, {os.cpu_count()} "
-        f"cores, torch {torch.__version__}; every worker 1 torch thread).",
-        "",
-        f"Batch: GPT generate, {b['prompts']} prompts x 48 bytes, two cpu workers, one "
-        "slowed 4x.",
-        "",
-        "| run | items/s | wall s | items per worker | tail (last 5% of items) |",
-        "|---|---|---|---|---|"]
-    for name, label in (("fast", "fast worker alone"), ("slow", "slow worker alone"),
-                        ("both", "fedq, both workers")):
-        r = b[name]
-        lines.append(f"| {label} | {r['items_per_s']:.1f} | {r['wall_s']:.1f} | "
-                     f"{', '.join(f'{k} {v}' for k, v in sorted(r['by_worker'].items()))} | "
-                     f"{100 * r['tail_share']:.1f}% of the time |")
-    lines += [
-        "",
-        "| measure | value | target | met |",
-        "|---|---|---|---|",
-        f"| fedq ÷ sum of standalone items/s | {ratio:.2f} | ≥ 0.9 | "
-        f"{'met' if ratio >= 0.9 else 'not met'} |",
-        f"| static equal split's time ÷ fedq's (split computed from standalone rates) | "
-        f"{vs_static:.2f}x | ≥ 1.5x | {'met' if vs_static >= 1.5 else 'not met'} |",
-        f"| tail: share of the job's time the last 5% of items took | "
-        f"{100 * both['tail_share']:.1f}% | ≤ 5% | "
-        f"{'met' if both['tail_share'] <= 0.05 else 'not met'} |",
-        "",
-        f"Served: `fedq serve`, small CNN on digits, one image per request, "
-        f"{s['requests']} requests per row, two cpu workers, --max-batch 32, --max-wait-ms 5; "
-        f"in-process floor: one image {s['floor_p50_ms']:.2f} ms (p50), batches of 32 "
-        f"{s['floor_rps']:.0f} images/s.",
+        f"Served: `fedq serve`, {what}, {s['requests']} requests per row, two workers, "
+        f"--max-batch 32, --max-wait-ms 5; in-process floor: {floor}.",
         "",
         "| concurrency | p50 ms | p99 ms | requests/s | added p50 over in-process |",
         "|---|---|---|---|---|"]
@@ -236,34 +358,163 @@ def table(b: dict[str, Any], s: dict[str, Any]) -> list[str]:
                      f"{r['rps']:.0f} | {r['p50_ms'] - s['floor_p50_ms']:.1f} ms |")
     added = s["rows"][0]["p50_ms"] - s["floor_p50_ms"]
     share = s["rows"][-1]["rps"] / s["floor_rps"]
+    return lines + [
+        "",
+        "| measure | value | target | met |",
+        "|---|---|---|---|",
+        f"| added p50 latency at concurrency 1 | {added:.1f} ms | ≤ 5 ms | {_met(added <= 5)} |",
+        f"| requests/s at concurrency 64 ÷ in-process batched floor | {share:.2f} | ≥ 0.8 | "
+        f"{_met(share >= 0.8)} |"]
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    meta, setup = result["meta"], result["setup"]
+    b, s = result["batch"], result["served"]
+    both = b["both"]
+    ratio = both["items_per_s"] / b["sum_standalone"]
+    vs_static = b["static_s"] / both["wall_s"]
+    on = f"{meta['machine']}, {meta['cores']} cores, torch {meta['torch']}"
+    if meta.get("gpu"):
+        on += f", {meta['gpu']}, workers sharing it"
+    else:
+        on += "; every worker 1 torch thread"
+    n = setup["workers"]
+    lines = [
+        f"Generated by `{setup['command']}` on {meta['date']} ({on}; {meta['minutes']:.1f} "
+        f"min).",
+        "",
+        f"Batch: GPT generate ({meta['gpt_params'] / 1e6:.2f} M parameters, "
+        f"{setup['gpt']['n_layer']} layers, width {setup['gpt']['n_embd']}), "
+        f"{b['prompts']} prompts x {setup['max_tokens']} bytes, {n} {setup['queue']} "
+        f"workers, one slowed 4x; the sum of standalone rates counts the fast worker's "
+        f"{n - 1} time{'s' if n > 2 else ''}.",
+        "",
+        "| run | items/s | wall s | items per worker | tail (last 5% of items) |",
+        "|---|---|---|---|---|"]
+    for name, label in (("fast", "fast worker alone"), ("slow", "slow worker alone"),
+                        ("both", "fedq, both workers" if n == 2 else f"fedq, all {n} workers")):
+        r = b[name]
+        lines.append(f"| {label} | {r['items_per_s']:.1f} | {r['wall_s']:.1f} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(r['by_worker'].items()))} | "
+                     f"{100 * r['tail_share']:.1f}% of the time |")
     lines += [
         "",
         "| measure | value | target | met |",
         "|---|---|---|---|",
-        f"| added p50 latency at concurrency 1 | {added:.1f} ms | ≤ 5 ms | "
-        f"{'met' if added <= 5 else 'not met'} |",
-        f"| requests/s at concurrency 64 ÷ in-process batched floor | {share:.2f} | ≥ 0.8 | "
-        f"{'met' if share >= 0.8 else 'not met'} |"]
+        f"| fedq ÷ sum of standalone items/s | {ratio:.2f} | ≥ 0.9 | {_met(ratio >= 0.9)} |",
+        f"| static equal split's time ÷ fedq's (split computed from standalone rates) | "
+        f"{vs_static:.2f}x | ≥ 1.5x | {_met(vs_static >= 1.5)} |",
+        f"| tail: share of the job's time the last 5% of items took | "
+        f"{100 * both['tail_share']:.1f}% | ≤ 5% | {_met(both['tail_share'] <= 0.05)} |",
+        ""]
+    lines += _served_lines(
+        s, "small CNN on digits, one image per request",
+        f"one image {s['floor_p50_ms']:.2f} ms (p50), batches of 32 "
+        f"{s['floor_rps']:.0f} images/s")
+    g = result.get("served_gpt")
+    amp = [(what, r["floors"]) for what, r in (("small CNN, batches of 32", s),
+                                               ("GPT, one prompt", g or {}))
+           if len(r.get("floors", {})) == 2]
+    if amp:
+        lines += ["", "AMP in the in-process floors (the mode the worker picks for this GPU "
+                  "against float32, same model and inputs):", "",
+                  "| model | mode | items/s | float32 items/s | AMP's gain |",
+                  "|---|---|---|---|---|"]
+        for what, floors in amp:
+            mode = next(m for m in floors if m != "off")
+            lines.append(f"| {what} | {mode} | {floors[mode]['rps']:.0f} | "
+                         f"{floors['off']['rps']:.0f} | "
+                         f"{floors[mode]['rps'] / floors['off']['rps']:.2f}x |")
+    if g:
+        lines += [""] + _served_lines(
+            g, f"the same GPT, `/v1/completions` with {g['tokens']} tokens per request",
+            f"`generate` for one prompt {g['floor_p50_ms']:.1f} ms (p50), "
+            f"{g['floor_rps']:.1f} prompts/s one after another (a worker continues a "
+            f"batch's prompts in turn)")
     return lines
+
+
+def measure(setup: Setup, redis_url: str, db_url: str, tmp: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    result: dict[str, Any] = {"setup": asdict(setup)}
+    result["batch"] = batch(tmp / "batch", redis_url, db_url, setup)
+    result["served"] = served(tmp / "served", redis_url, db_url, setup)
+    if setup.gpt_requests:
+        result["served_gpt"] = served_gpt(tmp / "served-gpt", redis_url, db_url, setup)
+    ds = load_dataset("shakespeare", None, setup.text)
+    params = sum(p.numel() for p in build_model(
+        "gpt", ds.input_shape, ds.num_classes, **setup.gpt).parameters())
+    result["meta"] = {
+        "date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "machine": platform.machine(),
+        "cores": os.cpu_count(), "torch": torch.__version__, "gpt_params": params,
+        "gpu": torch.cuda.get_device_name(0) if setup.device == "cuda" else None,
+        "minutes": (time.perf_counter() - start) / 60}
+    return result
+
+
+@contextmanager
+def _database(setup: Setup, tmp: Path) -> Iterator[str]:
+    if setup.sqlite:
+        yield f"sqlite:///{tmp / 'fedq.db'}"
+    else:
+        with pg_database() as url:
+            yield url
+
+
+@contextmanager
+def _workdir(keep: Path | None) -> Iterator[Path]:
+    """A temporary folder, or ``keep`` (made, kept afterwards: its logs/ folders)."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=96)
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="batch job's prompts (default 96; --gpu 256)")
+    parser.add_argument("--requests", type=int, default=256, help="served: requests per row")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the 10M GPT on this machine's GPU, SQLite as the database")
+    parser.add_argument("--tiny", action="store_true",
+                        help="with --gpu: the tiny GPT, on any machine (the test's size)")
+    parser.add_argument("--json-out", type=Path, help="also keep the measurements here")
+    parser.add_argument("--from-json", type=Path,
+                        help="write this file's tables into the doc; run nothing")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="work in DIR and keep it (the workers' logs)")
     parser.add_argument("--no-write", action="store_true", help="print, do not edit the doc")
     args = parser.parse_args()
-    try:
-        with tempfile.TemporaryDirectory() as tmp, redis_database() as redis_url, \
-                pg_database() as pg_url:
-            b = batch(Path(tmp) / "batch", redis_url, pg_url, args.prompts)
-            s = served(Path(tmp) / "served", redis_url, pg_url, args.requests)
-    except BenchError as exc:
-        sys.exit(f"bench.inference: {exc}")
-    lines = table(b, s)
+    if args.from_json:
+        try:
+            result = json.loads(args.from_json.read_text())
+        except (OSError, ValueError) as exc:
+            sys.exit(f"bench.inference: {args.from_json}: {exc}")
+    else:
+        if args.gpu:
+            if not (torch.cuda.is_available() or args.tiny):
+                sys.exit("bench.inference: --gpu: torch sees no GPU on this machine "
+                         "(--tiny runs the layout on the CPU)")
+            setup = gpu_setup(args.prompts or (16 if args.tiny else 256), args.requests,
+                              args.tiny)
+        else:
+            setup = Setup(prompts=args.prompts or 96, requests=args.requests)
+        try:
+            with _workdir(args.keep) as tmp, redis_database() as redis_url, \
+                    _database(setup, tmp) as db_url:
+                result = measure(setup, redis_url, db_url, tmp)
+        except BenchError as exc:
+            sys.exit(f"bench.inference: {exc}")
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result, indent=1))
+    lines = table(result)
     print("\n".join(lines))
     if not args.no_write:
-        write_section(DOC, BEGIN, END, lines)
+        gpu = bool(result["meta"].get("gpu"))
+        write_section(DOC, GPU_BEGIN if gpu else BEGIN, GPU_END if gpu else END, lines)
         print(f"wrote {DOC}")
 
 

@@ -405,24 +405,33 @@ def test_owners_wait_smoke_run_renders_its_table(redis_db: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_inference_smoke_run_renders_its_tables(redis_db: str) -> None:
-    """bench/inference.py, small: the batch runs (each worker alone, then both) and the
-    served rows at concurrency 1, 8 and 64 render (no speed assertion: the figures are
-    the full run's, in docs/inference.md)."""
+def test_inference_smoke_run_renders_its_tables(redis_db: str, tmp_path: Path) -> None:
+    """bench/inference.py, small, in the --gpu layout on this machine (--tiny: four
+    workers, SQLite, the served GPT too): the batch runs (a fast worker alone, the slow
+    one alone, then all four) and the served rows at concurrency 1, 8 and 64 render for
+    the CNN and the GPT; --from-json renders the same tables from the kept measurements
+    (no speed assertion: the figures are the full run's, in docs/inference.md)."""
     env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
-    proc = subprocess.run([sys.executable, "-m", "bench.inference", "--prompts", "16",
-                           "--requests", "64", "--no-write"], cwd=ROOT, env=env,
+    kept = tmp_path / "inference.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.inference", "--gpu", "--tiny",
+                           "--prompts", "16", "--requests", "32", "--no-write",
+                           "--json-out", str(kept)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
-    both = next(line for line in out.splitlines() if line.startswith("| fedq, both workers |"))
+    both = next(line for line in out.splitlines() if line.startswith("| fedq, all 4 workers |"))
     per_worker = both.split("|")[4]
-    assert "fast" in per_worker and "slow" in per_worker  # both took shards
+    assert "fast" in per_worker and "slow" in per_worker  # fast and slow workers took shards
     counts = [int(part.split()[-1]) for part in per_worker.split(",")]
     assert sum(counts) == 16  # every item once
     for conc in (1, 8, 64):
-        assert any(line.startswith(f"| {conc} | ") for line in out.splitlines()), out
-    assert out.count("| ≤ 5 ms |") == 1 and "fedq ÷ sum of standalone items/s" in out
+        assert sum(line.startswith(f"| {conc} | ") for line in out.splitlines()) == 2, out
+    assert out.count("| ≤ 5 ms |") == 2 and "fedq ÷ sum of standalone items/s" in out
+    assert "/v1/completions" in out
+    again = subprocess.run([sys.executable, "-m", "bench.inference", "--from-json", str(kept),
+                            "--no-write"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, check=False)
+    assert again.returncode == 0 and again.stdout == out, again.stderr[-2000:]
 
 
 @pytest.mark.slow
