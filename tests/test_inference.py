@@ -394,7 +394,11 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
     spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
                                   "args": TINY_GPT, "dataset_args": SMALL_TEXT},
                  inputs={"prompts": prompts.name}, op="score", shard_size=7, batch_size=5)
-    job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
+    sent = cluster.fedq("infer", str(spec), "--no-wait")
+    job = sent.stdout.strip()
+    # no worker consumes cpu yet: said once, the control queue is live
+    assert sent.stderr.count("no live worker consumes queue") == 1, sent.stderr
+    assert "no live worker consumes queue 'cpu'" in sent.stderr
     assert "2 task(s) revoked" in cluster.fedq("cancel", job).stdout  # in_flight: 2
     out = tmp_path / "out.jsonl"
     refused = cluster.fedq("results", job, "--out", str(out), check=False)
@@ -431,7 +435,8 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
                  inputs={"prompts": prompts.name}, op="embed", shard_size=7, batch_size=5,
                  name="embed")
     out = tmp_path / "embed.jsonl"
-    cluster.fedq("infer", str(spec), "--out", str(out), timeout=240)
+    sent = cluster.fedq("infer", str(spec), "--out", str(out), timeout=240)
+    assert "no live worker" not in sent.stderr  # w1 consumes cpu now
     got = _read_out(out)
     assert [r["i"] for r in got] == list(range(len(texts)))
     for row, text in zip(got, texts):

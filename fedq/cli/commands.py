@@ -74,26 +74,30 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
 
     All specs are validated before any job starts."""
     from fedq.coordinator.jobs import submit as submit_job
-    from fedq.engine.broker import live_queues
+    from fedq.coordinator.planning import queue_counts
     from fedq.spec import load_spec
 
     specs = [load_spec(path) for path in spec_paths]
     settings = _settings()
     for spec in specs:
         click.echo(submit_job(settings, spec))
+    _warn_idle(sorted({q for spec in specs for q in queue_counts(spec, {})}))
+
+
+def _warn_idle(queues: list[str]) -> None:
+    """After a job is submitted: one warning line per queue it needs (the control
+    queue first) that no live worker consumes; a failed inspect only loses the warning."""
+    from fedq.engine.broker import live_queues
+
     try:
         live = live_queues(timeout=1.0)
-    except Exception:  # the jobs are submitted; a failed inspect only loses the warning
-        live = None
-    if live is not None:
-        from fedq.coordinator.planning import queue_counts
-
-        wanted = sorted({q for spec in specs for q in queue_counts(spec, {})})
-        for queue in ["control", *wanted]:
-            if queue not in live:
-                err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
-                          f"its tasks wait until one starts "
-                          f"(celery -A fedq worker -Q {queue})", highlight=False)
+    except Exception:  # noqa: BLE001 - the job is submitted either way
+        return
+    for queue in ["control", *queues]:
+        if queue not in live:
+            err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
+                      f"its tasks wait until one starts "
+                      f"(celery -A fedq worker -Q {queue})", highlight=False)
 
 
 def _inference(job_id: str) -> Any:
@@ -125,6 +129,7 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     settings = _settings()
     job_id = submit_inference(settings, spec, spec_path.parent)
     click.echo(job_id)
+    _warn_idle(list(spec.queues))
     if not wait:
         return
     view = follow_inference(settings, job_id, timeout=timeout or None, console=err)
