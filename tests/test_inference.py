@@ -264,6 +264,7 @@ def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
     out = tmp_path / "out.jsonl"
     proc = embedded.fedq("infer", str(spec), "--out", str(out), timeout=240)
     job = proc.stdout.strip()
+    assert "no live worker" not in proc.stderr  # the embedded workers answer inspect too
     got = _read_out(out)
     want = _reference_classify(weights)
     assert [r["i"] for r in got] == list(range(len(want)))
