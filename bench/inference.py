@@ -88,6 +88,7 @@ class Setup:
     gpt_tokens: int = 16
     sqlite: bool = False
     command: str = ".venv/bin/python -m bench.inference"
+    ray_python: str | None = None  # Ray's own environment (scripts/ray-env.sh)
 
 
 def gpu_setup(prompts: int, requests: int, tiny: bool = False) -> Setup:
@@ -195,10 +196,70 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
         out["both"] = _job(cluster, spec)
     finally:
         cluster.stop()
+    if setup.ray_python:
+        ds = load_dataset("shakespeare", None, setup.text)
+        out["ray"] = _ray(setup.ray_python, "data", home, {
+            "weights": str(weights), "model": "gpt", "input_shape": list(ds.input_shape),
+            "num_classes": ds.num_classes, "model_args": setup.gpt,
+            "prompts": str(home / "prompts.jsonl"), "max_tokens": setup.max_tokens, "seed": 1,
+            "batch_size": setup.shard_size, "actors": setup.workers, "slow": 4,
+            "slots": str(_fresh(home / "ray-slots")), "cpus": os.cpu_count() or 1,
+            "actor_cpus": (os.cpu_count() or 1) / setup.workers})
+        if out["ray"]["distinct"] != setup.prompts:
+            raise BenchError(f"Ray Data returned {out['ray']['distinct']} of "
+                             f"{setup.prompts} prompts")
     rates = [out["fast"]["items_per_s"]] * (setup.workers - 1) + [out["slow"]["items_per_s"]]
     out["sum_standalone"] = sum(rates)
     out["static_s"] = max(setup.prompts / setup.workers / r for r in rates)
     return out
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _ray_cmd(python: str, mode: str, home: Path, cfg: dict[str, Any]) -> list[str]:
+    config = home / f"ray-{mode}.json"
+    config.write_text(json.dumps(cfg))
+    return [python, str(ROOT / "bench" / "ray_app.py"), mode, str(config)]
+
+
+def _ray(python: str, mode: str, home: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run Ray Data (bench/ray_app.py) in Ray's environment; its JSON line."""
+    proc = subprocess.run(_ray_cmd(python, mode, home, cfg), capture_output=True, text=True,
+                          timeout=900, check=False, cwd=home)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode != 0 or not last.startswith("{"):
+        raise BenchError(f"Ray {mode} exited {proc.returncode}: "
+                         f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    result: dict[str, Any] = json.loads(last)
+    return result
+
+
+@contextmanager
+def _ray_serve(python: str, home: Path, cfg: dict[str, Any]) -> Iterator[int]:
+    """Ray Serve (bench/ray_app.py) listening on cfg's port until the block ends."""
+    log = open(home / "ray-serve.log", "ab")
+    proc = subprocess.Popen(_ray_cmd(python, "serve", home, cfg), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=home,
+                            start_new_session=True)
+    log.close()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "ready PORT", or nothing when it failed
+        if not line.startswith("ready"):
+            tail = (home / "ray-serve.log").read_text(errors="replace").strip().splitlines()
+            raise BenchError(f"Ray Serve did not start: {(tail or ['no output'])[-1]}")
+        yield int(line.split()[1])
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()  # it shuts Serve and Ray down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def _post(port: int, path: str, body: bytes) -> float:
@@ -291,9 +352,18 @@ def served(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, A
             rows = _rows(port, "/v1/predict", bodies)
     finally:
         cluster.stop()
+    ray_rows = None
+    if setup.ray_python:
+        cpus = os.cpu_count() or 1
+        with _ray_serve(setup.ray_python, home, {
+                "weights": str(weights), "model": "small_cnn",
+                "input_shape": list(ds.input_shape), "num_classes": ds.num_classes,
+                "port": 19000 + os.getpid() % 1000, "max_batch": 32, "max_wait_ms": 5,
+                "replicas": 2, "replica_cpus": cpus / 2, "cpus": cpus}) as port:
+            ray_rows = _rows(port, "/", bodies)
     first = floors[_amp_modes(dev)[0]]
     return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"], "floors": floors,
-            "rows": rows, "requests": setup.requests}
+            "rows": rows, "requests": setup.requests, "ray_rows": ray_rows}
 
 
 def _amp_modes(dev: torch.device) -> list[str]:
@@ -353,18 +423,30 @@ def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
         "",
         "| concurrency | p50 ms | p99 ms | requests/s | added p50 over in-process |",
         "|---|---|---|---|---|"]
-    for r in s["rows"]:
+    ray = s.get("ray_rows")
+    if ray:
+        lines[-2] = "| concurrency | p50 ms | p99 ms | requests/s | added p50 over in-process " \
+            "| Ray Serve p50 ms | Ray Serve p99 ms | Ray Serve requests/s |"
+        lines[-1] = "|---|---|---|---|---|---|---|---|"
+    for i, r in enumerate(s["rows"]):
         lines.append(f"| {r['concurrency']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                     f"{r['rps']:.0f} | {r['p50_ms'] - s['floor_p50_ms']:.1f} ms |")
+                     f"{r['rps']:.0f} | {r['p50_ms'] - s['floor_p50_ms']:.1f} ms |"
+                     + (f" {ray[i]['p50_ms']:.1f} | {ray[i]['p99_ms']:.1f} | "
+                        f"{ray[i]['rps']:.0f} |" if ray else ""))
     added = s["rows"][0]["p50_ms"] - s["floor_p50_ms"]
     share = s["rows"][-1]["rps"] / s["floor_rps"]
-    return lines + [
+    lines += [
         "",
         "| measure | value | target | met |",
         "|---|---|---|---|",
         f"| added p50 latency at concurrency 1 | {added:.1f} ms | ≤ 5 ms | {_met(added <= 5)} |",
         f"| requests/s at concurrency 64 ÷ in-process batched floor | {share:.2f} | ≥ 0.8 | "
         f"{_met(share >= 0.8)} |"]
+    if ray:
+        vs = s["rows"][-1]["rps"] / ray[-1]["rps"]
+        lines.append(f"| requests/s at concurrency 64 ÷ Ray Serve's (same batch policy) | "
+                     f"{vs:.2f} | ≥ 1 | {_met(vs >= 1)} |")
+    return lines
 
 
 def table(result: dict[str, Any]) -> list[str]:
@@ -397,6 +479,12 @@ def table(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {r['items_per_s']:.1f} | {r['wall_s']:.1f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(r['by_worker'].items()))} | "
                      f"{100 * r['tail_share']:.1f}% of the time |")
+    ray = b.get("ray")
+    if ray:
+        lines.append(f"| Ray Data map_batches, actor pool of {n} (actor1 slowed 4x) | "
+                     f"{ray['items_per_s']:.1f} | {ray['wall_s']:.1f} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(ray['by_worker'].items()))} | "
+                     f"– |")
     lines += [
         "",
         "| measure | value | target | met |",
@@ -405,8 +493,12 @@ def table(result: dict[str, Any]) -> list[str]:
         f"| static equal split's time ÷ fedq's (split computed from standalone rates) | "
         f"{vs_static:.2f}x | ≥ 1.5x | {_met(vs_static >= 1.5)} |",
         f"| tail: share of the job's time the last 5% of items took | "
-        f"{100 * both['tail_share']:.1f}% | ≤ 5% | {_met(both['tail_share'] <= 0.05)} |",
-        ""]
+        f"{100 * both['tail_share']:.1f}% | ≤ 5% | {_met(both['tail_share'] <= 0.05)} |"]
+    if ray:
+        vs_ray = both["items_per_s"] / ray["items_per_s"]
+        lines.append(f"| fedq ÷ Ray Data items/s (same model, prompts, batch, slow actor) | "
+                     f"{vs_ray:.2f} | ≥ 1 | {_met(vs_ray >= 1)} |")
+    lines.append("")
     lines += _served_lines(
         s, "small CNN on digits, one image per request",
         f"one image {s['floor_p50_ms']:.2f} ms (p50), batches of 32 "
@@ -479,6 +571,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256, help="served: requests per row")
     parser.add_argument("--gpu", action="store_true",
                         help="the 10M GPT on this machine's GPU, SQLite as the database")
+    parser.add_argument("--ray-python", metavar="PYTHON",
+                        help="also run Ray Data and Ray Serve with this python (its own "
+                             "environment: bash scripts/ray-env.sh prints it)")
     parser.add_argument("--tiny", action="store_true",
                         help="with --gpu: the tiny GPT, on any machine (the test's size)")
     parser.add_argument("--json-out", type=Path, help="also keep the measurements here")
@@ -502,6 +597,7 @@ def main() -> None:
                               args.tiny)
         else:
             setup = Setup(prompts=args.prompts or 96, requests=args.requests)
+        setup.ray_python = args.ray_python
         try:
             with _workdir(args.keep) as tmp, redis_database() as redis_url, \
                     _database(setup, tmp) as db_url:
