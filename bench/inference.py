@@ -1,6 +1,6 @@
 """Batch inference and ``fedq serve`` measured: write the tables into docs/inference.md.
 
-    .venv/bin/python -m bench.inference          # about 3 minutes on 2 cores
+    .venv/bin/python -m bench.inference          # about 6 minutes on 2 cores
     python -m bench.inference --gpu --json-out F # on a GPU machine: about 4 minutes
     .venv/bin/python -m bench.inference --from-json F   # write F's GPU tables
 
@@ -25,7 +25,12 @@ with the GPT too (``/v1/completions``, 16 tokens per request). ``--json-out`` ke
 measurements; ``--from-json`` writes the tables of such a file into the doc (the GPU
 section) without running anything.
 
-Ray Data and Ray Serve are not measured here yet (docs/inference.md, "Not done").
+Against Ray (bench/ray_app.py, in Ray's own environment, scripts/ray-env.sh): the same
+batch on Ray Data's ``map_batches`` with an actor pool of as many actors (the second to
+start slowed 4x the same way), and the same served CNN on Ray Serve with ``@serve.batch``
+at the gateway's batch policy (two replicas, max batch 32, 5 ms wait), measured by the
+same client. ``--no-ray`` leaves Ray out; ``--gpu`` always does (a GPU machine lent here
+reaches no package index to build Ray's environment).
 """
 
 from __future__ import annotations
@@ -572,8 +577,10 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true",
                         help="the 10M GPT on this machine's GPU, SQLite as the database")
     parser.add_argument("--ray-python", metavar="PYTHON",
-                        help="also run Ray Data and Ray Serve with this python (its own "
-                             "environment: bash scripts/ray-env.sh prints it)")
+                        help="Ray Data and Ray Serve run with this python (default: the "
+                             "environment scripts/ray-env.sh builds once, ~2 min)")
+    parser.add_argument("--no-ray", action="store_true",
+                        help="measure fedq alone (--gpu: always, no Ray there)")
     parser.add_argument("--tiny", action="store_true",
                         help="with --gpu: the tiny GPT, on any machine (the test's size)")
     parser.add_argument("--json-out", type=Path, help="also keep the measurements here")
@@ -598,6 +605,13 @@ def main() -> None:
         else:
             setup = Setup(prompts=args.prompts or 96, requests=args.requests)
         setup.ray_python = args.ray_python
+        if not (args.ray_python or args.gpu or args.no_ray):
+            built = subprocess.run(["bash", str(ROOT / "scripts" / "ray-env.sh")],
+                                   capture_output=True, text=True, check=False)
+            if built.returncode != 0:
+                sys.exit(f"bench.inference: Ray's environment (scripts/ray-env.sh): "
+                         f"{(built.stderr.strip().splitlines() or ['failed'])[-1]}")
+            setup.ray_python = built.stdout.strip()
         try:
             with _workdir(args.keep) as tmp, redis_database() as redis_url, \
                     _database(setup, tmp) as db_url:

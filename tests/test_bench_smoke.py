@@ -414,7 +414,7 @@ def test_inference_smoke_run_renders_its_tables(redis_db: str, tmp_path: Path) -
     env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
     kept = tmp_path / "inference.json"
     proc = subprocess.run([sys.executable, "-m", "bench.inference", "--gpu", "--tiny",
-                           "--prompts", "16", "--requests", "32", "--no-write",
+                           "--prompts", "16", "--requests", "32", "--no-write", "--no-ray",
                            "--json-out", str(kept)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
