@@ -267,6 +267,33 @@ def _ray_serve(python: str, home: Path, cfg: dict[str, Any]) -> Iterator[int]:
             proc.wait(10)
 
 
+@contextmanager
+def _listening(cmd: list[str], home: Path, name: str) -> Iterator[int]:
+    """``cmd PORT`` (an HTTP server) started, answering /health, killed afterwards."""
+    port = 17000 + os.getpid() % 1000
+    log = open(home / f"{name}.log", "ab")
+    proc = subprocess.Popen([*cmd, str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    log.close()
+
+    def up() -> bool:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+            return True
+        except OSError:
+            return proc.poll() is not None  # exited: reported below
+
+    try:
+        wait_until(up, 60, what=f"{name} to listen")
+        if proc.poll() is not None:
+            raise BenchError(f"{name} exited {proc.returncode} (its log: {home / name}.log)")
+        yield port
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def _post(port: int, path: str, body: bytes) -> float:
     start = time.perf_counter()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body)
@@ -357,6 +384,9 @@ def served(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, A
             rows = _rows(port, "/v1/predict", bodies)
     finally:
         cluster.stop()
+    with _listening([sys.executable, "-m", "bench.http_floor", str(weights)], home,
+                    "http-floor") as port:
+        http_rows = _rows(port, "/v1/predict", bodies)
     ray_rows = None
     if setup.ray_python:
         cpus = os.cpu_count() or 1
@@ -368,7 +398,8 @@ def served(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, A
             ray_rows = _rows(port, "/", bodies)
     first = floors[_amp_modes(dev)[0]]
     return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"], "floors": floors,
-            "rows": rows, "requests": setup.requests, "ray_rows": ray_rows}
+            "rows": rows, "requests": setup.requests, "ray_rows": ray_rows,
+            "http_rows": http_rows}
 
 
 def _amp_modes(dev: torch.device) -> list[str]:
@@ -438,6 +469,14 @@ def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
                      f"{r['rps']:.0f} | {r['p50_ms'] - s['floor_p50_ms']:.1f} ms |"
                      + (f" {ray[i]['p50_ms']:.1f} | {ray[i]['p99_ms']:.1f} | "
                         f"{ray[i]['rps']:.0f} |" if ray else ""))
+    http = s.get("http_rows")
+    if http:
+        lines += ["", "The same requests to a bare Starlette + uvicorn process that runs the "
+                  "model itself on each request's image (bench/http_floor.py: no batching, no "
+                  "broker, no worker; what every HTTP front pays per request):", "",
+                  "| concurrency | p50 ms | p99 ms | requests/s |", "|---|---|---|---|"]
+        lines += [f"| {r['concurrency']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                  f"{r['rps']:.0f} |" for r in http]
     added = s["rows"][0]["p50_ms"] - s["floor_p50_ms"]
     share = s["rows"][-1]["rps"] / s["floor_rps"]
     lines += [
@@ -447,6 +486,10 @@ def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
         f"| added p50 latency at concurrency 1 | {added:.1f} ms | ≤ 5 ms | {_met(added <= 5)} |",
         f"| requests/s at concurrency 64 ÷ in-process batched floor | {share:.2f} | ≥ 0.8 | "
         f"{_met(share >= 0.8)} |"]
+    if http:
+        vs_http = s["rows"][-1]["rps"] / http[-1]["rps"]
+        lines.append(f"| requests/s at concurrency 64 ÷ the bare HTTP process's | "
+                     f"{vs_http:.2f} | (context) | – |")
     if ray:
         vs = s["rows"][-1]["rps"] / ray[-1]["rps"]
         lines.append(f"| requests/s at concurrency 64 ÷ Ray Serve's (same batch policy) | "
