@@ -228,6 +228,7 @@ def rabbit_admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str, st
     finally:
         next(vhosts, None)  # the vhost, and with it the worker's permissions, deleted
         rabbit.disable_user(broker, "w1")
+        rabbit.disable_user(broker, "w2")
 
 
 @pytest.mark.slow
@@ -304,6 +305,19 @@ def test_a_worker_rabbitmq_user_can_train_and_nothing_else(
     code, report = _doctor({**env, "FEDQ_DATABASE_URL": "", "FEDQ_BROKER_URL": broker})
     lax = [p for p in report["problems"] if "can do more than it needs" in p]
     assert code == 1 and any("remote-control" in p for p in lax), report["problems"]
+
+    # a user that may not publish to the control exchange (made by an older fedq, say):
+    # its join is refused at once, in one line, not a timeout (publisher confirms)
+    cluster.fedq("worker", "add", "w2", "--queues", "cpu", "--out",
+                 str(cluster.home / "w2.bundle"))
+    old = {**rabbit.permissions(["cpu"]), "write": "^cpu$"}
+    rabbit._call(rabbit.api_url(broker), "PUT", f"/api/permissions/"
+                 f"{rabbit.vhost(broker)}/{rabbit.username('w2')}", old)
+    said = _join(cluster, "w2", cluster.home / "w2.bundle", check=False)
+    code, _, err = said.partition("\n")
+    assert code == "1" and "the broker refused the join request" in err, said
+    assert "ACCESS_REFUSED" in err and "Traceback" not in err and "30 s" not in err, said
+    assert len(err.strip().splitlines()) == 1, said
 
     # revoked: the user is gone, its connections closed, the worker told to stop
     cluster.fedq("worker", "revoke", "w1")

@@ -171,13 +171,21 @@ def _read_bundle(path: Path) -> dict[str, Any]:
 
 
 def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
+    from amqp.exceptions import AMQPError
     from celery.exceptions import TimeoutError as CeleryTimeout
     from kombu.exceptions import OperationalError
     from redis import RedisError
 
+    from fedq.coordinator.rabbit import is_amqp
     from fedq.engine.app import app
     from fedq.engine.names import CONTROL_QUEUE, JOIN_WORKER_TASK
 
+    if is_amqp(app.conf.broker_url):
+        # RabbitMQ refuses a publish by closing the channel, after the send returned:
+        # with publisher confirms the send waits for the broker's verdict, so a refusal
+        # is said at once instead of as a timeout.
+        app.conf.broker_transport_options = {**app.conf.broker_transport_options,
+                                             "confirm_publish": True}
     try:
         # not declared: the bundle's broker user may send to the control queue only
         result = app.send_task(JOIN_WORKER_TASK, args=(proof,), queue=CONTROL_QUEUE,
@@ -187,6 +195,10 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
         raise ServiceUnavailable(f"no answer from the coordinator's control worker in "
                                  f"{timeout:.0f} s (is it running, and is this the broker "
                                  f"it uses?)") from None
+    except AMQPError as exc:
+        raise FedqError(f"the broker refused the join request: {exc} (was this worker "
+                        f"revoked, or is its RabbitMQ user older than the coordinator's "
+                        f"fedq? `fedq worker add` it again)") from None
     except (OSError, OperationalError, RedisError) as exc:
         raise ServiceUnavailable(f"cannot reach the bundle's broker: {exc}") from None
     return answer if isinstance(answer, dict) else {"ok": False, "error": "no answer"}
