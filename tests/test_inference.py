@@ -383,31 +383,6 @@ def test_generate_on_redis_survives_a_worker_sigkill(
 
 
 @pytest.mark.slow
-def test_every_worker_of_a_queue_is_kept_busy_whatever_in_flight(
-        redis_cluster: Cluster, tmp_path: Path) -> None:
-    """in_flight 1, three workers on cpu: a shard waits in the broker for the next free
-    worker, so shards run side by side (one out per queue would leave two idle)."""
-    cluster = redis_cluster
-    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
-    weights = _gpt_file(tmp_path)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:18]))
-    spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
-                                  "args": TINY_GPT, "dataset_args": SMALL_TEXT},
-                 inputs={"prompts": prompts.name}, op="generate",
-                 generate={"max_tokens": 120, "seed": 3}, shard_size=2, batch_size=2,
-                 in_flight=1)
-    job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
-    view = jobs.wait(cluster.settings, job, timeout=240, interval=0.2)
-    assert view.status == "completed", view.error
-    spans = [(r["started"], r["done"]) for r in view.shard_rows]
-    side_by_side = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
-    assert side_by_side >= 2, spans
-    assert len(view.workers) == 3, [w.worker for w in view.workers]
-    assert sum(w.items for w in view.workers) == 18
-
-
-@pytest.mark.slow
 def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis_cluster: Cluster,
                                                      tmp_path: Path) -> None:
     """Cancelled before any worker took a shard, then resumed: the job completes once."""

@@ -320,19 +320,8 @@ def _take(job: InferenceJob, row: InferenceShard, queue: str
 
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
           ) -> list[tuple[str, str, dict[str, Any], int]]:
-    """Shards to send (lowest first) so that each queue keeps ``in_flight`` waiting in
-    the broker, however many workers consume it: a worker that finishes a shard finds
-    the next one there instead of idling while the control worker hears of it. Each
-    fill tops the queue up to one more than ``in_flight`` (the worker whose shard just
-    came back takes one at once), so an idle worker is fed within a few shards, and
-    at most ``in_flight`` per registered worker of the queue and ``in_flight`` more
-    are out (the bound should workers reserve messages ahead). Whatever waits in the
-    broker (other jobs' tasks, messages of attempts sent again), and when the broker
-    cannot say: at least ``in_flight`` out per queue."""
-    from fedq.db.models import Worker
-    from fedq.engine.broker import queue_depths
-
-    spec, wanted = job.spec, list(queues or job.spec["queues"])
+    """Shards to send so that each queue has ``in_flight`` out (lowest first)."""
+    spec = job.spec
     running: dict[str, int] = defaultdict(int)
     for q in s.scalars(select(InferenceShard.queue).where(
             InferenceShard.job_id == job.id, InferenceShard.status == RUNNING)):
@@ -340,28 +329,11 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
     waiting = list(s.scalars(select(InferenceShard).where(
         InferenceShard.job_id == job.id, InferenceShard.status == QUEUED)
         .order_by(InferenceShard.shard)))
-    if not waiting:
-        return []
-    try:
-        ready: dict[str, int] | None = queue_depths(wanted)
-    except Exception:  # noqa: BLE001 - the broker's count is an optimisation
-        log.warning("inference: could not read the queues' depths; %d out per queue",
-                    spec["in_flight"])
-        ready = None
-    registered: dict[str, int] = defaultdict(int)
-    for qs in s.scalars(select(Worker.queues)):
-        for q in qs or []:
-            registered[q] += 1
     out = []
-    for queue in wanted:
-        cap = spec["in_flight"] * (registered[queue] + 1)
-        while waiting and (running[queue] < spec["in_flight"] or ready is not None
-                           and ready.get(queue, 0) <= spec["in_flight"]
-                           and running[queue] < cap):
+    for queue in queues or spec["queues"]:
+        while waiting and running[queue] < spec["in_flight"]:
             out.append(_take(job, waiting.pop(0), queue))
             running[queue] += 1
-            if ready is not None:
-                ready[queue] = ready.get(queue, 0) + 1
     return out
 
 
