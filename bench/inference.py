@@ -181,7 +181,7 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
         "inputs": {"prompts": "prompts.jsonl"},
         "generate": {"max_tokens": setup.max_tokens, "seed": 1},
         "queues": [setup.queue], "shard_size": setup.shard_size,
-        "batch_size": setup.shard_size, "in_flight": 2}))
+        "batch_size": setup.shard_size, "in_flight": max(2, setup.workers)}))
     out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers}
     q = [setup.queue]
     for name, env in (("fast", {}), ("slow", {"FEDQ_SLOWDOWN": "4"})):

@@ -84,16 +84,25 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
     _warn_idle(sorted({q for spec in specs for q in queue_counts(spec, {})}))
 
 
-def _warn_idle(queues: list[str]) -> None:
+def _warn_idle(queues: list[str], sent: dict[str, int] | None = None) -> None:
     """After a job is submitted: one warning line per queue it needs (the control
-    queue first) that no live worker consumes; a failed inspect only loses the warning."""
-    from fedq.engine.broker import live_queues
+    queue first) that no live worker consumes; a failed inspect only loses the warning.
+    ``sent``: tasks just sent to each queue. A worker busy in a task (``--pool solo``)
+    answers no inspect, so a queue whose broker holds fewer messages than were sent to
+    it has a consumer, answered or not."""
+    from fedq.engine.broker import live_queues, queue_depths
 
     try:
         live = live_queues(timeout=1.0)
+        if not live:  # no worker answered: a busy machine (or the embedded default's
+            live = live_queues(timeout=3.0)  # polled broker) answers late; once more
+        quiet = [q for q in queues if q not in live]
+        depths = queue_depths(quiet) if sent and quiet else {}
     except Exception:  # noqa: BLE001 - the job is submitted either way
         return
     for queue in ["control", *queues]:
+        if sent and queue in depths and depths[queue] < sent.get(queue, 0):
+            continue  # something took this job's tasks
         if queue not in live:
             err.print(f"[yellow]warning:[/] no live worker consumes queue {queue!r}; "
                       f"its tasks wait until one starts "
@@ -129,7 +138,14 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     settings = _settings()
     job_id = submit_inference(settings, spec, spec_path.parent)
     click.echo(job_id)
-    _warn_idle(list(spec.queues))
+    from fedq.inference.jobs import find
+
+    view = find(settings, job_id)
+    sent: dict[str, int] = {}
+    for row in view.shard_rows if view is not None else []:
+        if row["status"] == "running" and row["queue"]:
+            sent[row["queue"]] = sent.get(row["queue"], 0) + 1
+    _warn_idle(list(spec.queues), sent)
     if not wait:
         return
     view = follow_inference(settings, job_id, timeout=timeout or None, console=err)
