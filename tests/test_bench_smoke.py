@@ -424,8 +424,9 @@ def test_inference_smoke_run_renders_its_tables(redis_db: str, tmp_path: Path) -
     assert "fast" in per_worker and "slow" in per_worker  # fast and slow workers took shards
     counts = [int(part.split()[-1]) for part in per_worker.split(",")]
     assert sum(counts) == 16  # every item once
-    for conc in (1, 8, 64):
-        assert sum(line.startswith(f"| {conc} | ") for line in out.splitlines()) == 2, out
+    for conc in (1, 8, 64):  # fedq serve with the CNN, the bare HTTP process, the GPT
+        assert sum(line.startswith(f"| {conc} | ") for line in out.splitlines()) == 3, out
+    assert "bare Starlette + uvicorn process" in out
     assert out.count("| ≤ 5 ms |") == 2 and "fedq ÷ sum of standalone items/s" in out
     assert "/v1/completions" in out
     again = subprocess.run([sys.executable, "-m", "bench.inference", "--from-json", str(kept),
