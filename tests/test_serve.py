@@ -109,15 +109,20 @@ def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path
 def test_the_router_sends_each_batch_where_it_is_expected_back_soonest() -> None:
     """fedq.inference.serve.Router: the class order with nothing measured; then the
     measured round trips times the backlog per worker; a faster class that comes is
-    tried at once (any queue not measured yet is); every 20th batch probes the queue
-    measured longest ago."""
+    tried at once (any queue measured fewer than twice is: the first round trip, cold,
+    is replaced by the second); every 20th batch probes the queue measured longest ago."""
     from fedq.inference.serve import Router
 
     r = Router(["gpu_new", "cpu"], live={"cpu": 2})
     assert r.choose() == "cpu"  # the only live queue
+    r.done("cpu", 0.5)  # cold: the model loaded on the way
+    assert r.choose() == "cpu"
     r.done("cpu", 0.010)
-    r.live = {"gpu_new": 1, "cpu": 2}  # a GPU worker came: tried at once
+    assert r.to_json()["cpu"]["batch_s"] == 0.01  # the cold round trip is not averaged in
+    r.live = {"gpu_new": 1, "cpu": 2}  # a GPU worker came: tried at once, twice
     assert r.best() == "gpu_new" and r.choose() == "gpu_new"
+    r.done("gpu_new", 0.9)
+    assert r.choose() == "gpu_new"  # its cold round trip is not compared with cpu's
     r.done("gpu_new", 0.004)
     assert r.choose() == "gpu_new"  # measured faster
     r.done("gpu_new", 0.004)

@@ -178,8 +178,10 @@ class Router:
     Each queue's expected time is the moving average of its batches' round trips (sent
     to answered), scaled by its batches out per live worker, so a loaded GPU queue
     gives way to an idle CPU one and takes batches again as its backlog clears. A live
-    queue not measured yet takes the next batch (the faster class first: a GPU worker
-    that came is tried at once); every ``PROBE_EVERY``-th batch goes to the live queue
+    queue measured fewer than twice takes the next batch (the faster class first: a GPU
+    worker that came is tried at once); its first round trip, which includes loading the
+    model, is replaced by its second rather than averaged in (a cold first batch would
+    otherwise keep a fast queue looking slow until probes wore it down); every ``PROBE_EVERY``-th batch goes to the live queue
     measured longest ago, so that an estimate does not go stale. A batch with no answer
     counts as the whole timeout. Ties go to the faster class (gpu_new, gpu_sm61, cpu)."""
 
@@ -187,12 +189,14 @@ class Router:
     live: dict[str, int] = field(default_factory=dict)  # queue -> live workers
     ewma: dict[str, float] = field(default_factory=dict)  # queue -> seconds a batch
     measured: dict[str, int] = field(default_factory=dict)  # queue -> batch no. of last
+    samples: dict[str, int] = field(default_factory=dict)  # queue -> round trips measured
     out: dict[str, int] = field(default_factory=dict)  # queue -> batches out
     sent: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # queue -> batches sent
 
     ALPHA = 0.3
     PROBE_EVERY = 20
+    WARM = 2  # round trips before a queue's estimate is compared; the first is replaced
 
     def expected(self, queue: str) -> float:
         return self.ewma[queue] * (1 + self.out.get(queue, 0) / max(self.live.get(queue, 1), 1))
@@ -203,8 +207,8 @@ class Router:
     def best(self) -> str:
         """The queue the next batch would go to, apart from probes."""
         candidates = self.candidates()
-        unmeasured = [q for q in candidates if q not in self.ewma]
-        if unmeasured:  # measured once before anything is compared (fastest class first)
+        unmeasured = [q for q in candidates if self.samples.get(q, 0) < self.WARM]
+        if unmeasured:  # measured warm before anything is compared (fastest class first)
             return unmeasured[0]
         return min(candidates, key=self.expected)  # ties: the faster class (order)
 
@@ -223,9 +227,10 @@ class Router:
     def done(self, queue: str, seconds: float) -> None:
         """A batch sent to ``queue`` came back after ``seconds`` (or failed: the timeout)."""
         self.out[queue] = max(self.out.get(queue, 0) - 1, 0)
+        self.samples[queue] = self.samples.get(queue, 0) + 1
         before = self.ewma.get(queue)
-        self.ewma[queue] = seconds if before is None else \
-            (1 - self.ALPHA) * before + self.ALPHA * seconds
+        self.ewma[queue] = seconds if before is None or self.samples[queue] <= self.WARM \
+            else (1 - self.ALPHA) * before + self.ALPHA * seconds
         self.measured[queue] = self.sent
 
     def to_json(self) -> dict[str, Any]:
