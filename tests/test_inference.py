@@ -337,7 +337,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     cluster.start_beat()
     weights = _gpt_file(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
-    many = PROMPTS * 10
+    many = PROMPTS * 4
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in many))
     spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
                                   "args": TINY_GPT, "dataset_args": SMALL_TEXT},
