@@ -181,9 +181,10 @@ class Router:
     queue measured fewer than twice takes the next batch (the faster class first: a GPU
     worker that came is tried at once); its first round trip, which includes loading the
     model, is replaced by its second rather than averaged in (a cold first batch would
-    otherwise keep a fast queue looking slow until probes wore it down); every ``PROBE_EVERY``-th batch goes to the live queue
-    measured longest ago, so that an estimate does not go stale. A batch with no answer
-    counts as the whole timeout. Ties go to the faster class (gpu_new, gpu_sm61, cpu)."""
+    otherwise keep a fast queue looking slow until probes wore it down); every
+    ``PROBE_EVERY``-th batch goes to the live queue measured longest ago, so that an
+    estimate does not go stale. A batch with no answer counts as the whole timeout. Ties
+    go to the faster class (gpu_new, gpu_sm61, cpu)."""
 
     order: list[str]  # the served queues, fastest class first
     live: dict[str, int] = field(default_factory=dict)  # queue -> live workers
