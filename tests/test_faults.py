@@ -5,6 +5,7 @@ runs these tests and writes the table)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -52,6 +53,28 @@ def _task_in_hand(worker: WorkerProcess, job: str, number: int) -> int | None:
                               r"succeeded", log))
     open_ = [int(c) for c in received if c not in finished]
     return open_[-1] if open_ else None
+
+
+def _claimed(cluster: Cluster, worker: WorkerProcess, job: str, number: int,
+             client: int) -> bool:
+    """Whether the worker's claim on its task for ``client`` of round ``number`` is in
+    the result backend (fedq/worker/heartbeat.py): it is past "received" and beating,
+    so a pause from now on stops a heartbeat the coordinator has seen start."""
+    import redis
+
+    log = worker.log_path.read_text(errors="replace")
+    ids = re.findall(rf"Task fedq.train\[(fedq-{job}-g\d+-r{number}-c{client}-a\d+)\] "
+                     r"received", log)
+    if not ids:
+        return False
+    conn = redis.Redis.from_url(cluster.env["FEDQ_RESULT_BACKEND"])
+    try:
+        raw = conn.get(f"celery-task-meta-{ids[-1]}")
+    finally:
+        conn.close()
+    meta = json.loads(raw) if raw else {}
+    return meta.get("status") == "STARTED" and \
+        (meta.get("result") or {}).get("hostname") == worker.name
 
 
 def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str
@@ -270,6 +293,11 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
     wait_until(lambda: _task_in_hand(sleeper, job, 2) is not None, 30, what=sleeper.tail)
     client = _task_in_hand(sleeper, job, 2)
     assert client is not None
+    # paused between "received" and its claim, the task would look never started and
+    # only the 600 s deadline could settle it (a flake in CI's loaded run): wait for the
+    # claim, which comes within milliseconds of "received"
+    wait_until(lambda: _claimed(cluster, sleeper, job, 2, client), 10, interval=0.01,
+               what="the sleeper's claim on its task")
     sleeper.kill(signal.SIGSTOP)
     paused_at = time.time()
     try:
