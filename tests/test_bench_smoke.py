@@ -384,6 +384,57 @@ def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert abs(float(plain[5]) - float(plain[3]) - lm.WORKERS * size / 1e6) <= 0.1, plain
 
 
+def test_churn_target_and_rows_per_task() -> None:
+    """bench/churn.py: digits reach an accuracy (higher is better), the GPT a validation
+    loss (lower is better) taken from the wait-for-all curve after 2/3 of its rounds;
+    each mode's time is its first commit at the target."""
+    import bench.churn as churn
+
+    modes = ["synchronous, wait for all", "synchronous, deadline 8 s + quorum 2",
+             "synchronous, time budget 2 s, quorum 2", "buffered K=2"]
+
+    def rows(curves: list[list[tuple[float, float]]]) -> list[dict[str, object]]:
+        return [{"mode": m, "curve": c, "total": c[-1][0], "final": c[-1][1],
+                 "waste": 0.05, "available": 0.5} for m, c in zip(modes, curves)]
+
+    gpt = rows([[(10.0, 3.0), (20.0, 2.8), (30.0, 2.7)], [(12.0, 2.9), (18.0, 2.75)],
+                [(9.0, 3.1), (40.0, 2.9)], [(5.0, 2.9), (8.0, 2.79), (15.0, 2.6)]])
+    target = churn.default_target("gpt", gpt, 3)  # 2 of 3 rounds: the second commit
+    assert target == 2.8
+    table = _rows("\n".join(churn.render(gpt, " --task gpt", 10, target, "gpt", 3)))
+    assert table["synchronous, wait for all"][0] == "20.0"
+    assert table["synchronous, deadline 8 s + quorum 2"][0] == "18.0"
+    assert table["synchronous, time budget 2 s, quorum 2"][0] == "not reached"
+    assert table["buffered K=2"][0] == "8.0" and table["buffered K=2"][-1] == "2.25x"
+    assert table["buffered >= 1.5x sooner to validation loss 2.8000 than the best "
+                 "synchronous mode"][0] == "met"
+    digits = rows([[(10.0, 0.9), (20.0, 0.96)], [(10.0, 0.95)], [(9.0, 0.5)],
+                   [(30.0, 0.97)]])
+    assert churn.default_target("digits", digits, 12) == churn.TARGET
+    table = _rows("\n".join(churn.render(digits, "", 10, 0.95)))
+    assert table["synchronous, deadline 8 s + quorum 2"][-1] == "1.00x"
+    assert table["buffered K=2"][0] == "30.0" and table["buffered K=2"][-1] == "0.33x"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
+    """bench/churn.py --task gpt with one round a mode and sessions of about 3 s: four
+    polite workers come and go, every mode's job completes, the table renders (its
+    figures are the full run's, in docs/owners.md)."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.churn", "--task", "gpt", "--rounds",
+                           "1", "--mean-s", "3", "--slowdown", "2", "--no-write"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = _rows(proc.stdout)
+    for mode in ("synchronous, wait for all", "synchronous, deadline 8 s + quorum 2",
+                 "synchronous, time budget 2 s, quorum 2", "buffered K=2"):
+        assert len(table[mode]) == 6, proc.stdout
+        assert float(table[mode][2]) > 1.0  # a validation loss in nats per byte
+    assert "--task gpt" in proc.stdout and "validation loss" in proc.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_owners_wait_smoke_run_renders_its_table(redis_db: str) -> None:
