@@ -8,9 +8,9 @@
 # runs of the benchmarks are .ci/run's own stage, scripts/test-bench.sh): the fault
 # tests (mostly waiting on deadlines and killed processes) and the strategy jobs
 # beside everything else, on disjoint Redis database numbers and temporary folders
-# (about 17 minutes on this 2-core machine: the main 558 tests in 16 min 59 s and the
-# 49 beside them in 15 min 46 s, side by side in .ci/run on 2026-11-26; the goal is
-# 15). With arguments, one
+# (about 21 minutes on this 2-core machine: the main 576 tests in 20 min 43 s and the
+# 55 beside them in 18 min 46 s, side by side in .ci/run on 2026-11-27; 37 minutes on
+# a slower day; the goal is 15). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
