@@ -215,6 +215,9 @@ TABLE: dict[str, tuple[Part, Part, tuple[Cell, Cell]]] = {
     "clients_per_worker": ({}, {"clients_per_worker": 2}, (
         Tested("tests/test_owner.py::test_a_round_is_sized_by_the_workers_that_can_train_now"),
         Refused("sizes synchronous rounds"))),
+    "sites": ({}, {"sites": {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}}, (plan, Tested(
+        "tests/test_sites.py::test_each_clients_task_trains_at_its_site_and_an_away_site_"
+        "waits"))),
     "time_budget_s": ({}, {"time_budget_s": 1e-6}, both(update)),
     "weight_by": ({}, {"weight_by": "processed"}, both(model)),
     "server.name": ({}, {"server": {"name": "fedadam"}}, both(model)),

@@ -60,13 +60,18 @@ from fedq.coordinator.pipeline import (
     step_of,
     update_weight,
 )
-from fedq.coordinator.planning import queue_counts
-from fedq.coordinator.roster import live_throughput, record_tasks, record_throughput
+from fedq.coordinator.planning import open_clients, queue_counts
+from fedq.coordinator.roster import (
+    live_throughput,
+    open_sites,
+    record_tasks,
+    record_throughput,
+)
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
 from fedq.engine.app import app
-from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK
+from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.process import PROCESS
 from fedq.refs import StepRef
 from fedq.settings import Settings
@@ -99,18 +104,27 @@ def _model(job: Job) -> BlobRef:
     return BlobRef(job.global_key, job.global_sha256, job.global_size)
 
 
-def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> list[Dispatch]:
+def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str],
+               closed: str | None = None) -> list[Dispatch]:
     """Record one new training task per entry of ``queues`` (the job row is locked):
     the next task numbers, each for a client not training now (a pure function of the
-    seed and the task number, given who is training)."""
+    seed and the task number, given who is training and which sites are open). With
+    ``sites`` a task goes to its client's site queue, and clients of sites that can
+    train now come first; ``closed``: a site queue just handed a task back (its
+    worker stepped aside, perhaps before its report of that arrived)."""
     top = s.scalar(select(func.max(ClientUpdate.task_index))
                    .where(ClientUpdate.job_id == job.id)) or 0
     busy = set(s.scalars(select(ClientUpdate.client).where(
         ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.TRAINING)))
+    opened = None
+    if spec.sites is not None:
+        opened = open_clients(spec, frozenset(
+            n for n in open_sites(s, spec.sites) if site_queue(n) != closed))
     out = []
     for i, queue in enumerate(queues, start=top + 1):
-        client = pick_client(spec, i, busy)
+        client = pick_client(spec, i, busy, opened)
         busy.add(client)
+        queue = spec.site_queue_of(client) or queue
         s.add(ClientUpdate(job_id=job.id, round_number=0, client=client,
                            status=UpdateStatus.TRAINING,
                            queue=queue, task_index=i, attempt=1,
@@ -120,11 +134,16 @@ def _new_tasks(s: Session, job: Job, spec: JobSpec, queues: Sequence[str]) -> li
     return out
 
 
-def pick_client(spec: JobSpec, task: int, busy: set[int]) -> int:
+def pick_client(spec: JobSpec, task: int, busy: set[int],
+                opened: frozenset[int] | None = None) -> int:
     """The client task number ``task`` trains: the first of a permutation seeded by
-    (seed, task) not training now (all busy: the first)."""
-    order = np.random.default_rng([spec.seed, task]).permutation(spec.num_clients)
-    return int(next((c for c in order if int(c) not in busy), order[0]))
+    (seed, task) not training now and, when ``opened`` is given, at a site that can
+    train now (none such: the first not training; all busy: the first)."""
+    order = [int(c) for c in np.random.default_rng([spec.seed, task])
+             .permutation(spec.num_clients)]
+    free = [c for c in order if c not in busy]
+    return next((c for c in free if opened is None or c in opened),
+                free[0] if free else order[0])
 
 
 def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
@@ -158,8 +177,12 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         spec = JobSpec.stored(job.spec)
         live = live_throughput(settings) if spec.queues == "auto" else None
         wanted = Counter(q for q, n in queue_counts(spec, live).items() for _ in range(n))
-        wanted.subtract(s.scalars(select(ClientUpdate.queue).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING)))
+        training = [q or "" for q in s.scalars(select(ClientUpdate.queue).where(
+            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING))]
+        if spec.sites is not None:  # slots, not queues: each task goes to its client's site
+            wanted = Counter({"site": spec.clients_per_round - len(training)})
+        else:
+            wanted.subtract(training)
         full = _filling(s, job, spec) > spec.rounds
         tasks = [] if full else _new_tasks(s, job, spec, sorted(wanted.elements()))
         _ensure_version(s, job, spec, job.committed_round + 1)
@@ -265,7 +288,10 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
             # next version, only once that version is applied (below, by start()).
             if not full and job.status == JobStatus.RUNNING and \
                     _filling(s, job, spec) <= spec.rounds:
-                tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
+                tasks = _new_tasks(s, job, spec, [row.queue or "cpu"],
+                                   closed=row.queue if status == UpdateStatus.YIELDED
+                                   or ref.stats.yielded
+                                   else None)
         record_tasks(s, [row])
         status = row.status
     _send(job_id, spec, tasks)

@@ -59,14 +59,35 @@ class Assignment:
 
 def plan_round(spec: JobSpec, round_number: int,
                live_throughput: dict[str, float] | None = None,
-               available: int | None = None) -> list[Assignment]:
+               available: int | None = None,
+               open_sites: frozenset[str] | None = None) -> list[Assignment]:
     """Which clients train in ``round_number`` and on which queue; a pure function of
-    (spec, round, live throughput, workers available), so a re-planned round picks the
-    same clients. ``available`` sizes the round when the spec sets
-    ``clients_per_worker`` (JobSpec.round_size)."""
+    (spec, round, live throughput, workers available, sites open), so a re-planned
+    round picks the same clients. ``available`` sizes the round when the spec sets
+    ``clients_per_worker`` (JobSpec.round_size). With ``sites``, each client trains on
+    its site's queue, and the round takes the clients of ``open_sites`` (sites with a
+    worker that can train now) first, in a seeded order, then others'."""
     size = spec.round_size(available)
     rng = np.random.default_rng([spec.seed, round_number])
+    if spec.sites is not None:
+        order = [int(c) for c in rng.permutation(spec.num_clients)]
+        chosen = sorted(order, key=lambda c: not _at_open_site(spec, c, open_sites))[:size]
+        return [Assignment(c, spec.site_queue_of(c) or "") for c in sorted(chosen)]
     clients = sorted(int(c) for c in rng.choice(spec.num_clients, size, replace=False))
     queues = [q for q, n in queue_counts(spec, live_throughput, size).items()
               for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
+
+
+def _at_open_site(spec: JobSpec, client: int, open_sites: frozenset[str] | None) -> bool:
+    """Whether ``client``'s site can train now (unknown: every site can)."""
+    if open_sites is None or spec.sites is None:
+        return True
+    return any(client in cs for n, cs in spec.sites.items() if n in open_sites)
+
+
+def open_clients(spec: JobSpec, open_sites: frozenset[str] | None) -> frozenset[int] | None:
+    """The clients whose site can train now (None: the job has no sites, or nobody knows)."""
+    if spec.sites is None or open_sites is None:
+        return None
+    return frozenset(c for n, cs in spec.sites.items() if n in open_sites for c in cs)

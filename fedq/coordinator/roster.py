@@ -17,7 +17,7 @@ from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
-from fedq.engine.names import REGISTER_WORKER_TASK, WORKER_STATE_TASK
+from fedq.engine.names import REGISTER_WORKER_TASK, WORKER_STATE_TASK, site_queue
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.status import FAILED_UPDATES, UpdateStatus
@@ -255,6 +255,17 @@ class LiveView:
         """Workers consuming any of ``queues`` now that have not stepped aside."""
         return len({h for q in queues for h in self.consumers.get(q, ())
                     if h not in self.away})
+
+
+def open_sites(session: Any, sites: Iterable[str]) -> frozenset[str]:
+    """Of ``sites``, those with a registered worker consuming the site's queue that has
+    not stepped aside for its owner (read from SQL, not inspect: cheap enough for every
+    buffered refill; a worker that died unannounced still counts, and the deadline
+    settles its tasks)."""
+    wanted = {site_queue(n): n for n in sites}
+    rows = session.execute(select(Worker.queues, Worker.available)).tuples()
+    return frozenset(wanted[q] for queues, available in rows if available is not False
+                     for q in (queues or ()) if q in wanted)
 
 
 def live_view(settings: Settings) -> LiveView | None:

@@ -21,7 +21,7 @@ from fedq.blobs import BlobRef
 from fedq.coordinator.intake import Sent, task_id
 from fedq.coordinator.pipeline import step_of
 from fedq.coordinator.planning import Assignment, plan_round, sized_queues
-from fedq.coordinator.roster import live_view
+from fedq.coordinator.roster import live_view, open_sites
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
@@ -64,9 +64,10 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             if spec.queues == "auto" or spec.clients_per_worker is not None else None
         available = view.available(sized_queues(spec)) \
             if view is not None and spec.clients_per_worker is not None else None
+        opened = open_sites(s, spec.sites) if spec.sites is not None else None
         plan = plan_round(spec, round_number,
                           view.throughput if view is not None and spec.queues == "auto"
-                          else None, available)
+                          else None, available, opened)
         if available is not None:
             log.info("job %s round %d: %d worker(s) available: %d client(s) (of %d)",
                      job_id, round_number, available, len(plan), spec.clients_per_round)

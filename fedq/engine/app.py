@@ -7,9 +7,11 @@ Configuration is built lazily from :mod:`fedq.settings` on first use, so
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from celery import Celery
+from celery.app import amqp
 from kombu import Exchange, Queue
 
 from fedq.engine import logs  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
@@ -20,6 +22,8 @@ from fedq.engine.names import (
     CONTROL_QUEUE,
     FINALIZE_ROUND_TASK,
     REGISTER_WORKER_TASK,
+    SITE_NAME_PATTERN,
+    SITE_PREFIX,
     START_ROUND_TASK,
     TRAINING_QUEUES,
     WATCHDOG_TASK,
@@ -117,7 +121,23 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-app = Celery("fedq")
+class Queues(amqp.Queues):
+    """Celery's queue table, which makes a data site's queue (``site.<name>``) when it
+    is first named, by a worker's ``-Q`` or a task sent to it; any other unknown queue
+    stays an error (``task_create_missing_queues`` is off: a typo names no queue)."""
+
+    def __missing__(self, name: str) -> Queue:
+        if name.startswith(SITE_PREFIX) and \
+                re.fullmatch(SITE_NAME_PATTERN, name[len(SITE_PREFIX):]) is not None:
+            return self.add(Queue(name, Exchange(name, type="direct"), routing_key=name))
+        raise KeyError(name)
+
+
+class AMQP(amqp.AMQP):
+    queues_cls = Queues
+
+
+app = Celery("fedq", amqp=AMQP)
 app.add_defaults(lambda: celery_config(get_settings()))
 
 

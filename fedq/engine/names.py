@@ -15,6 +15,18 @@ CONTROL_EXCHANGE = "fedq.control"
 TRAINING_QUEUES = ("gpu_new", "gpu_sm61", "cpu")
 GPU_QUEUES = ("gpu_new", "gpu_sm61")
 ALL_QUEUES = (CONTROL_QUEUE, *TRAINING_QUEUES)
+#: A data site's queue: ``site.<name>``. A job with ``sites`` (docs/owners.md) sends
+#: each client's task to the queue of the site that holds its data, and only the
+#: workers at that site consume it (``-Q cpu,site.<name>``).
+SITE_PREFIX = "site."
+#: A site's name: short enough that its queue name stays within the wire's 32 bytes.
+SITE_NAME_PATTERN = r"[a-z0-9][a-z0-9_-]{0,26}"
+
+
+def site_queue(site: str) -> str:
+    """The queue of data site ``site``."""
+    return SITE_PREFIX + site
+
 
 TRAIN_TASK = "fedq.train"
 START_ROUND_TASK = "fedq.start_round"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -28,7 +29,7 @@ from pydantic import (
 )
 
 from fedq.data.partition import IIDPartition, Partition
-from fedq.engine.names import TRAINING_QUEUES
+from fedq.engine.names import SITE_NAME_PATTERN, TRAINING_QUEUES, site_queue
 
 # The registries (models, data sets, reducers, server optimizers) import torch, which
 # takes seconds. They are imported inside the checks below, which a stored spec (one
@@ -237,6 +238,11 @@ class JobSpec(_Strict):
         description="tasks per round per queue; -1 on one queue means 'the rest'; 'auto' "
                     "splits each round by the live workers' measured throughput",
     )
+    sites: dict[str, list[int]] | None = Field(
+        default=None,
+        description="where each client's data lives: site name -> its clients; a client's "
+                    "task goes only to the queue site.<name>, which the workers at that "
+                    "site consume (unset: any worker of the job's queues trains any client)")
     time_budget_s: float | None = Field(
         default=None, gt=0, description="each task stops training after this many seconds; "
                                         "a cosine lr schedule then follows the job's clock")
@@ -364,6 +370,44 @@ class JobSpec(_Strict):
         except ValueError as exc:
             field, _, msg = str(exc).partition(": ")
             yield (field, msg)
+        yield from self._site_problems()
+
+    def _site_problems(self) -> Iterator[tuple[str, str]]:
+        """``sites`` places every client at exactly one site, by a name its queue can carry."""
+        if self.sites is None:
+            return
+        if not self.sites:
+            yield ("sites", "name at least one site and its clients")
+            return
+        bad = next((n for n in self.sites if re.fullmatch(SITE_NAME_PATTERN, n) is None), None)
+        if bad is not None:
+            yield ("sites", f"site name {bad[:40]!r}: 1-27 of a-z, 0-9, _ and -, starting "
+                            f"with a letter or digit")
+        seen: dict[int, str] = {}
+        for site, clients in self.sites.items():
+            for c in clients:
+                if not 0 <= c < self.num_clients:
+                    yield ("sites", f"{site}: client {c} out of range 0..{self.num_clients - 1}")
+                    return
+                if c in seen:
+                    yield ("sites", f"client {c} is at two sites ({seen[c]} and {site})")
+                    return
+                seen[c] = site
+        missing = sorted(set(range(self.num_clients)) - set(seen))
+        if missing:
+            yield ("sites", f"client {missing[0]} is at no site (every client must be at one; "
+                            f"{len(missing)} are not)")
+        if "queues" in _changed(self):
+            yield ("queues", "not used with sites: each client's task goes to its site's queue")
+        if self.clients_per_worker is not None:
+            yield ("clients_per_worker", "not used with sites: a round prefers the clients "
+                                         "of sites that can train now")
+
+    def site_queue_of(self, client: int) -> str | None:
+        """The queue of the site holding ``client``'s data (None: the job has no sites)."""
+        if self.sites is None:
+            return None
+        return next(site_queue(n) for n, cs in self.sites.items() if client in cs)
 
     def _unused(self) -> Iterator[tuple[str, str]]:
         """(field, why) for each option set where it would do nothing: no option is

@@ -1,0 +1,126 @@
+"""Clients bound to the machines that hold their data (``sites`` in the job spec,
+docs/owners.md): a client's task goes only to its site's queue, rounds and buffered
+slots take the clients of sites that can train now first, and a spec that places a
+client nowhere, twice or out of range is refused with one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedq.coordinator.buffered import pick_client
+from fedq.coordinator.planning import open_clients, plan_round
+from fedq.coordinator.roster import list_workers, open_sites
+from fedq.db import Worker, session_scope
+from fedq.db.session import ensure_schema
+from fedq.spec import JobSpec
+from fedq.status import UpdateStatus
+from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.wait import wait_until
+
+SITES = {"north": [0, 1], "south": [2, 3], "east": [4, 5]}
+SPEC = {**DIGITS, "name": "sites", "num_clients": 6, "clients_per_round": 4,
+        "rounds": 2, "sites": SITES}
+HOLDER = {c: site for site, cs in SITES.items() for c in cs}
+
+
+def test_a_spec_places_every_client_at_one_site() -> None:
+    spec = JobSpec.model_validate(SPEC)
+    assert [spec.site_queue_of(c) for c in range(6)] == \
+        ["site.north"] * 2 + ["site.south"] * 2 + ["site.east"] * 2
+    assert JobSpec.model_validate({**SPEC, "sites": None}).site_queue_of(0) is None
+    for sites, says in (
+            ({"north": [0, 1, 2], "south": [2, 3, 4, 5]}, "client 2 is at two sites"),
+            ({"north": [0, 1], "south": [2, 3]}, "client 4 is at no site"),
+            ({"north": [0, 1, 2, 3, 4, 5, 6]}, "north: client 6 out of range 0..5"),
+            ({"North.1": [0, 1, 2, 3, 4, 5]}, "site name 'North.1'"),
+            ({}, "name at least one site")):
+        with pytest.raises(ValueError, match=f"sites: {says}"):
+            JobSpec.model_validate({**SPEC, "sites": sites})
+    with pytest.raises(ValueError, match="queues: not used with sites"):
+        JobSpec.model_validate({**SPEC, "queues": {"gpu_new": -1}})
+
+
+def test_rounds_and_buffered_slots_take_the_clients_of_open_sites_first(
+        tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname="n@a", queues=["cpu", "site.north"], hardware={},
+                          available=None),
+                   Worker(hostname="s@b", queues=["site.south"], hardware={}, available=True),
+                   Worker(hostname="e@c", queues=["site.east"], hardware={}, available=False),
+                   Worker(hostname="x@d", queues=["cpu"], hardware={})])
+    with session_scope(db) as s:
+        opened = open_sites(s, SITES)
+    assert opened == {"north", "south"}  # east's only worker stepped aside
+    spec = JobSpec.model_validate(SPEC)
+    for n in range(1, 6):
+        plan = plan_round(spec, n, None, None, opened)
+        assert {a.client for a in plan} == {0, 1, 2, 3}  # four open: all of them
+        assert all(a.queue == f"site.{HOLDER[a.client]}" for a in plan)
+        assert plan == plan_round(spec, n, None, None, opened)  # planned again: the same
+    # fewer open than a round takes: the open ones, then others (they wait for their site)
+    plan = plan_round(spec, 1, None, None, frozenset({"east"}))
+    assert {4, 5} <= {a.client for a in plan} and len(plan) == 4
+    # unknown (no sites open known): a seeded draw over every client, as without sites
+    assert len(plan_round(spec, 1)) == 4
+    clients = open_clients(spec, opened)
+    assert clients == {0, 1, 2, 3}
+    picked = {pick_client(spec, t, {0, 2}, clients) for t in range(1, 40)}
+    assert picked == {1, 3}  # open and not training
+    assert pick_client(spec, 1, {0, 1, 2, 3}, clients) in {4, 5}  # none such: any free
+    with session_scope(db) as s:
+        s.get(Worker, "e@c").available = True  # type: ignore[union-attr]
+    with session_scope(db) as s:
+        assert open_sites(s, SITES) == {"north", "south", "east"}
+    assert {w["hostname"] for w in list_workers(db)} == {"n@a", "s@b", "e@c", "x@d"}
+
+
+@pytest.mark.slow
+def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """Three sites, one worker each (each also consumes ``cpu``, so a task sent
+    anywhere but its site's queue would be taken by any of them); east's worker is on
+    an unplugged laptop. A synchronous job of four clients a round and a buffered
+    job train only north's and south's clients, each on its own site's worker; once
+    the laptop is plugged in, a round of all six trains east's on east's worker."""
+    cluster = redis_cluster
+    power = tmp_path / "power_supply"
+    for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
+        (power / name).mkdir(parents=True)
+        (power / name / "type").write_text(kind + "\n")
+    (power / "AC" / "online").write_text("0\n")
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    for site in ("north", "south"):
+        cluster.add(site, ["cpu", f"site.{site}"])
+    laptop = cluster.add("east", ["cpu", "site.east"], FEDQ_AC_ONLY="1",
+                         FEDQ_RESUME_AFTER_S="1", FEDQ_POWER_SUPPLY_DIR=str(power))
+    db = cluster.env["FEDQ_DATABASE_URL"]
+
+    def east_is(free: bool) -> bool:
+        return any(w["hostname"] == "east@test" and w["available"] is free
+                   for w in list_workers(db))
+
+    wait_until(lambda: east_is(False), 60, what=laptop.tail)
+    sync = cluster.submit(SPEC)
+    buffered = cluster.submit({**SPEC, "name": "sites-buffered", "clients_per_round": 2,
+                               "rounds": 3, "aggregation": {"mode": "buffered", "buffer": 2}})
+    for job in (sync, buffered):
+        view = cluster.wait(job, timeout=240)
+        assert view.status == "completed", view.error
+        rows = cluster.updates(job)
+        shown = [(u.client, u.queue, u.worker, u.status) for u in rows]
+        assert rows and all(u.client in (0, 1, 2, 3) for u in rows), shown
+        assert all(u.queue == f"site.{HOLDER[u.client]}" for u in rows), shown
+        assert all(u.worker == f"{HOLDER[u.client]}@test" for u in rows
+                   if u.status in (UpdateStatus.OK, UpdateStatus.BUFFERED)), shown
+    (power / "AC" / "online").write_text("1\n")
+    wait_until(lambda: east_is(True), 60, what=laptop.tail)
+    everyone = cluster.submit({**SPEC, "name": "sites-all", "clients_per_round": 6,
+                               "rounds": 1})
+    assert cluster.wait(everyone, timeout=240).status == "completed"
+    ok = {u.client: u.worker for u in cluster.updates(everyone) if u.status == UpdateStatus.OK}
+    assert ok == {c: f"{site}@test" for c, site in HOLDER.items()}
