@@ -5,6 +5,7 @@ docs/owners.md.
     .venv/bin/python -m bench.churn --task gpt           # the language model
     .venv/bin/python -m bench.churn --slowdown 3 --target 0.9 --mean-s 15  # short jobs
     .venv/bin/python -m bench.churn --trace trace.csv    # replay your own availability
+    .venv/bin/python -m bench.churn --sites              # each client's data on one machine
 
 Four polite workers (``FEDQ_AC_ONLY=1``), each with a power-supply folder the harness
 controls (laid out as Linux's /sys/class/power_supply: the probe a laptop's worker
@@ -52,7 +53,10 @@ from fedq.testing.procs import start_workers
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "owners.md"
 MARKERS = {"digits": ("<!-- churn table -->", "<!-- end of churn table -->"),
-           "gpt": ("<!-- churn gpt table -->", "<!-- end of churn gpt table -->")}
+           "gpt": ("<!-- churn gpt table -->", "<!-- end of churn gpt table -->"),
+           "digits-sites": ("<!-- churn sites table -->", "<!-- end of churn sites table -->"),
+           "gpt-sites": ("<!-- churn gpt sites table -->",
+                         "<!-- end of churn gpt sites table -->")}
 WORKERS = 4
 TARGET = 0.95  # digits: test accuracy
 SLOWDOWN = 10.0  # each machine slower than this one's core: tasks last seconds
@@ -158,11 +162,18 @@ def metric(task: str) -> str:
     return "eval_loss" if task == "gpt" else "accuracy"
 
 
+def sites(clients: int) -> dict[str, list[int]]:
+    """``--sites``: each worker's machine holds the data of clients/WORKERS clients."""
+    return {f"p{w}": list(range(w * clients // WORKERS, (w + 1) * clients // WORKERS))
+            for w in range(WORKERS)}
+
+
 def run(trace: Trace, slowdown: float, task: str = "digits",
-        rounds: int = ROUNDS) -> list[dict[str, Any]]:
+        rounds: int = ROUNDS, bound: bool = False) -> list[dict[str, Any]]:
     """Each mode's job under the same trace: its curve (seconds from submission, the
     task's metric) of committed rounds or versions, total time, work thrown away and
-    the share of the time the workers were available."""
+    the share of the time the workers were available. ``bound``: each client's data
+    lives on one worker's machine (the job's ``sites``)."""
     modes: list[tuple[str, dict[str, Any]]] = [
         ("synchronous, wait for all", {"rounds": rounds, "min_clients": WORKERS}),
         ("synchronous, deadline 8 s + quorum 2", {"rounds": rounds, "min_clients": 2,
@@ -174,6 +185,8 @@ def run(trace: Trace, slowdown: float, task: str = "digits",
                           "aggregation": {"mode": "buffered", "buffer": 2}}),
     ]
     common = COMMON[task]
+    if bound:
+        common = {**common, "sites": sites(common["num_clients"])}
     out = []
     with tempfile.TemporaryDirectory() as tmp, redis_database() as redis_url, \
             pg_database() as pg_url:
@@ -194,7 +207,7 @@ def run(trace: Trace, slowdown: float, task: str = "digits",
         cluster.fedq("db", "upgrade")
         try:
             procs = [cluster.worker("control", ["control"])]
-            procs += [cluster.worker(f"p{w}", ["cpu"], FEDQ_AC_ONLY="1",
+            procs += [cluster.worker(f"p{w}", ["cpu", f"site.p{w}"], FEDQ_AC_ONLY="1",
                                      FEDQ_POWER_SUPPLY_DIR=str(folders[w]),
                                      FEDQ_RESUME_AFTER_S="1", FEDQ_SLOWDOWN=f"{slowdown:g}")
                       for w in range(WORKERS)]
@@ -237,7 +250,7 @@ def default_target(task: str, rows: list[dict[str, Any]], rounds: int) -> float:
 
 
 def render(rows: list[dict[str, Any]], source: str, slowdown: float, target: float,
-           task: str = "digits", rounds: int = ROUNDS) -> list[str]:
+           task: str = "digits", rounds: int = ROUNDS, bound: bool = False) -> list[str]:
     loss = task == "gpt"
     for r in rows:  # the first commit at the target
         r["to_target"] = next((t for t, v in r["curve"]
@@ -251,7 +264,10 @@ def render(rows: list[dict[str, Any]], source: str, slowdown: float, target: flo
         f"{datetime.now(timezone.utc):%Y-%m-%d} ({platform.machine()}, {os.cpu_count()} "
         f"cores; Redis + PostgreSQL). {DESCRIBED[task]}, {WORKERS} polite "
         f"workers (FEDQ_SLOWDOWN {slowdown:g}) whose machines the harness unplugs and plugs "
-        f"in by the trace; {rounds} rounds of {WORKERS} clients (buffered: the same "
+        f"in by the trace; " + ("each client's data on one worker's machine (sites: "
+                                "two clients a machine); " if bound else
+                                "any worker trains any client; ") +
+        f"{rounds} rounds of {WORKERS} clients (buffered: the same "
         f"number of updates). Time: from submission to the first committed model " +
         (f"at or below a validation loss of {target:.4f} nats per byte (the wait-for-all "
          f"run's after {max(1, 2 * rounds // 3)} of its {rounds} rounds)." if loss else
@@ -298,6 +314,8 @@ def main() -> int:
                              "loss (default: the wait-for-all run's after 2/3 of its rounds)")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
                         help="synchronous rounds per mode (buffered: as many updates)")
+    parser.add_argument("--sites", action="store_true",
+                        help="bind each client's data to one worker's machine (sites)")
     parser.add_argument("--no-write", action="store_true", help="print, do not write docs")
     args = parser.parse_args()
     if args.rounds < 1 or args.mean_s <= 0:
@@ -305,7 +323,7 @@ def main() -> int:
     try:
         trace = read_trace(args.trace) if args.trace else \
             exponential_trace(args.seed, args.mean_s, 3600)
-        rows = run(trace, args.slowdown, args.task, args.rounds)
+        rows = run(trace, args.slowdown, args.task, args.rounds, args.sites)
     except BenchError as exc:
         print(f"bench.churn: {exc}", file=sys.stderr)
         return 1
@@ -320,13 +338,15 @@ def main() -> int:
         source += f" --target {target:g}"
     if args.rounds != ROUNDS:
         source += f" --rounds {args.rounds}"
-    lines = render(rows, source, args.slowdown, target, args.task, args.rounds)
+    if args.sites:
+        source += " --sites"
+    lines = render(rows, source, args.slowdown, target, args.task, args.rounds, args.sites)
     if not args.trace:
         lines.insert(1, f"Availability: sessions available and away of exponential length, "
                         f"mean {args.mean_s:g} s each, seed {args.seed}.")
     print("\n".join(lines))
     if not args.no_write:
-        write_section(DOC, *MARKERS[args.task], lines)
+        write_section(DOC, *MARKERS[args.task + ("-sites" if args.sites else "")], lines)
     return 0
 
 

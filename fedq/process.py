@@ -12,6 +12,9 @@ the next, and each is kept here, nowhere else:
 - ``zero_deltas``: the benchmark-only fixed update of ``zero_compute`` jobs;
 - ``uplink_mbit``: a training worker's upload rate, measured on its last large upload
   (``codec: auto`` picks the update codec from it).
+- ``kept``: training tasks that yielded to the machine's owner, where each stopped
+  (fedq/worker/loop.py ``Kept``, in CPU memory; the newest :data:`KEPT_TASKS`), by
+  (job, client, global model): the task goes on from there when it comes back.
 
 Pure memoisation (a dataset loaded from its arguments, a partition from its seed,
 a database engine per URL) stays beside its function as ``functools.lru_cache``.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from fedq.aggregate import Accumulator
 from fedq.aggregate.types import Weights
@@ -29,6 +33,8 @@ from fedq.blobs import BlobStore, open_store
 
 #: Global models a process keeps at once.
 MODEL_CACHE_SIZE = 2
+#: Yielded tasks a process keeps where they stopped (docs/owners.md, leave in memory).
+KEPT_TASKS = 2
 
 
 @dataclass
@@ -38,6 +44,7 @@ class ProcessState:
     stores: dict[tuple[str, str | None], BlobStore] = field(default_factory=dict)
     zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
     uplink_mbit: float | None = None
+    kept: OrderedDict[tuple[str, int, str], Any] = field(default_factory=OrderedDict)
 
     def model(self, sha256: str) -> Weights | None:
         """The kept model with this sha256, if any (and mark it recently used)."""
@@ -54,6 +61,13 @@ class ProcessState:
         while len(self.models) > MODEL_CACHE_SIZE:
             self.models.popitem(last=False)
 
+    def keep_task(self, key: tuple[str, int, str], kept: Any) -> None:
+        """Keep a yielded task's training (``Kept``) under (job, client, model sha256)."""
+        self.kept.pop(key, None)
+        self.kept[key] = kept
+        while len(self.kept) > KEPT_TASKS:
+            self.kept.popitem(last=False)
+
     def store(self, url: str, s3_endpoint_url: str | None = None) -> BlobStore:
         key = (url, s3_endpoint_url)
         if key not in self.stores:
@@ -66,6 +80,7 @@ class ProcessState:
         self.stores.clear()
         self.zero_deltas.clear()
         self.uplink_mbit = None
+        self.kept.clear()
 
 
 PROCESS = ProcessState()

@@ -414,18 +414,24 @@ def test_churn_target_and_rows_per_task() -> None:
     table = _rows("\n".join(churn.render(digits, "", 10, 0.95)))
     assert table["synchronous, deadline 8 s + quorum 2"][-1] == "1.00x"
     assert table["buffered K=2"][0] == "30.0" and table["buffered K=2"][-1] == "0.33x"
+    assert churn.sites(8) == {"p0": [0, 1], "p1": [2, 3], "p2": [4, 5], "p3": [6, 7]}
+    bound = "\n".join(churn.render(digits, " --sites", 10, 0.95, bound=True))
+    assert "each client's data on one worker's machine" in bound
+    assert "any worker trains any client" in "\n".join(churn.render(digits, "", 10, 0.95))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
-    """bench/churn.py --task gpt with one round a mode and sessions of about 3 s: four
-    polite workers come and go, every mode's job completes, the table renders (its
-    figures are the full run's, in docs/owners.md)."""
+    """bench/churn.py --task gpt --sites with one round a mode and sessions of about
+    3 s: four polite workers, each holding two clients' data, come and go, every mode's
+    job completes, the table renders (its figures are the full runs', in
+    docs/owners.md)."""
     env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
     proc = subprocess.run([sys.executable, "-m", "bench.churn", "--task", "gpt", "--rounds",
-                           "1", "--mean-s", "3", "--slowdown", "2", "--no-write"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400, check=False)
+                           "1", "--mean-s", "3", "--slowdown", "2", "--sites", "--no-write"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     table = _rows(proc.stdout)
     for mode in ("synchronous, wait for all", "synchronous, deadline 8 s + quorum 2",
@@ -433,6 +439,7 @@ def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
         assert len(table[mode]) == 6, proc.stdout
         assert float(table[mode][2]) > 1.0  # a validation loss in nats per byte
     assert "--task gpt" in proc.stdout and "validation loss" in proc.stdout
+    assert "--sites" in proc.stdout and "each client's data on one worker's" in proc.stdout
 
 
 @pytest.mark.slow

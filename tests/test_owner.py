@@ -18,6 +18,7 @@ import sys
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,6 +234,109 @@ def test_the_training_loop_stops_at_the_next_step_when_asked() -> None:
                         device=torch.device("cpu"), should_stop=stop)
     assert (stats.steps, stats.planned_steps, stats.seen) == (3, 16, 24)
     assert stats.yielded == "owner active"
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_loop_that_yielded_goes_on_from_where_it_stopped_as_if_never_stopped(
+        name: str) -> None:
+    """Leave in memory: a loop stopped at step 5 of 16 (mid-epoch) keeps its model,
+    optimizer state, batch order and generator on the CPU; resumed with them, it ends
+    with the very weights of a loop that never stopped."""
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    spec = OptimizerSpec(name=name, lr=0.1)
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    def train(model: torch.nn.Module, **kw: object) -> Any:
+        return local_train(model, x, y, optimizer=spec, batch_size=12, epochs=3, steps=None,
+                           seed=1, device=torch.device("cpu"), **kw)  # type: ignore[arg-type]
+
+    whole = fresh()
+    assert train(whole).steps == 18
+    asked: list[int] = []
+    stopped = fresh()
+    first = train(stopped, should_stop=lambda: "on battery" if len(asked.append(1) or asked)
+                  > 8 else None)
+    assert first.yielded == "on battery" and first.steps == 8 and first.kept is not None
+    assert first.kept.start == 24 and first.kept.step == 8  # batch 3 of the second epoch
+    resumed = fresh()  # the task's starting weights again: the kept ones replace them
+    second = train(resumed, resume=first.kept)
+    assert (second.steps, second.resumed_steps, second.seen) == (18, 8, 3 * 64)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(stopped.parameters()), next(whole.parameters()))
+
+
+def test_a_yielded_task_resumes_on_the_same_worker_and_sends_the_same_update(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's side (fedq/worker/update.py): a task that yields with too little
+    done keeps its training in memory (keyed by job, client and global model); the
+    same task sent again goes on from there and sends the update an unstopped task
+    sends, byte for byte. FEDQ_LEAVE_IN_MEMORY=0 starts over; another global model
+    does not match what was kept. (The owner's reading is faked: it is the input or
+    battery probe, which this machine cannot produce.)"""
+    from fedq.blobs import global_key, open_store
+    from fedq.coordinator.evaluation import initial_weights
+    from fedq.coordinator.intake import Sent
+    from fedq.process import PROCESS
+    from fedq.spec import JobSpec
+    from fedq.weights import dumps
+    from fedq.worker.update import run_training
+
+    spec = JobSpec.model_validate({**DIGITS, "num_clients": 4, "clients_per_round": 2,
+                                   "rounds": 1, "local_epochs": 2, "batch_size": 16,
+                                   "optimizer": {"name": "sgd", "lr": 0.05,
+                                                 "momentum": 0.9}})
+    store = open_store(str(tmp_path / "blobs"))
+    blob = store.put(global_key("j", 0), dumps(initial_weights(spec)))
+    task = Sent("j", 1, 1, 1, 5, "cpu").train_ref(spec.to_json(), blob).to_json()
+    PROCESS.clear()
+    steps_asked: list[int] = []
+    monkeypatch.setattr(owner, "away", lambda: None)
+    whole = run_training(task, store, "w")
+    assert whole["status"] == "ok" and whole["steps"] > 8
+
+    def unplugged_after(n: int) -> None:
+        steps_asked.clear()
+        monkeypatch.setattr(owner, "away", lambda: "on battery" if len(
+            steps_asked.append(1) or steps_asked) > n + 1 else None)  # (+1: at the start)
+
+    unplugged_after(4)
+    first = run_training(task, store, "w")
+    assert first["status"] == "yielded" and "after 4 of" in first["error"]
+    assert len(PROCESS.kept) == 1
+    unplugged_after(10_000)  # plugged in again: sent again; it trains only what is left
+    again = run_training({**task, "attempt": 2}, store, "w")
+    assert again["status"] == "ok" and again["sha256"] == whole["sha256"]
+    assert again["steps"] == whole["steps"] and not PROCESS.kept
+    assert len(steps_asked) == 1 + whole["steps"] - 4
+    # a kept task yielded again says how much it carried
+    unplugged_after(3)
+    run_training(task, store, "w")
+    unplugged_after(2)
+    twice = run_training(task, store, "w")
+    assert "after 5 of" in twice["error"] and "(3 of them kept from before)" in twice["error"]
+    PROCESS.clear()
+    monkeypatch.setenv("FEDQ_LEAVE_IN_MEMORY", "0")
+    get_settings.cache_clear()
+    try:
+        unplugged_after(4)
+        run_training(task, store, "w")
+        assert not PROCESS.kept  # not kept: it starts over
+    finally:
+        monkeypatch.delenv("FEDQ_LEAVE_IN_MEMORY")
+        get_settings.cache_clear()
+    unplugged_after(4)
+    run_training(task, store, "w")
+    other = store.put(global_key("j", 1), dumps({k: v + 0.01 if v.is_floating_point() else v
+                                                 for k, v in initial_weights(spec).items()}))
+    monkeypatch.setattr(owner, "away", lambda: None)
+    moved_on = run_training(Sent("j", 1, 1, 2, 5, "cpu").train_ref(spec.to_json(), other)
+                            .to_json(), store, "w")
+    assert moved_on["status"] == "ok" and len(PROCESS.kept) == 1  # another model: kept still
+    PROCESS.clear()
 
 
 def test_a_yielded_task_is_not_a_failure_and_its_client_goes_again() -> None:

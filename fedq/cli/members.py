@@ -27,7 +27,8 @@ def worker() -> None:
 @worker.command("add")
 @click.argument("name")
 @click.option("--queues", "-Q", required=True,
-              help="its queues, comma-separated (gpu_new, gpu_sm61, cpu)")
+              help="its queues, comma-separated (gpu_new, gpu_sm61, cpu; a data "
+                   "site's site.<name>)")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write the join bundle to this file (mode 600) instead of printing it")
 @click.option("--broker-url", help="the broker URL as the worker reaches it "

@@ -40,6 +40,42 @@ class LocalStats:
     inner_step: int = 0  # the client's inner step count after this round (lr schedule)
     planned_steps: int = 0  # the steps it would have taken without a budget or a yield
     yielded: str | None = None  # why it stopped early for the machine's owner
+    kept: Kept | None = None  # where it stopped, when it yielded (to go on from there)
+    resumed_steps: int = 0  # of ``steps``, those taken before a yield and kept
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A task's training where it stopped for the machine's owner, in CPU memory
+    (BOINC's "leave in memory"): given back to :func:`local_train` when the same task
+    comes back, it goes on from that step with the same batches, model, optimizer and
+    generator, as if it had never stopped."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, object]
+    generator: torch.Tensor  # the shuffling generator's state after ``order`` was drawn
+    order: torch.Tensor  # this epoch's sample order
+    start: int  # the next batch's first index in ``order``
+    step: int
+    seen: int
+    loss_sum: float
+    seconds: float  # training time before the yield (a time budget counts it)
+    first_step: int  # the lr schedule's position at the task's start
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.values())
+
+
+def _to_cpu(value: object) -> object:
+    """A deep copy of an optimizer state_dict with its tensors on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -100,7 +136,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 schedule_steps: int | None = None,
                 schedule_window: tuple[float, float] | None = None,
                 state_path: Path | None = None,
-                should_stop: Callable[[], str | None] | None = None) -> LocalStats:
+                should_stop: Callable[[], str | None] | None = None,
+                resume: Kept | None = None) -> LocalStats:
     """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
     stopping early once ``time_budget`` seconds have passed (after at least one step).
 
@@ -115,7 +152,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
     (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
     ``should_stop``: asked before each step; a reason (the owner's machine is needed:
-    fedq/worker/owner.py) stops training there, reported as ``yielded``.
+    fedq/worker/owner.py) stops training there, reported as ``yielded``, with where it
+    stopped (``kept``, on the CPU); ``resume``: that, to go on from there (``model``
+    holds the task's starting weights, the FedProx anchor; the kept ones replace them).
     Deterministic for a given seed, device and thread count (without a time budget).
     """
     n = len(y)
@@ -137,10 +176,20 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     loss_sum, seen, step, by_budget = 0.0, 0, 0, False
+    order, first = None, 0
+    if resume is not None:  # go on where the yield stopped it
+        model.load_state_dict(resume.model)
+        opt.load_state_dict(resume.optimizer)  # (moves its state to the params' device)
+        gen.set_state(resume.generator)
+        order, first, first_step = resume.order, resume.start, resume.first_step
+        step, seen, loss_sum = resume.step, resume.seen, resume.loss_sum
+        started -= resume.seconds
     yielded: str | None = None
+    start = 0
     while step < total_steps and not by_budget and yielded is None:
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n, batch_size):
+        if order is None or first >= n:
+            order, first = torch.randperm(n, generator=gen), 0
+        for start in range(first, n, batch_size):
             if step >= total_steps:
                 break
             if time_budget is not None and step > 0 and \
@@ -184,13 +233,25 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             step += 1
             if slowdown > 1:
                 time.sleep((slowdown - 1) * (time.perf_counter() - step_start))
+        else:
+            first = n  # the epoch ran out: the next one draws a new order
+            continue
+        first = start  # stopped inside the epoch (a yield, the budget or the last step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
+    kept = None
+    if yielded is not None and order is not None:
+        kept = Kept(model={k: v.detach().to("cpu", copy=True)
+                           for k, v in model.state_dict().items()},
+                    optimizer=_to_cpu(opt.state_dict()),  # type: ignore[arg-type]
+                    generator=gen.get_state(), order=order, start=first, step=step,
+                    seen=seen, loss_sum=loss_sum, seconds=seconds, first_step=first_step)
     if state_path is not None:
         inner.save(opt, state_path, first_step + step)
     return LocalStats(inner_step=first_step + step, samples=n, steps=step, seen=seen,
-                      planned_steps=total_steps, yielded=yielded,
+                      planned_steps=total_steps, yielded=yielded, kept=kept,
+                      resumed_steps=resume.step if resume is not None else 0,
                       loss=loss_sum / max(step, 1),
                       seconds=seconds, stopped_by_budget=by_budget, amp=amp, device=str(device),
                       gpu_peak_mb=torch.cuda.max_memory_allocated(device) / 2**20

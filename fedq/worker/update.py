@@ -206,6 +206,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
         model.load_state_dict(start_weights)
     else:
         model.load_state_dict(global_weights)
+    settings = get_settings()
+    key = (ref.job, ref.client, ref.model.sha256)
+    resume = PROCESS.kept.pop(key, None)  # it yielded here before: go on from there
+    if resume is not None:
+        log.info("resuming: %d steps kept in memory since it yielded", resume.step)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
@@ -216,10 +221,14 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         schedule_window=spec.schedule_window(ref.round),
                         state_path=inner.state_path(home, ref.job, ref.client)
                         if spec.optimizer.keep_state else None,
-                        should_stop=owner.away)
+                        should_stop=owner.away, resume=resume)
     if stats.yielded is not None and \
-            stats.steps < max(1, math.ceil(get_settings().partial_min * stats.planned_steps)):
-        raise Yielded(f"{stats.yielded}: after {stats.steps} of {stats.planned_steps} steps")
+            stats.steps < max(1, math.ceil(settings.partial_min * stats.planned_steps)):
+        if stats.kept is not None and settings.leave_in_memory:
+            PROCESS.keep_task(key, stats.kept)
+        raise Yielded(f"{stats.yielded}: after {stats.steps} of {stats.planned_steps} steps"
+                      + (f" ({stats.resumed_steps} of them kept from before)"
+                         if stats.resumed_steps else ""))
     if stats.loss is not None and not math.isfinite(stats.loss):  # nothing worth sending
         raise TrainingDiverged(
             f"training diverged: mean loss {stats.loss} over {stats.steps} steps "
