@@ -142,19 +142,35 @@ class Harness:
 
 
 def wasted(cluster: Cluster, run: JobRun, logs_from: dict[str, int]) -> tuple[int, int]:
-    """(steps thrown away, all steps trained) for ``run``'s job."""
+    """(steps thrown away, all steps trained) for ``run``'s job. The steps trained are
+    read from the workers' logs, task by task: a result's steps (an update's, or a
+    yielded task's "after N of M steps") less those its try took over from a yielded
+    one kept in memory ("resuming: K steps kept", docs/owners.md). Thrown away: all
+    of them less the steps of the updates the job used."""
     used = sum(u.steps or 0 for u in cluster.updates(run.job) if u.status == "ok")
-    unused = sum(u.steps or 0 for u in cluster.updates(run.job)
-                 if u.status in ("late", "stale", "missing", "cancelled") and u.blob_key)
-    handed_back = 0
+    trained = 0
     for w in cluster.workers:
         if not w.name.startswith("p"):
             continue
         text = w.log_path.read_text(errors="replace")[logs_from.get(w.name, 0):]
-        handed_back += sum(int(n) for n in re.findall(
-            rf"fedq-{run.job}-[^\]]*\] succeeded[^\n]*'status': 'yielded'[^\n]*after "
-            r"(\d+) of \d+ steps", text))
-    return unused + handed_back, used + unused + handed_back
+        trained += trained_steps(text, run.job)
+    return trained - used, trained
+
+
+def trained_steps(log: str, job: str) -> int:
+    """The training steps one worker's log (``--pool solo``: one task at a time) shows
+    it took for ``job``'s tasks, each resumed try counting only its own."""
+    total = kept = 0
+    for line in log.splitlines():
+        if "] received" in line:
+            kept = 0
+        elif (m := re.search(r"resuming: (\d+) steps kept", line)):
+            kept = int(m.group(1))
+        elif re.search(rf"fedq\.train\[fedq-{job}-[^\]]*\] succeeded", line):
+            done = re.search(r"after (\d+) of \d+ steps", line) \
+                if "'status': 'yielded'" in line else re.search(r"'steps': (\d+)", line)
+            total += int(done.group(1)) - kept if done else 0
+    return total
 
 
 def metric(task: str) -> str:

@@ -21,7 +21,7 @@ if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 side=(tests/test_faults.py tests/test_buffered.py tests/test_finalize.py tests/test_strategy_jobs.py
-      tests/test_identity.py tests/test_presigned.py tests/test_owner.py)
+      tests/test_identity.py tests/test_presigned.py tests/test_owner.py tests/test_sites.py)
 tmp="${TMPDIR:-/tmp}/fedq-tests-$$"
 mkdir -p "$tmp"
 FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider --durations=15 \

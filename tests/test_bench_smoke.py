@@ -415,6 +415,25 @@ def test_churn_target_and_rows_per_task() -> None:
     assert table["synchronous, deadline 8 s + quorum 2"][-1] == "1.00x"
     assert table["buffered K=2"][0] == "30.0" and table["buffered K=2"][-1] == "0.33x"
     assert churn.sites(8) == {"p0": [0, 1], "p1": [2, 3], "p2": [4, 5], "p3": [6, 7]}
+    log = "\n".join([  # a worker's log: a try yields, the next goes on from it
+        "[t: INFO] Task fedq.train[fedq-j1-b1-a1] received",
+        "[t: INFO] Task fedq.train[fedq-j1-b1-a1] succeeded in 1.0s: {'status': 'yielded', "
+        "'steps': 0, 'error': 'on battery: after 4 of 24 steps'}",
+        "[t: INFO] Task fedq.train[fedq-j1-b2-a1] received",
+        "[t: INFO] resuming: 4 steps kept in memory since it yielded",
+        "[t: INFO] Task fedq.train[fedq-j1-b2-a1] succeeded in 1.0s: {'status': 'yielded', "
+        "'steps': 0, 'error': 'on battery: after 9 of 24 steps (4 of them kept from before)'}",
+        "[t: INFO] Task fedq.train[fedq-j1-b3-a1] received",
+        "[t: INFO] resuming: 9 steps kept in memory since it yielded",
+        "[t: INFO] Task fedq.train[fedq-j1-b3-a1] succeeded in 1.0s: {'status': 'ok', "
+        "'steps': 24, 'error': None}",
+        "[t: INFO] Task fedq.train[fedq-j1-b4-a1] received",
+        "[t: INFO] Task fedq.train[fedq-j1-b4-a1] succeeded in 1.0s: {'status': 'ok', "
+        "'steps': 24, 'error': None}",
+        "[t: INFO] Task fedq.train[fedq-j2-b1-a1] received",
+        "[t: INFO] Task fedq.train[fedq-j2-b1-a1] succeeded in 1.0s: {'status': 'ok', "
+        "'steps': 24, 'error': None}"])
+    assert churn.trained_steps(log, "j1") == 24 + 24  # each step once; not j2's
     bound = "\n".join(churn.render(digits, " --sites", 10, 0.95, bound=True))
     assert "each client's data on one worker's machine" in bound
     assert "any worker trains any client" in "\n".join(churn.render(digits, "", 10, 0.95))

@@ -5,12 +5,15 @@ client nowhere, twice or out of range is refused with one line."""
 
 from __future__ import annotations
 
+import math
+import re
+import time
 from pathlib import Path
 
 import pytest
 
 from fedq.coordinator.buffered import pick_client
-from fedq.coordinator.planning import open_clients, plan_round
+from fedq.coordinator.planning import job_queues, open_clients, plan_round
 from fedq.coordinator.roster import list_workers, open_sites
 from fedq.db import Worker, session_scope
 from fedq.db.session import ensure_schema
@@ -30,6 +33,8 @@ def test_a_spec_places_every_client_at_one_site() -> None:
     assert [spec.site_queue_of(c) for c in range(6)] == \
         ["site.north"] * 2 + ["site.south"] * 2 + ["site.east"] * 2
     assert JobSpec.model_validate({**SPEC, "sites": None}).site_queue_of(0) is None
+    assert job_queues(spec) == ["site.east", "site.north", "site.south"]  # fedq submit's
+    assert job_queues(JobSpec.model_validate({**SPEC, "sites": None})) == ["cpu"]  # warning
     for sites, says in (
             ({"north": [0, 1, 2], "south": [2, 3, 4, 5]}, "client 2 is at two sites"),
             ({"north": [0, 1], "south": [2, 3]}, "client 4 is at no site"),
@@ -124,3 +129,43 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
     assert cluster.wait(everyone, timeout=240).status == "completed"
     ok = {u.client: u.worker for u in cluster.updates(everyone) if u.status == UpdateStatus.OK}
     assert ok == {c: f"{site}@test" for c, site in HOLDER.items()}
+
+
+@pytest.mark.slow
+def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """Leave in memory on a real worker: one site, one laptop (slowed 20x). Unplugged
+    mid-task, it yields with too little done to send (FEDQ_PARTIAL_MIN=1) and keeps
+    the task in memory; the task is sent again to its site's queue, where it waits
+    for the laptop; plugged in, the laptop goes on from the step it stopped at, and
+    the update trains every planned step once."""
+    cluster = redis_cluster
+    power = tmp_path / "power_supply"
+    for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
+        (power / name).mkdir(parents=True)
+        (power / name / "type").write_text(kind + "\n")
+    (power / "AC" / "online").write_text("1\n")
+    cluster.start(control=["control"])
+    cluster.start_beat()
+    laptop = cluster.add("home", ["site.home"], FEDQ_AC_ONLY="1", FEDQ_RESUME_AFTER_S="1",
+                         FEDQ_POWER_SUPPLY_DIR=str(power), FEDQ_SLOWDOWN="20",
+                         FEDQ_PARTIAL_MIN="1")
+    job = cluster.submit({**DIGITS, "name": "kept", "num_clients": 2, "clients_per_round": 1,
+                          "rounds": 1, "local_epochs": 4, "sites": {"home": [0, 1]}})
+    wait_until(lambda: b"] received" in laptop.log_path.read_bytes(), 120, what=laptop.tail)
+    time.sleep(1.5)  # a few steps, slowly
+    (power / "AC" / "online").write_text("0\n")
+    wait_until(lambda: b"'status': 'yielded'" in laptop.log_path.read_bytes(), 30,
+               what=laptop.tail)
+    time.sleep(2.0)  # away: the task sent again waits in site.home
+    (power / "AC" / "online").write_text("1\n")
+    view = cluster.wait(job, timeout=240)
+    assert view.status == "completed", view.error
+    log = laptop.log_path.read_text()
+    stopped = int(re.search(r"after (\d+) of \d+ steps", log).group(1))  # type: ignore[union-attr]
+    kept = int(re.search(r"resuming: (\d+) steps kept", log).group(1))  # type: ignore[union-attr]
+    assert 0 < stopped == kept, log[-3000:]
+    (ok,) = [u for u in cluster.updates(job) if u.status == UpdateStatus.OK]
+    assert ok.attempt == 2 and ok.worker == "home@test"
+    trained = re.findall(r"trained: \d+ samples, (\d+) steps", log)
+    assert trained and int(trained[-1]) == ok.steps == 4 * math.ceil(ok.samples / 16)

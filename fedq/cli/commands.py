@@ -74,14 +74,14 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
 
     All specs are validated before any job starts."""
     from fedq.coordinator.jobs import submit as submit_job
-    from fedq.coordinator.planning import queue_counts
+    from fedq.coordinator.planning import job_queues
     from fedq.spec import load_spec
 
     specs = [load_spec(path) for path in spec_paths]
     settings = _settings()
     for spec in specs:
         click.echo(submit_job(settings, spec))
-    _warn_idle(sorted({q for spec in specs for q in queue_counts(spec, {})}))
+    _warn_idle(sorted({q for spec in specs for q in job_queues(spec)}))
 
 
 def _warn_idle(queues: list[str], sent: dict[str, int] | None = None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedq.engine.names import TRAINING_QUEUES
+from fedq.engine.names import TRAINING_QUEUES, site_queue
 from fedq.spec import JobSpec
 
 
@@ -27,6 +27,14 @@ def queue_counts(spec: JobSpec, live_throughput: dict[str, float] | None = None,
         return counts
     (queue,) = counts
     return {queue: tasks}
+
+
+def job_queues(spec: JobSpec) -> list[str]:
+    """The training queues a job's tasks go to: its sites' (``sites``), else those its
+    ``queues`` split names (``queues: auto`` with nothing known: ``cpu``)."""
+    if spec.sites is not None:
+        return sorted(site_queue(n) for n in spec.sites)
+    return sorted(queue_counts(spec, {}))
 
 
 def sized_queues(spec: JobSpec) -> list[str]:
