@@ -33,6 +33,9 @@ def test_a_spec_places_every_client_at_one_site() -> None:
     assert [spec.site_queue_of(c) for c in range(6)] == \
         ["site.north"] * 2 + ["site.south"] * 2 + ["site.east"] * 2
     assert JobSpec.model_validate({**SPEC, "sites": None}).site_queue_of(0) is None
+    # unset, it is not in the spec a task carries: a worker of an earlier fedq reads it
+    assert "sites" not in JobSpec.model_validate({**SPEC, "sites": None}).to_json()
+    assert JobSpec.stored(spec.to_json()).sites == SITES
     assert job_queues(spec) == ["site.east", "site.north", "site.south"]  # fedq submit's
     assert job_queues(JobSpec.model_validate({**SPEC, "sites": None})) == ["cpu"]  # warning
     for sites, says in (

@@ -515,7 +515,9 @@ class JobSpec(_Strict):
         return counts
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        # ``sites`` came after message format 3: left out while unset, a spec is what a
+        # worker of an earlier fedq speaking format 3 reads (its spec forbids new keys)
+        return self.model_dump(mode="json", exclude={"sites"} if self.sites is None else None)
 
     @property
     def schedule_steps(self) -> int | None:
