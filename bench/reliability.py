@@ -8,8 +8,9 @@ re-dispatch are a sample large enough for a median and a tail.
 
 Each test in tests/test_faults.py, test_finalize.py, test_buffered.py and
 test_wan.py kills, cuts or corrupts something real (a worker's process group, the
-control worker mid-finalize, the Redis server, an update blob, a host's network link)
-and records one row: scenario, fault, outcome, rounds
+control worker mid-finalize, the Redis server, an update blob, a host's network link),
+and each in test_owner.py and test_sites.py that makes a real worker step aside for
+its owner (load, the clock, its power supply) records one row: scenario, fault, outcome, rounds
 committed, updates lost. This script collects the rows and renders the table; the
 rest of docs/reliability.md is written by hand below the marker.
 """
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
 MARKER = "<!-- end of generated table -->"
 TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.py",
-         "tests/test_wan.py"]
+         "tests/test_wan.py", "tests/test_owner.py", "tests/test_sites.py"]
 
 
 def _seconds(values: list[float]) -> str:

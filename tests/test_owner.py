@@ -36,7 +36,7 @@ from fedq.refs import UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.status import FAILED_UPDATES, UpdateStatus
-from fedq.testing.cluster import DIGITS, Cluster, record
+from fedq.testing.cluster import DIGITS, Cluster, record, record_outcome
 from fedq.testing.wait import wait_until
 from fedq.worker import owner
 from fedq.worker.loop import local_train
@@ -467,6 +467,10 @@ def test_a_worker_steps_aside_for_cpu_load_and_the_job_completes_elsewhere(
     record("owners", condition="other programs' CPU (a busy process)",
            outcome="yielded, re-sent, trained elsewhere; came back",
            owners_wait_s=round(waited, 3))
+    record_outcome("a polite worker steps aside mid-task for other programs' CPU (Redis)",
+                   "six busy processes a core while it trains", "yielded (nothing sent), "
+                   "sent again, trained once elsewhere; it consumed again after the load",
+                   1, 0)
 
 
 @pytest.mark.slow
@@ -505,6 +509,9 @@ def test_a_worker_stops_at_the_end_of_its_window_with_a_partial_update(
     record("owners", condition="end of the run window (the real clock)",
            outcome="partial update sent; nothing taken outside the window",
            owners_wait_s=round(waited, 3))
+    record_outcome("a polite worker's run window ends mid-task (Redis)", "the real clock "
+                   "passes the end of FEDQ_RUN_WINDOW", "partial update sent and counted "
+                   "once; nothing taken outside the window; completed", 1, 0)
 
 
 def test_availability_is_kept_for_fedq_workers_and_prometheus(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from fedq.db import Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
-from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.cluster import DIGITS, Cluster, record_outcome
 from fedq.testing.wait import wait_until
 
 SITES = {"north": [0, 1], "south": [2, 3], "east": [4, 5]}
@@ -140,8 +140,8 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
     """Leave in memory on a real worker: one site, one laptop (slowed 20x). Unplugged
     mid-task, it yields with too little done to send (FEDQ_PARTIAL_MIN=1) and keeps
     the task in memory; the task is sent again to its site's queue, where it waits
-    for the laptop; plugged in, the laptop goes on from the step it stopped at, and
-    the update trains every planned step once."""
+    for the laptop; plugged in, the laptop goes on from the step it stopped at. Twice:
+    the update trains every planned step once, and is counted once."""
     cluster = redis_cluster
     power = tmp_path / "power_supply"
     for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
@@ -155,20 +155,32 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
                          FEDQ_PARTIAL_MIN="1")
     job = cluster.submit({**DIGITS, "name": "kept", "num_clients": 2, "clients_per_round": 1,
                           "rounds": 1, "local_epochs": 4, "sites": {"home": [0, 1]}})
-    wait_until(lambda: b"] received" in laptop.log_path.read_bytes(), 120, what=laptop.tail)
-    time.sleep(1.5)  # a few steps, slowly
-    (power / "AC" / "online").write_text("0\n")
-    wait_until(lambda: b"'status': 'yielded'" in laptop.log_path.read_bytes(), 30,
-               what=laptop.tail)
-    time.sleep(2.0)  # away: the task sent again waits in site.home
-    (power / "AC" / "online").write_text("1\n")
+
+    def seen(text: bytes, times: int) -> bool:
+        return laptop.log_path.read_bytes().count(text) >= times
+
+    wait_until(lambda: seen(b"] received", 1), 120, what=laptop.tail)
+    for n in (1, 2):  # trains a little, is unplugged, waits away, is plugged in again
+        time.sleep(1.0)
+        (power / "AC" / "online").write_text("0\n")
+        wait_until(lambda: seen(b"'status': 'yielded'", n), 30, what=laptop.tail)  # noqa: B023
+        time.sleep(1.5)  # away: the task sent again waits in site.home
+        (power / "AC" / "online").write_text("1\n")
+        wait_until(lambda: seen(b"resuming:", n), 60, what=laptop.tail)  # noqa: B023
     view = cluster.wait(job, timeout=240)
     assert view.status == "completed", view.error
     log = laptop.log_path.read_text()
-    stopped = int(re.search(r"after (\d+) of \d+ steps", log).group(1))  # type: ignore[union-attr]
-    kept = int(re.search(r"resuming: (\d+) steps kept", log).group(1))  # type: ignore[union-attr]
-    assert 0 < stopped == kept, log[-3000:]
+    stopped = [int(n) for n in re.findall(r"\] yielded: .*?after (\d+) of \d+ steps", log)]
+    kept = [int(n) for n in re.findall(r"resuming: (\d+) steps kept", log)]
+    assert len(stopped) == 2 and 0 < stopped[0] < stopped[1] and stopped == kept, log[-3000:]
+    assert f"({stopped[0]} of them kept from before)" in log
     (ok,) = [u for u in cluster.updates(job) if u.status == UpdateStatus.OK]
-    assert ok.attempt == 2 and ok.worker == "home@test"
+    assert ok.attempt == 3 and ok.worker == "home@test"
     trained = re.findall(r"trained: \d+ samples, (\d+) steps", log)
     assert trained and int(trained[-1]) == ok.steps == 4 * math.ceil(ok.samples / 16)
+    assert len(cluster.rounds(job)) == 1 and view.status == "completed"
+    record_outcome("a laptop at a data site unplugged mid-task twice, plugged in again each "
+                   "time (sites, leave in memory; Redis)", "its power-supply probe reads "
+                   "battery, twice", "yielded twice; each time sent again to its site, "
+                   "resumed at the step it stopped; one update with every planned step "
+                   "once", 1, 0)
