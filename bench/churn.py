@@ -47,7 +47,7 @@ from typing import Any
 from bench.common import BenchError, pg_database, redis_database, write_section
 from bench.fedq_run import JobRun, run_job
 from bench.jobs import LM
-from fedq.testing.cluster import DIGITS, Cluster, base_env
+from fedq.testing.cluster import DIGITS, Cluster, base_env, power_supply
 from fedq.testing.procs import start_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,14 +207,8 @@ def run(trace: Trace, slowdown: float, task: str = "digits",
     with tempfile.TemporaryDirectory() as tmp, redis_database() as redis_url, \
             pg_database() as pg_url:
         home = Path(tmp)
-        folders = []
-        for w in range(WORKERS):
-            folder = home / "power" / f"p{w}"
-            for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
-                (folder / name).mkdir(parents=True)
-                (folder / name / "type").write_text(kind + "\n")
-            (folder / "AC" / "online").write_text("1\n")
-            folders.append(folder)
+        folders = [power_supply(home / "power" / f"p{w}", online=True)
+                   for w in range(WORKERS)]
         env = base_env(home, FEDQ_BROKER_URL=redis_url, FEDQ_RESULT_BACKEND=redis_url,
                        FEDQ_DATABASE_URL=pg_url, FEDQ_BLOB_URL=redis_url,
                        FEDQ_WATCHDOG_INTERVAL="1")

@@ -19,7 +19,7 @@ from fedq.db import Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
-from fedq.testing.cluster import DIGITS, Cluster, record_outcome
+from fedq.testing.cluster import DIGITS, Cluster, power_supply, record_outcome
 from fedq.testing.wait import wait_until
 
 SITES = {"north": [0, 1], "south": [2, 3], "east": [4, 5]}
@@ -95,11 +95,7 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
     job train only north's and south's clients, each on its own site's worker; once
     the laptop is plugged in, a round of all six trains east's on east's worker."""
     cluster = redis_cluster
-    power = tmp_path / "power_supply"
-    for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
-        (power / name).mkdir(parents=True)
-        (power / name / "type").write_text(kind + "\n")
-    (power / "AC" / "online").write_text("0\n")
+    power = power_supply(tmp_path / "power_supply", online=False)
     cluster.start(control=["control"])
     cluster.start_beat()
     for site in ("north", "south"):
@@ -143,11 +139,7 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
     for the laptop; plugged in, the laptop goes on from the step it stopped at. Twice:
     the update trains every planned step once, and is counted once."""
     cluster = redis_cluster
-    power = tmp_path / "power_supply"
-    for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
-        (power / name).mkdir(parents=True)
-        (power / name / "type").write_text(kind + "\n")
-    (power / "AC" / "online").write_text("1\n")
+    power = power_supply(tmp_path / "power_supply", online=True)
     cluster.start(control=["control"])
     cluster.start_beat()
     laptop = cluster.add("home", ["site.home"], FEDQ_AC_ONLY="1", FEDQ_RESUME_AFTER_S="1",

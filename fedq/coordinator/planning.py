@@ -79,19 +79,13 @@ def plan_round(spec: JobSpec, round_number: int,
     rng = np.random.default_rng([spec.seed, round_number])
     if spec.sites is not None:
         order = [int(c) for c in rng.permutation(spec.num_clients)]
-        chosen = sorted(order, key=lambda c: not _at_open_site(spec, c, open_sites))[:size]
+        opened = open_clients(spec, open_sites)
+        chosen = sorted(order, key=lambda c: opened is not None and c not in opened)[:size]
         return [Assignment(c, spec.site_queue_of(c) or "") for c in sorted(chosen)]
     clients = sorted(int(c) for c in rng.choice(spec.num_clients, size, replace=False))
     queues = [q for q, n in queue_counts(spec, live_throughput, size).items()
               for _ in range(n)]
     return [Assignment(c, q) for c, q in zip(clients, queues, strict=True)]
-
-
-def _at_open_site(spec: JobSpec, client: int, open_sites: frozenset[str] | None) -> bool:
-    """Whether ``client``'s site can train now (unknown: every site can)."""
-    if open_sites is None or spec.sites is None:
-        return True
-    return any(client in cs for n, cs in spec.sites.items() if n in open_sites)
 
 
 def open_clients(spec: JobSpec, open_sites: frozenset[str] | None) -> frozenset[int] | None:

@@ -178,3 +178,14 @@ def record_outcome(scenario: str, fault: str, outcome: str, committed: int,
     client's re-dispatch)."""
     record("reliability", scenario=scenario, fault=fault, outcome=outcome,
            committed=committed, lost=lost, redispatch_s=[round(x, 1) for x in redispatch_s])
+
+
+def power_supply(folder: Path, online: bool) -> Path:
+    """A laptop's power-supply folder laid out as Linux's /sys/class/power_supply (the
+    probe of ``FEDQ_AC_ONLY``): mains ``AC`` (online or not) and a battery; returns
+    ``folder``. Writing ``AC/online`` plugs the laptop in or unplugs it."""
+    for name, kind in (("AC", "Mains"), ("BAT0", "Battery")):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "type").write_text(kind + "\n")
+    (folder / "AC" / "online").write_text("1\n" if online else "0\n")
+    return folder

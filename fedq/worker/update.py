@@ -197,7 +197,8 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
     streaming, mixing = (spec.streaming.fragments, spec.streaming.mixing) if spec.streaming \
         else (0, 0.0)
-    home = get_settings().home
+    settings = get_settings()
+    home = settings.home
     kept_at = replica.replica_path(home, ref.job, ref.client)
     if streaming:  # Streaming DiLoCo: train on from this client's own replica
         start_weights, kept = replica.start_from(global_weights, kept_at, ref.round,
@@ -206,7 +207,6 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
         model.load_state_dict(start_weights)
     else:
         model.load_state_dict(global_weights)
-    settings = get_settings()
     key = (ref.job, ref.client, ref.model.sha256)
     resume = PROCESS.kept.pop(key, None)  # it yielded here before: go on from there
     if resume is not None:
@@ -215,7 +215,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
                         time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
-                        slowdown=get_settings().slowdown,
+                        slowdown=settings.slowdown,
                         first_step=(ref.round - 1) * (spec.local_steps or 0),
                         schedule_steps=spec.schedule_steps,
                         schedule_window=spec.schedule_window(ref.round),
