@@ -71,6 +71,41 @@ def test_a_streamed_answer_takes_only_checked_progress_and_a_final_that_continue
         "".join(events)
 
 
+def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused() -> None:
+    """The gateway takes a batch's state from the result backend's notice (the value
+    the backend stored, published beside it), in the order published; a notice whose
+    data does not decode to an object is a refused answer (a 502 for its requests),
+    never a crash of the batch's waiter. Drop the payload from Notice and the first
+    assertion fails; drop ``decoded``'s guard and the last ones raise other errors."""
+    import asyncio
+
+    from fedq.engine.app import app
+    from fedq.inference.serve import Notice, decoded
+
+    stored = app.backend.encode({"status": "SUCCESS", "result": {"status": "ok"},
+                                 "task_id": "t", "traceback": None, "children": []})
+
+    async def run() -> list[Any]:
+        notice = Notice()
+        notice.states += [stored, b"x" * (70_000)]  # the second: large, decoded off the loop
+        notice.event.set()
+        got: list[Any] = [await notice.next_state(0.01)]
+        for _ in range(2):
+            try:
+                got.append(await notice.next_state(0.01))
+            except Refused as exc:
+                got.append(exc.status)
+        return got
+
+    first, garbled, none = asyncio.run(run())
+    assert first["status"] == "SUCCESS" and first["result"] == {"status": "ok"}
+    assert garbled == 502 and none is None  # nothing more was published: read the key
+    for bad in (b"not json", b"[1, 2]", b'"text"'):
+        with pytest.raises(Refused) as refused:
+            decoded(app.backend.decode_result, bad)
+        assert refused.value.status == 502
+
+
 def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path: Path) -> None:
     """Any worker may write the result backend's entries, and a streamed piece reaches
     the user before the signed answer: with identity required, a piece unsigned, signed
@@ -273,10 +308,12 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
             assert max(abs(a - b) for a, b in zip(got, want[i])) <= 1e-5
         sizes = [body["batch_sizes"][0] for _, body, _ in answers]
         assert max(sizes) > 1 and max(sizes) <= 8, sizes  # batched, within --max-batch
-        # the answers were found by the result backend's notices, not by polling
+        # the answers were found by the result backend's notices, not by polling, and
+        # taken from the notices themselves (no read of the key): one per batch at least
         with urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/health") as resp:
             health = json.loads(resp.read())
         assert health["results"] == "notified" and health["notices"] >= 4, health
+        assert health["from_notices"] >= 4, health  # 32 requests, batches of at most 8
         # a worker stopped while it holds a batch: the batch goes out again. w2 gone and
         # w1 stopped, w1's waiting read takes attempt 1 and holds it; once the gateway
         # has sent attempt 2, w1 goes on and answers it (its late attempt 1 is ignored).

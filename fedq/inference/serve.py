@@ -40,6 +40,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.exceptions import KombuError
+
 import fedq.identity as identity
 from fedq.engine.app import app
 from fedq.engine.names import SERVE_TASK, STREAM_STATE, TRAINING_QUEUES
@@ -53,6 +55,7 @@ ROUTE_EVERY_S = 15.0
 KEYS_EVERY_S = 3.0
 MAX_ITEMS_PER_REQUEST = 256
 MAX_PROMPT_BYTES = 16_384
+DECODE_INLINE_BYTES = 65_536  # a published state up to this size is decoded in the loop
 
 
 class Refused(Exception):
@@ -101,15 +104,55 @@ class _Item:
     last: str = ""
 
 
+@dataclass
+class Notice:
+    """A waiter's doorbell, and the states published for its task, oldest first."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    states: list[Any] = field(default_factory=list)
+
+    async def next_state(self, timeout: float) -> dict[str, Any] | None:
+        """The next published state, decoded as the backend decodes what it reads from
+        the key; None when none came within ``timeout`` seconds."""
+        if not self.states:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.event.wait(), timeout)
+            self.event.clear()
+        if not self.states:
+            return None
+        data = self.states.pop(0)
+        if not isinstance(data, (bytes, str)):
+            return None
+        if len(data) > DECODE_INLINE_BYTES:  # a large answer: off the event loop
+            return await asyncio.to_thread(decoded, app.backend.decode_result, data)
+        return decoded(app.backend.decode_result, data)
+
+
+def decoded(read: Any, *args: Any) -> dict[str, Any]:
+    """A task's state as the result backend decodes it (``read(*args)``); a state that
+    does not decode (not JSON, not an object) is a refused answer, never a crash."""
+    try:
+        meta = read(*args)
+    except (KombuError, ValueError, TypeError, KeyError) as exc:  # not JSON; not an object
+        raise Refused(502, f"the batch's answer does not decode: {exc}") from None
+    if not isinstance(meta, dict):
+        raise Refused(502, f"the batch's answer is a {type(meta).__name__}, not an object")
+    return meta
+
+
 class ResultWatch:
     """Wakes a batch's waiter when the result backend stores its task's state.
 
     Celery's Redis result backend publishes every state it stores (a stream's pieces,
     the answer) on the channel named by the task's key; one pattern subscription for
-    the gateway's task ids hears them all, so a waiter reads the state as soon as it
-    is written instead of at its next poll. What is published is only a doorbell: the
-    state is read from its key and checked as before. The waiter still polls, slowly,
-    in case a notice is lost (a reconnect)."""
+    the gateway's task ids hears them all, so a waiter has the state as soon as it is
+    written instead of at its next poll. The backend publishes the very value it
+    stores (``SET`` and ``PUBLISH`` in one pipeline), so the waiter takes the state from
+    the notice, without a ``GET``: the same bytes, from the same writer (a worker's
+    Redis user may write ``celery-task-meta-*`` keys and publish on the channels of the
+    same names, nothing more: fedq/coordinator/acl.py), checked exactly as a state read
+    from its key. The waiter still reads the key, slowly, in case a notice is lost (a
+    reconnect)."""
 
     PATTERN = "fedq-serve-*"
 
@@ -118,7 +161,7 @@ class ResultWatch:
 
         self.client = redis.asyncio.Redis.from_url(url)
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.waiting: dict[bytes, asyncio.Event] = {}
+        self.waiting: dict[bytes, Notice] = {}
         self.heard = 0  # notices that woke a waiter (/health)
         self.prefix = app.backend.task_keyprefix
         if isinstance(self.prefix, str):
@@ -141,15 +184,16 @@ class ResultWatch:
                     await self.start()
                 continue
             if message is not None:
-                event = self.waiting.get(message.get("channel", b""))
-                if event is not None:
-                    event.set()
+                notice = self.waiting.get(message.get("channel", b""))
+                if notice is not None:
+                    notice.states.append(message.get("data"))
+                    notice.event.set()
                     self.heard += 1
 
-    def watch(self, task_id: str) -> asyncio.Event:
-        event = asyncio.Event()
-        self.waiting[self.prefix + task_id.encode()] = event
-        return event
+    def watch(self, task_id: str) -> Notice:
+        notice = Notice()
+        self.waiting[self.prefix + task_id.encode()] = notice
+        return notice
 
     def forget(self, task_id: str) -> None:
         self.waiting.pop(self.prefix + task_id.encode(), None)
@@ -252,6 +296,7 @@ class Batcher:
     batches: list[int] = field(default_factory=list)  # sizes sent (the last 1000)
     metrics: Any = None
     watch: ResultWatch | None = None  # notices of stored states (else polled)
+    from_notices: int = 0  # states taken from a notice, not read from their key
 
     def __post_init__(self) -> None:
         self.op = self.op or self.served.op
@@ -336,11 +381,12 @@ class Batcher:
             deadline = time.monotonic() + s.batch_timeout_s
             wait = 0.001
             while time.monotonic() < deadline:
-                if stored is not None:  # woken when a state is stored; polled seldom
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(stored.wait(), 0.05)
-                    stored.clear()
-                meta = await asyncio.to_thread(app.backend.get_task_meta, tid)
+                heard = await stored.next_state(0.05) if stored is not None else None
+                if heard is not None:  # the state as published when it was stored
+                    self.from_notices += 1
+                    meta = heard
+                else:  # no notice (polled, or one lost): read the key
+                    meta = await asyncio.to_thread(decoded, app.backend.get_task_meta, tid)
                 if meta.get("status") == STREAM_STATE:
                     _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
                 if meta.get("status") == "SUCCESS":
@@ -686,7 +732,9 @@ def build_app(served: Served) -> Any:
                              "pending": sum(b.pending for b in batchers),
                              # how answers are found: notices of stored states, or polls
                              "results": "notified" if batcher.watch else "polled",
-                             "notices": batcher.watch.heard if batcher.watch else 0})
+                             "notices": batcher.watch.heard if batcher.watch else 0,
+                             # answers and stream pieces taken from a notice (no GET)
+                             "from_notices": sum(b.from_notices for b in batchers)})
 
     async def metrics(request: Request) -> Response:
         if not authorised(request):
@@ -814,5 +862,9 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
 
 def run(served: Served, host: str, port: int) -> None:
     import uvicorn
+
+    # No task-sent event per batch: a second publish on each request's path. The
+    # dashboard would list every batch; the gateway's /metrics counts them instead.
+    app.conf.task_send_sent_event = False
 
     uvicorn.run(build_app(served), host=host, port=port, log_level="warning")

@@ -70,9 +70,11 @@ def absorb_shard(result: Any, job_id: str, shard: int, attempt: int) -> dict[str
 
 
 @app.task(name=SERVE_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
-          time_limit=TRAIN_TIME_LIMIT)
+          time_limit=TRAIN_TIME_LIMIT, send_events=False)
 def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
-    """One batch of ``fedq serve`` requests (never raises)."""
+    """One batch of ``fedq serve`` requests (never raises). It sends no task events
+    (received, started, succeeded: three publishes on the request's path, and hundreds
+    a second under load); the gateway's /metrics counts the batches instead."""
     from fedq.inference.run import serve_batch as run_batch
 
     settings = get_settings()
