@@ -478,7 +478,8 @@ def _met(ok: bool) -> str:
 def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
     lines = [
         f"Served: `fedq serve`, {what}, {s['requests']} requests per row, two workers, "
-        f"--max-batch 32, --max-wait-ms 5; in-process floor: {floor}.",
+        f"--max-batch 32, --max-wait-ms 5, each client thread on a kept-alive HTTP "
+        f"connection; in-process floor: {floor}.",
         "",
         "| concurrency | p50 ms | p99 ms | requests/s | added p50 over in-process |",
         "|---|---|---|---|---|"]
