@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from fedq.coordinator.buffered import pick_client
+from fedq.coordinator.buffered import _new_tasks, pick_client
 from fedq.coordinator.planning import job_queues, open_clients, plan_round
 from fedq.coordinator.roster import list_workers, open_sites
-from fedq.db import Worker, session_scope
+from fedq.db import Job, Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
@@ -79,6 +80,24 @@ def test_rounds_and_buffered_slots_take_the_clients_of_open_sites_first(
     picked = {pick_client(spec, t, {0, 2}, clients) for t in range(1, 40)}
     assert picked == {1, 3}  # open and not training
     assert pick_client(spec, 1, {0, 1, 2, 3}, clients) in {4, 5}  # none such: any free
+    # a buffered slot refilled after its task was handed back by north's worker goes to
+    # another open site, although north's worker row still reads open (its away report
+    # not in yet): the `closed` shortcut of buffered._new_tasks
+    for seed in range(6):
+        seeded = JobSpec.model_validate({**SPEC, "seed": seed})
+        with session_scope(db) as s:
+            s.add(Job(id=f"j{seed}", name="t", spec=seeded.to_json(), status="running",
+                      total_rounds=9, global_key="k", global_sha256="0" * 64, global_size=1))
+        for closed, allowed in (("site.north", {2, 3}), (None, {0, 1, 2, 3})):
+            with session_scope(db) as s:
+                job = s.get(Job, f"j{seed}")
+                assert job is not None
+                refills = [_new_tasks(s, job, seeded, ["cpu"], closed=closed)[0]
+                           for _ in range(2)]
+                assert {d.client for d in refills} <= allowed and \
+                    len({d.client for d in refills}) == 2, (seed, closed, refills)
+                assert all(d.queue == f"site.{HOLDER[d.client]}" for d in refills)
+                s.rollback()
     with session_scope(db) as s:
         s.get(Worker, "e@c").available = True  # type: ignore[union-attr]
     with session_scope(db) as s:
@@ -109,7 +128,12 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
                    for w in list_workers(db))
 
     wait_until(lambda: east_is(False), 60, what=laptop.tail)
-    sync = cluster.submit(SPEC)
+    spec_file = tmp_path / "sites.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    submitted = cluster.fedq("submit", str(spec_file))
+    sync = submitted.stdout.strip()
+    # the away site's queue has no consumer: `fedq submit` names it (planning.job_queues)
+    assert "no live worker consumes queue 'site.east'" in submitted.stderr, submitted.stderr
     buffered = cluster.submit({**SPEC, "name": "sites-buffered", "clients_per_round": 2,
                                "rounds": 3, "aggregation": {"mode": "buffered", "buffer": 2}})
     for job in (sync, buffered):
