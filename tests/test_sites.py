@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -152,6 +153,19 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
     assert cluster.wait(everyone, timeout=240).status == "completed"
     ok = {u.client: u.worker for u in cluster.updates(everyone) if u.status == UpdateStatus.OK}
     assert ok == {c: f"{site}@test" for c, site in HOLDER.items()}
+    # north's worker is stopped (Celery's warm shutdown, as Ctrl-C or `systemctl stop`
+    # does): it says so as it goes, and north is closed at once, not at a deadline;
+    # started again, it registers and north is open
+    def sites_open() -> frozenset[str]:
+        with session_scope(db) as s:
+            return open_sites(s, SITES)
+
+    cluster.by_name("north").stop(timeout=30, sig=signal.SIGTERM)
+    wait_until(lambda: sites_open() == {"south", "east"}, 30, what=lambda: str(list_workers(db)))
+    north = next(w for w in list_workers(db) if w["hostname"] == "north@test")
+    assert north["available"] is False and north["away_reason"] == "worker stopped", north
+    cluster.replace("north")
+    wait_until(lambda: sites_open() == set(SITES), 60, what=lambda: str(list_workers(db)))
 
 
 @pytest.mark.slow

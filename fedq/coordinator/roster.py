@@ -17,7 +17,12 @@ from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
-from fedq.engine.names import REGISTER_WORKER_TASK, WORKER_STATE_TASK, site_queue
+from fedq.engine.names import (
+    REGISTER_WORKER_TASK,
+    STOPPED_REASON,
+    WORKER_STATE_TASK,
+    site_queue,
+)
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.status import FAILED_UPDATES, UpdateStatus
@@ -86,6 +91,12 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
         else:
             row.queues, row.hardware, row.last_seen = queues, hardware, utcnow()
             row.fedq_version, row.message_format = version, fmt
+            if row.available is False and row.away_reason == STOPPED_REASON:
+                # started again after it stopped: back (its run policy, if any, reports
+                # its owner's conditions next)
+                row.available, row.away_reason, row.available_since = None, None, utcnow()
+                s.add(Availability(hostname=hostname, available=True, reason=None,
+                                   at=row.available_since))
         taken = _claim(row, signer)
         if taken:
             s.rollback()
@@ -259,9 +270,9 @@ class LiveView:
 
 def open_sites(session: Any, sites: Iterable[str]) -> frozenset[str]:
     """Of ``sites``, those with a registered worker consuming the site's queue that has
-    not stepped aside for its owner (read from SQL, not inspect: cheap enough for every
-    buffered refill; a worker that died unannounced still counts, and the deadline
-    settles its tasks)."""
+    not stepped aside for its owner nor been stopped (read from SQL, not inspect: cheap
+    enough for every buffered refill; a worker killed without its shutdown still counts,
+    and the deadline settles its tasks)."""
     wanted = {site_queue(n): n for n in sites}
     rows = session.execute(select(Worker.queues, Worker.available)).tuples()
     return frozenset(wanted[q] for queues, available in rows if available is not False

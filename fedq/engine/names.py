@@ -34,6 +34,9 @@ FINALIZE_ROUND_TASK = "fedq.finalize_round"
 ABSORB_UPDATE_TASK = "fedq.absorb_update"
 REGISTER_WORKER_TASK = "fedq.register_worker"
 WORKER_STATE_TASK = "fedq.worker_state"
+#: The reason a worker reports when it shuts down (a warm or cold stop, not a kill):
+#: away until it starts again and registers (fedq/worker/signals.py, roster).
+STOPPED_REASON = "worker stopped"
 JOIN_WORKER_TASK = "fedq.join_worker"
 WATCHDOG_TASK = "fedq.watchdog"
 

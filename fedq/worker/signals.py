@@ -9,6 +9,9 @@
   (``fedq.register_worker``), which records it for ``fedq workers``; a worker with a
   run policy (fedq/worker/owner.py) starts watching its owner's conditions: while one
   fails it consumes nothing, and it tells the coordinator (``fedq.worker_state``).
+- ``worker_shutdown``: a worker that is stopped (Ctrl-C, SIGTERM, SIGQUIT, a remote
+  shutdown; not a kill) reports itself away, "worker stopped", so the planner stops
+  counting its site open; it is back when it starts again and registers.
 """
 
 from __future__ import annotations
@@ -18,9 +21,14 @@ import os
 import sys
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_init, worker_ready
+from celery.signals import celeryd_after_setup, worker_init, worker_ready, worker_shutdown
 
-from fedq.engine.names import CONTROL_QUEUE, REGISTER_WORKER_TASK, WORKER_STATE_TASK
+from fedq.engine.names import (
+    CONTROL_QUEUE,
+    REGISTER_WORKER_TASK,
+    STOPPED_REASON,
+    WORKER_STATE_TASK,
+)
 
 log = logging.getLogger(__name__)
 REFUSED_EXIT_CODE = 3
@@ -136,3 +144,19 @@ def mind_the_owner(sender: Any, **_: Any) -> None:
     apply()
     owner.set_step_aside(apply)
     sender.timer.call_repeatedly(owner.TICK_S, apply)
+
+
+@worker_shutdown.connect
+def say_stopped(sender: Any, **_: Any) -> None:
+    """Report this worker away ("worker stopped") as it shuts down: a site whose only
+    worker stopped is closed at once instead of at its tasks' deadline. Sent once,
+    without retries (a broker that is gone must not hold the shutdown up)."""
+    hostname = getattr(sender, "hostname", None)
+    if not isinstance(hostname, str):
+        return
+    try:
+        args = (hostname, False, STOPPED_REASON)
+        sender.app.send_task(WORKER_STATE_TASK, queue=CONTROL_QUEUE, args=args,
+                             kwargs=_signed(WORKER_STATE_TASK, args), retry=False)
+    except Exception as exc:  # noqa: BLE001 - the shutdown goes on; the deadline settles it
+        log.warning("fedq: could not report the stop of %s: %s", hostname, exc)
