@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,6 +166,10 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
     wait_until(lambda: sites_open() == {"south", "east"}, 30, what=lambda: str(list_workers(db)))
     north = next(w for w in list_workers(db) if w["hostname"] == "north@test")
     assert north["available"] is False and north["away_reason"] == "worker stopped", north
+    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "2"],
+                           text=True, capture_output=True, check=True,
+                           env={**cluster.env, "COLUMNS": "300"}).stdout
+    assert "stopped" in next(x for x in shown.splitlines() if "north@test" in x), shown
     cluster.replace("north")
     wait_until(lambda: sites_open() == set(SITES), 60, what=lambda: str(list_workers(db)))
 
