@@ -10,8 +10,8 @@ Real deployments on Redis (the broker and result backend) with real workers:
   4x (``FEDQ_SLOWDOWN=4``: it sleeps three times its compute after each shard). A fast
   worker alone and the slow one alone first (their standalone items/s), then all of
   them: fedq's items/s against the sum of the standalone ones, against a static equal
-  split (the same share of the items each: the slowest share decides, computed from the
-  standalone rates), and the tail (the share of the job's time the last 5% of items took).
+  split (the same share of the items each, run on each worker alone: the slowest share
+  decides), and the tail (the share of the job's time the last 5% of items took).
 - served: ``fedq serve`` with the small CNN on digits and two workers; one image per
   request at concurrency 1, 8 and 64: p50/p99 latency and requests/s, against the
   model called in the bench's own process (one image: the latency floor; batches of
@@ -175,15 +175,27 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
     prompts = _prompts(setup, setup.prompts)
     (home / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
                                                 for p in prompts))
-    spec = home / "batch.yaml"
-    spec.write_text(yaml.safe_dump({
-        "kind": "inference", "name": "bench", "op": "generate",
-        "model": {"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
-                  "args": setup.gpt, "dataset_args": setup.text},
-        "inputs": {"prompts": "prompts.jsonl"},
-        "generate": {"max_tokens": setup.max_tokens, "seed": 1},
-        "queues": [setup.queue], "shard_size": setup.shard_size,
-        "batch_size": setup.shard_size, "in_flight": max(2, setup.workers)}))
+    # the static equal split: each worker its 1/workers of the prompts, a fast one the
+    # first share and the slow one the last (every prompt costs the same: max_tokens)
+    share = -(-setup.prompts // setup.workers)
+    (home / "share-fast.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                                   for p in prompts[:share]))
+    (home / "share-slow.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                                   for p in prompts[-share:]))
+
+    def spec_file(name: str, inputs: str) -> Path:
+        path = home / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "kind": "inference", "name": "bench", "op": "generate",
+            "model": {"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
+                      "args": setup.gpt, "dataset_args": setup.text},
+            "inputs": {"prompts": inputs},
+            "generate": {"max_tokens": setup.max_tokens, "seed": 1},
+            "queues": [setup.queue], "shard_size": setup.shard_size,
+            "batch_size": setup.shard_size, "in_flight": max(2, setup.workers)}))
+        return path
+
+    spec = spec_file("batch", "prompts.jsonl")
     out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers}
     q = [setup.queue]
     for name, env in (("fast", {}), ("slow", {"FEDQ_SLOWDOWN": "4"})):
@@ -192,6 +204,8 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
             cluster.start(control=["control"])
             cluster.add(name, q, **env)
             out[name] = _job(cluster, spec)
+            out[f"{name}_share"] = _job(cluster, spec_file(f"share-{name}",
+                                                           f"share-{name}.jsonl"))
         finally:
             cluster.stop()
     cluster = _cluster(home / "all", redis_url, db_url)
@@ -217,7 +231,10 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
                              f"{setup.prompts} prompts")
     rates = [out["fast"]["items_per_s"]] * (setup.workers - 1) + [out["slow"]["items_per_s"]]
     out["sum_standalone"] = sum(rates)
-    out["static_s"] = max(setup.prompts / setup.workers / r for r in rates)
+    out["static_computed_s"] = max(setup.prompts / setup.workers / r for r in rates)
+    # run: each share on its worker alone, one after the other (so neither slows the
+    # other down, which favours the split); its time is the longer of the two
+    out["static_s"] = max(out["fast_share"]["wall_s"], out["slow_share"]["wall_s"])
     return out
 
 
@@ -562,7 +579,9 @@ def table(result: dict[str, Any]) -> list[str]:
         "| measure | value | target | met |",
         "|---|---|---|---|",
         f"| fedq ÷ sum of standalone items/s | {ratio:.2f} | ≥ 0.9 | {_met(ratio >= 0.9)} |",
-        f"| static equal split's time ÷ fedq's (split computed from standalone rates) | "
+        f"| static equal split's time ÷ fedq's (each worker's equal share run on it "
+        f"alone; computed from the standalone rates: "
+        f"{b.get('static_computed_s', b['static_s']) / both['wall_s']:.2f}x) | "
         f"{vs_static:.2f}x | ≥ 1.5x | {_met(vs_static >= 1.5)} |",
         f"| tail: share of the job's time the last 5% of items took | "
         f"{100 * both['tail_share']:.1f}% | ≤ 5% | {_met(both['tail_share'] <= 0.05)} |"]

@@ -505,6 +505,7 @@ def test_inference_smoke_run_renders_its_tables(redis_db: str, tmp_path: Path) -
         assert sum(line.startswith(f"| {conc} | ") for line in out.splitlines()) == 3, out
     assert "bare Starlette + uvicorn process" in out
     assert out.count("| ≤ 5 ms |") == 2 and "fedq ÷ sum of standalone items/s" in out
+    assert "each worker's equal share run on it alone" in out  # the static split, run
     assert "/v1/completions" in out
     again = subprocess.run([sys.executable, "-m", "bench.inference", "--from-json", str(kept),
                             "--no-write"], cwd=ROOT, capture_output=True, text=True,
