@@ -73,6 +73,7 @@ from fedq.worker.loop import amp_autocast, device_amp
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "inference.md"
 BEGIN, END = "<!-- inference tables -->", "<!-- end of inference tables -->"
+MAX_BATCH = 32  # the gateway's --max-batch
 GPU_BEGIN, GPU_END = "<!-- inference gpu tables -->", "<!-- end of inference gpu tables -->"
 
 
@@ -163,10 +164,35 @@ def _gpt_weights(home: Path, setup: Setup) -> Path:
 
 
 def _prompts(setup: Setup, n: int) -> list[str]:
+    """``n`` prompts of 32 bytes of the corpus and " and": the held-out windows first,
+    then training windows (the held-out ones are few: ``eval_windows``)."""
     ds = load_dataset("shakespeare", None, setup.text)
-    text = bytes(ds.x_test[:, :32].clamp(0, 255).to(torch.uint8).flatten().tolist())
-    return [text[i * 32:(i + 1) * 32].decode("latin-1").replace("\n", " ") + " and"
-            for i in range(n)]
+    windows = torch.cat([ds.x_test, ds.x_train])[:n, :32]
+    if len(windows) < n:
+        raise BenchError(f"the corpus has {len(windows)} windows, not {n} prompts")
+    return [bytes(w.clamp(0, 255).to(torch.uint8).tolist()).decode("latin-1")
+            .replace("\n", " ") + " and" for w in windows]
+
+
+def _batched_floor(weights: Path, prompts: list[str], setup: Setup) -> dict[str, Any]:
+    """The job's ``generate`` in this process, under the worker's AMP mode: items/s one
+    prompt at a time and in batches of the job's ``batch_size`` (what a worker does),
+    over the first few shards' prompts."""
+    ds = load_dataset("shakespeare", None, setup.text)
+    dev = torch.device(setup.device)
+    model = build_model("gpt", ds.input_shape, ds.num_classes, **setup.gpt).eval()
+    model.load_state_dict(loads(weights.read_bytes()))
+    model.to(dev)
+    some = prompts[:4 * setup.shard_size]
+    rates = {}
+    with torch.no_grad(), amp_autocast(_amp_modes(dev)[0], dev):
+        for size in (1, setup.shard_size):
+            def run(size: int = size) -> None:
+                generate(model, some, 0, dev, setup.max_tokens, 0.8, 40, 1, batch_size=size)
+            run()  # warm-up
+            rates[size] = len(some) / _timed(setup.device, run)
+    return {"one": rates[1], "batched": rates[setup.shard_size],
+            "batch_size": setup.shard_size, "items": len(some)}
 
 
 def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, Any]:
@@ -196,7 +222,8 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
         return path
 
     spec = spec_file("batch", "prompts.jsonl")
-    out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers}
+    out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers,
+                           "in_process": _batched_floor(weights, prompts, setup)}
     q = [setup.queue]
     for name, env in (("fast", {}), ("slow", {"FEDQ_SLOWDOWN": "4"})):
         cluster = _cluster(home / name, redis_url, db_url)
@@ -349,7 +376,7 @@ def _gateway(cluster: Cluster, home: Path, args: list[str]) -> Iterator[int]:
     log = open(home / "serve.log", "ab")
     gateway = subprocess.Popen(
         [sys.executable, "-m", "fedq.cli", "serve", *args, "--port", str(port),
-         "--max-batch", "32", "--max-wait-ms", "5"], env=cluster.env, stdout=log,
+         "--max-batch", str(MAX_BATCH), "--max-wait-ms", "5"], env=cluster.env, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
 
@@ -449,10 +476,10 @@ def _amp_modes(dev: torch.device) -> list[str]:
 
 
 def served_gpt(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, Any]:
-    """``/v1/completions`` with ``setup.gpt_tokens`` tokens per request. The floor: the
-    same ``generate`` the worker runs, in this process under the worker's AMP mode
-    (a worker continues a batch's prompts one after another, so one prompt's time is
-    both floors)."""
+    """``/v1/completions`` with ``setup.gpt_tokens`` tokens per request. The floors: the
+    same ``generate`` the worker runs, in this process under the worker's AMP mode, for
+    one prompt (latency) and for batches of the gateway's ``--max-batch`` prompts
+    generated together, as a worker generates a served batch (requests/s)."""
     home.mkdir(parents=True, exist_ok=True)
     weights = _gpt_weights(home, setup)
     ds = load_dataset("shakespeare", None, setup.text)
@@ -469,8 +496,11 @@ def served_gpt(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[st
             one = [_timed(setup.device, partial(generate, model, [p], 0, dev,
                                                 setup.gpt_tokens, 1.0, 0, i))
                    for i, p in enumerate(prompts)]
+            batched = _timed(setup.device, partial(generate, model, prompts, 0, dev,
+                                                   setup.gpt_tokens, 1.0, 0, 0,
+                                                   batch_size=MAX_BATCH))
         floors[amp] = {"p50_ms": float(np.quantile(one, 0.5)) * 1e3,
-                       "rps": len(one) / sum(one)}
+                       "rps": len(prompts) / batched, "one_rps": len(one) / sum(one)}
     cluster = _cluster(home / "serve-gpt", redis_url, db_url)
     try:
         cluster.start(w1=[setup.queue], w2=[setup.queue])
@@ -484,7 +514,8 @@ def served_gpt(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[st
     finally:
         cluster.stop()
     first = floors[_amp_modes(dev)[0]]
-    return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"], "floors": floors,
+    return {"floor_p50_ms": first["p50_ms"], "floor_rps": first["rps"],
+            "floor_one_rps": first["one_rps"], "floors": floors,
             "rows": rows, "requests": setup.gpt_requests, "tokens": setup.gpt_tokens}
 
 
@@ -495,7 +526,7 @@ def _met(ok: bool) -> str:
 def _served_lines(s: dict[str, Any], what: str, floor: str) -> list[str]:
     lines = [
         f"Served: `fedq serve`, {what}, {s['requests']} requests per row, two workers, "
-        f"--max-batch 32, --max-wait-ms 5, each client thread on a kept-alive HTTP "
+        f"--max-batch {MAX_BATCH}, --max-wait-ms 5, each client thread on a kept-alive HTTP "
         f"connection; in-process floor: {floor}.",
         "",
         "| concurrency | p50 ms | p99 ms | requests/s | added p50 over in-process |",
@@ -589,6 +620,13 @@ def table(result: dict[str, Any]) -> list[str]:
         vs_ray = both["items_per_s"] / ray["items_per_s"]
         lines.append(f"| fedq ÷ Ray Data items/s (same model, prompts, batch, slow actor) | "
                      f"{vs_ray:.2f} | ≥ 1 | {_met(vs_ray >= 1)} |")
+    floor = b.get("in_process")
+    if floor:
+        lines += ["", f"In this process, the same `generate` under the worker's AMP mode, "
+                  f"over {floor['items']} of the prompts: one prompt at a time "
+                  f"{floor['one']:.1f} items/s, in batches of {floor['batch_size']} (as a "
+                  f"worker runs a shard) {floor['batched']:.1f} items/s, "
+                  f"{floor['batched'] / floor['one']:.2f}x."]
     lines.append("")
     lines += _served_lines(
         s, "small CNN on digits, one image per request",
@@ -596,7 +634,9 @@ def table(result: dict[str, Any]) -> list[str]:
         f"{s['floor_rps']:.0f} images/s")
     g = result.get("served_gpt")
     amp = [(what, r["floors"]) for what, r in (("small CNN, batches of 32", s),
-                                               ("GPT, one prompt", g or {}))
+                                               (f"GPT, batches of {MAX_BATCH}"
+                                                if g and "floor_one_rps" in g
+                                                else "GPT, one prompt", g or {}))
            if len(r.get("floors", {})) == 2]
     if amp:
         lines += ["", "AMP in the in-process floors (the mode the worker picks for this GPU "
@@ -611,9 +651,11 @@ def table(result: dict[str, Any]) -> list[str]:
     if g:
         lines += [""] + _served_lines(
             g, f"the same GPT, `/v1/completions` with {g['tokens']} tokens per request",
-            f"`generate` for one prompt {g['floor_p50_ms']:.1f} ms (p50), "
-            f"{g['floor_rps']:.1f} prompts/s one after another (a worker continues a "
-            f"batch's prompts in turn)")
+            f"`generate` for one prompt {g['floor_p50_ms']:.1f} ms (p50)"
+            + (f", {g['floor_one_rps']:.1f} prompts/s one after another, "
+               f"{g['floor_rps']:.1f} prompts/s in batches of {MAX_BATCH} generated "
+               f"together (as a worker generates a served batch)" if "floor_one_rps" in g
+               else f", {g['floor_rps']:.1f} prompts/s one after another"))
     return lines
 
 

@@ -507,6 +507,9 @@ def test_inference_smoke_run_renders_its_tables(redis_db: str, tmp_path: Path) -
     assert out.count("| ≤ 5 ms |") == 2 and "fedq ÷ sum of standalone items/s" in out
     assert "each worker's equal share run on it alone" in out  # the static split, run
     assert "/v1/completions" in out
+    # the in-process floors of batched generation: a shard's and a served batch's
+    assert "in batches of 8 (as a worker runs a shard)" in out
+    assert "in batches of 32 generated together (as a worker generates a served batch)" in out
     again = subprocess.run([sys.executable, "-m", "bench.inference", "--from-json", str(kept),
                             "--no-write"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60, check=False)

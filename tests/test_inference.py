@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from fedq.data import text as text_data
 from fedq.errors import SpecError
 from fedq.inference import jobs
 from fedq.inference.messages import check_output, output_key, parse_task
-from fedq.inference.run import encode_rows
+from fedq.inference.run import complete, encode_rows, run_items
 from fedq.inference.spec import load_inference
 from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster, base_env
@@ -142,6 +143,64 @@ def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
                 {"op": "shell"}, {"format": 2}, {"extra": 1}, {"split": None}):
         with pytest.raises(FormatError):
             parse_task({**task, **bad})
+
+
+def test_generate_runs_a_shards_prompts_in_batches_and_keeps_each_prompts_text() -> None:
+    """op generate: up to batch_size prompts a forward pass (similar lengths together),
+    and each prompt's text is the one it gets alone with its seed (seed + i)."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
+    sizes: list[int] = []
+    batch = model.generate_batch
+
+    def counted(rows: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(rows))
+        return batch(rows, *args, **kwargs)
+
+    model.generate_batch = counted  # type: ignore[method-assign]
+    sampling = {"max_tokens": 40, "temperature": 0.9, "top_k": 20, "seed": 11}
+    got = run_items(model, "generate", PROMPTS, 3, 8, torch.device("cpu"), sampling)
+    assert sizes == [8, 8, 6]
+    assert [r["i"] for r in got] == [3 + n for n in range(len(PROMPTS))]
+    for n, row in enumerate(got):
+        ids = text_data.encode(PROMPTS[n]) if PROMPTS[n] else torch.tensor([ord("\n")])
+        want = model.generate(ids[None, :], 40, temperature=0.9, top_k=20,
+                              generator=torch.Generator().manual_seed(11 + 3 + n))
+        assert row["text"] == text_data.decode(want[0, len(ids):]), n
+
+
+def test_a_served_batch_generates_alike_requests_together_and_streams_every_text() -> None:
+    """fedq serve's worker (complete): requests with the same max_tokens, temperature
+    and top_k in one forward pass per token, each with its own seed; the streamed texts
+    so far are prefixes of the final ones, for every item of the batch."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
+    sizes: list[int] = []
+    batch = model.generate_batch
+
+    def counted(rows: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(rows))
+        return batch(rows, *args, **kwargs)
+
+    model.generate_batch = counted  # type: ignore[method-assign]
+    alike = {"max_tokens": 60, "temperature": 0.9, "top_k": 20}
+    items = [{"prompt": "Good my lord", **alike, "seed": 1},
+             {"prompt": "Hark", "max_tokens": 8, "temperature": 0.9, "top_k": 20, "seed": 2},
+             {"prompt": "", **alike, "seed": 3},
+             {"prompt": PROMPTS[5] * 3, **alike, "seed": 4}]
+    seen: list[list[str]] = []
+    with mock.patch("fedq.inference.run.STREAM_EVERY_S", 0.0):
+        got = complete(model, items, torch.device("cpu"), seen.append)
+    assert sizes == [3, 1]
+    assert [r["i"] for r in got] == [0, 1, 2, 3]
+    for item, row in zip(items, got):
+        ids = text_data.encode(item["prompt"]) if item["prompt"] else torch.tensor([ord("\n")])
+        want = model.generate(ids[None, :], item["max_tokens"], temperature=0.9, top_k=20,
+                              generator=torch.Generator().manual_seed(item["seed"]))
+        assert row["text"] == text_data.decode(want[0, len(ids):]), item
+    assert len(seen) == 60 + 8 and all(len(texts) == 4 for texts in seen)
+    assert all(got[n]["text"].startswith(texts[n]) for texts in seen for n in range(4))
+    assert seen[0][0] and not seen[0][1]  # the first group streams; the second waits
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])

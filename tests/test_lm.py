@@ -56,6 +56,22 @@ def test_a_future_token_does_not_change_an_earlier_logit() -> None:
     assert not torch.allclose(a[0, 10:], b[0, 10:])  # at and after it: changed
 
 
+def test_a_batch_of_prompts_generates_what_each_prompt_alone_does() -> None:
+    """GPT.generate_batch: prompts of different lengths, one longer than the context
+    (each row's own window), top-k and temperature; each row's tokens are generate()'s
+    for that prompt and seed, token for token."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256, **TINY_GPT).eval()
+    rows = [torch.randint(0, 256, (n,)) for n in (1, 5, 16, 3, 21, 5)]
+    got = model.generate_batch(rows, 24, temperature=0.9, top_k=20,
+                               generators=[torch.Generator().manual_seed(7 + b)
+                                           for b in range(len(rows))])
+    for b, row in enumerate(rows):
+        want = model.generate(row[None, :], 24, temperature=0.9, top_k=20,
+                              generator=torch.Generator().manual_seed(7 + b))
+        assert torch.equal(got[b], want[0, len(row):]), b
+
+
 def test_byte_tokenizer_round_trip() -> None:
     for text in ["To be, or not to be", "Thy ſweet — é\n\t", ""]:
         ids = text_data.encode(text)

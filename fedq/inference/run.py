@@ -113,42 +113,69 @@ def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
             for n, (p, lp) in enumerate(zip(prompts, logprob))]
 
 
+def _prompt_ids(prompt: str) -> torch.Tensor:
+    return text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+
+
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device: torch.device,
              max_tokens: int, temperature: float, top_k: int, seed: int,
-             on_text: Callable[[int, str], None] | None = None) -> list[dict[str, Any]]:
+             batch_size: int = 1) -> list[dict[str, Any]]:
     """Each prompt continued by ``max_tokens`` bytes; item ``i`` samples with seed
-    ``seed + i``, so the text does not depend on how the items were sharded.
-    ``on_text(n, text)``: prompt ``n``'s text so far, at most every
-    :data:`STREAM_EVERY_S` (the first token at once), cut before a UTF-8 sequence that is
-    not complete yet, so that the final text always continues it."""
-    rows = []
-    for n, prompt in enumerate(prompts):
-        ids = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
-        gen = torch.Generator(device=device).manual_seed(seed + start + n)
-        out = model.generate(ids[None, :].to(device), max_tokens,  # type: ignore[operator]
-                             temperature=temperature, top_k=top_k or None, generator=gen,
-                             on_token=_streamer(n, len(ids), on_text) if on_text else None)
-        rows.append({"i": start + n, "text": text_data.decode(out[0, len(ids):].cpu())})
-    return rows
+    ``seed + i``, so the text does not depend on how the items were sharded or batched.
+    Up to ``batch_size`` prompts are generated together (one forward pass per token for
+    all, :meth:`GPT.generate_batch`), prompts of similar lengths in the same batch (less
+    padding)."""
+    ids = [_prompt_ids(p) for p in prompts]
+    texts: dict[int, str] = {}
+    by_length = sorted(range(len(ids)), key=lambda n: len(ids[n]))
+    for sl in _batches(len(by_length), batch_size):
+        chunk = by_length[sl]
+        outs = model.generate_batch(  # type: ignore[operator]
+            [ids[n].to(device) for n in chunk], max_tokens, temperature=temperature,
+            top_k=top_k or None,
+            generators=[torch.Generator(device=device).manual_seed(seed + start + n)
+                        for n in chunk])
+        texts.update((n, text_data.decode(out.cpu())) for n, out in zip(chunk, outs))
+    return [{"i": start + n, "text": texts[n]} for n in range(len(prompts))]
 
 
 STREAM_EVERY_S = 0.05
 
 
-def _streamer(n: int, skip: int, on_text: Callable[[int, str], None]
-              ) -> Callable[[torch.Tensor], None]:
+def complete(model: torch.nn.Module, items: Sequence[dict[str, Any]], device: torch.device,
+             on_texts: Callable[[list[str]], None] | None = None) -> list[dict[str, Any]]:
+    """A served batch's completions: the items that ask for the same ``max_tokens``,
+    ``temperature`` and ``top_k`` are generated together, each with its own ``seed``
+    (so each text is the one its request gets alone). ``on_texts(texts)``: every item's
+    text so far (empty until its group starts), at most every :data:`STREAM_EVERY_S`
+    (the first token at once), each cut before a UTF-8 sequence that is not complete
+    yet, so that the final text always continues it."""
+    texts = [""] * len(items)
+    groups: dict[tuple[int, float, int], list[int]] = {}
+    for n, item in enumerate(items):
+        groups.setdefault((item["max_tokens"], item["temperature"], item["top_k"]),
+                          []).append(n)
     last = [float("-inf")]
+    for (tokens, temperature, top_k), chunk in groups.items():
+        def so_far(new: list[torch.Tensor], chunk: list[int] = chunk) -> None:
+            now = time.perf_counter()
+            if on_texts is None or now - last[0] < STREAM_EVERY_S:
+                return
+            last[0] = now
+            for n, row in zip(chunk, new):
+                texts[n] = codecs.getincrementaldecoder("utf-8")("replace").decode(
+                    bytes(row.tolist()), final=False)
+            on_texts(list(texts))
 
-    def on_token(idx: torch.Tensor) -> None:
-        now = time.perf_counter()
-        if now - last[0] < STREAM_EVERY_S:
-            return
-        last[0] = now
-        raw = bytes(int(v) for v in idx[0, skip:].tolist())
-        on_text(n, codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=False))
-
-    return on_token
+        outs = model.generate_batch(  # type: ignore[operator]
+            [_prompt_ids(items[n]["prompt"]).to(device) for n in chunk], tokens,
+            temperature=temperature, top_k=top_k or None,
+            generators=[torch.Generator(device=device).manual_seed(items[n]["seed"])
+                        for n in chunk], on_token=so_far)
+        for n, out in zip(chunk, outs):
+            texts[n] = text_data.decode(out.cpu())
+    return [{"i": n, "text": text} for n, text in enumerate(texts)]
 
 
 @torch.no_grad()
@@ -192,7 +219,7 @@ def run_items(model: torch.nn.Module, op: str, items: Any, start: int, batch_siz
     s = sampling or {}
     return generate(model, items, start, device, int(s.get("max_tokens", 32)),
                     float(s.get("temperature", 0.8)), int(s.get("top_k", 40)),
-                    int(s.get("seed", 0)))
+                    int(s.get("seed", 0)), batch_size=batch_size)
 
 
 def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
@@ -296,16 +323,5 @@ def _serve_items(model: torch.nn.Module, msg: Any, device: torch.device,
     elif msg.op == "embed":
         rows = embed(model, msg.items, 0, len(msg.items), device)
     else:
-        rows = []
-        texts: list[str] = []
-
-        def so_far(_: int, text: str) -> None:
-            if progress is not None:
-                progress([*texts, text])
-
-        for n, item in enumerate(msg.items):
-            out = generate(model, [item["prompt"]], 0, device, item["max_tokens"],
-                           item["temperature"], item["top_k"], item["seed"], so_far)
-            rows.append({**out[0], "i": n})
-            texts.append(out[0]["text"])
+        rows = complete(model, msg.items, device, progress)
     return rows

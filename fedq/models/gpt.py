@@ -114,6 +114,48 @@ class GPT(nn.Module):
                 on_token(idx)
         return idx
 
+    @torch.no_grad()
+    def generate_batch(self, rows: list[torch.Tensor], tokens: int, *,
+                       temperature: float = 1.0, top_k: int | None = None,
+                       generators: list[torch.Generator],
+                       on_token: Callable[[list[torch.Tensor]], None] | None = None
+                       ) -> list[torch.Tensor]:
+        """:meth:`generate` for several prompts at once, one forward pass per token for
+        all of them: ``rows[b]`` (1-D, on the model's device) continued by ``tokens``
+        tokens sampled with ``generators[b]``; returns the new tokens of each row.
+
+        The rows are right-padded in one buffer. Each row reads its own window (its last
+        ``block_size`` tokens, from position 0 as :meth:`generate` does) and samples at
+        its own last position; a row's padding lies after its last token, where causal
+        attention keeps it from mattering. Each row samples with its own generator, so a
+        row's text is :meth:`generate`'s for that prompt and generator whatever else is
+        in the batch (equal token for token on the CPU, tests/test_lm.py).
+        ``on_token(new)`` is called after each token with each row's new tokens so far."""
+        device, block = rows[0].device, self.block_size
+        lens = torch.tensor([len(r) for r in rows])  # on the CPU: sizes, no device syncs
+        buf = torch.zeros(len(rows), int(lens.max()) + tokens, dtype=torch.long, device=device)
+        for b, r in enumerate(rows):
+            buf[b, :len(r)] = r
+        every = torch.arange(len(rows), device=device)
+        for _ in range(tokens):
+            start = (lens - block).clamp(min=0)
+            width = int((lens - start).max())
+            index = (start[:, None] + torch.arange(width)).clamp(max=buf.shape[1] - 1)
+            x = buf.gather(1, index.to(device))  # (B, width): each row's window
+            last = (lens - start - 1).to(device)
+            logits = self(x)[every, last].float() / max(temperature, 1e-6)  # (B, vocab)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            nxt = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
+                             for b, g in enumerate(generators)])
+            buf[every, lens.to(device)] = nxt
+            lens = lens + 1
+            if on_token is not None:
+                on_token([buf[b, len(r):int(lens[b])] for b, r in enumerate(rows)])
+        return [buf[b, len(r):len(r) + tokens] for b, r in enumerate(rows)]
+
 
 @MODELS.register("gpt")
 def gpt(input_shape: tuple[int, ...], num_classes: int, n_layer: int = 4, n_head: int = 4,
