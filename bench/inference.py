@@ -88,7 +88,7 @@ class Setup:
                                                          "n_embd": 32})
     text: dict[str, Any] = field(default_factory=lambda: {
         "block_size": 32, "max_works": 3, "eval_windows": 64})
-    prompts: int = 96
+    prompts: int = 384
     max_tokens: int = 48
     shard_size: int = 8
     requests: int = 256
@@ -700,7 +700,7 @@ def _workdir(keep: Path | None) -> Iterator[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=None,
-                        help="batch job's prompts (default 96; --gpu 256)")
+                        help="batch job's prompts (default 384; --gpu 256)")
     parser.add_argument("--requests", type=int, default=256, help="served: requests per row")
     parser.add_argument("--gpu", action="store_true",
                         help="the 10M GPT on this machine's GPU, SQLite as the database")
@@ -731,7 +731,7 @@ def main() -> None:
             setup = gpu_setup(args.prompts or (16 if args.tiny else 256), args.requests,
                               args.tiny)
         else:
-            setup = Setup(prompts=args.prompts or 96, requests=args.requests)
+            setup = Setup(prompts=args.prompts or 384, requests=args.requests)
         setup.ray_python = args.ray_python
         if not (args.ray_python or args.gpu or args.no_ray):
             built = subprocess.run(["bash", str(ROOT / "scripts" / "ray-env.sh")],
