@@ -1,7 +1,7 @@
 """Batch inference and ``fedq serve`` measured: write the tables into docs/inference.md.
 
-    .venv/bin/python -m bench.inference          # about 6 minutes on 2 cores
-    python -m bench.inference --gpu --json-out F # on a GPU machine: about 4 minutes
+    .venv/bin/python -m bench.inference          # about 3.5 minutes on 2 cores
+    python -m bench.inference --gpu --json-out F # on a GPU machine: about 6 minutes
     .venv/bin/python -m bench.inference --from-json F   # write F's GPU tables
 
 Real deployments on Redis (the broker and result backend) with real workers:
