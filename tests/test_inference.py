@@ -145,11 +145,8 @@ def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
             parse_task({**task, **bad})
 
 
-def test_generate_runs_a_shards_prompts_in_batches_and_keeps_each_prompts_text() -> None:
-    """op generate: up to batch_size prompts a forward pass (similar lengths together),
-    and each prompt's text is the one it gets alone with its seed (seed + i)."""
-    torch.manual_seed(0)
-    model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
+def _batch_sizes(model: torch.nn.Module) -> list[int]:
+    """The list of batch sizes model.generate_batch is called with from now on."""
     sizes: list[int] = []
     batch = model.generate_batch
 
@@ -158,12 +155,21 @@ def test_generate_runs_a_shards_prompts_in_batches_and_keeps_each_prompts_text()
         return batch(rows, *args, **kwargs)
 
     model.generate_batch = counted  # type: ignore[method-assign]
+    return sizes
+
+
+def test_generate_runs_a_shards_prompts_in_batches_and_keeps_each_prompts_text() -> None:
+    """op generate: up to batch_size prompts a forward pass (similar lengths together),
+    and each prompt's text is the one it gets alone with its seed (seed + i)."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
+    sizes = _batch_sizes(model)
     sampling = {"max_tokens": 40, "temperature": 0.9, "top_k": 20, "seed": 11}
     got = run_items(model, "generate", PROMPTS, 3, 8, torch.device("cpu"), sampling)
     assert sizes == [8, 8, 6]
     assert [r["i"] for r in got] == [3 + n for n in range(len(PROMPTS))]
     for n, row in enumerate(got):
-        ids = text_data.encode(PROMPTS[n]) if PROMPTS[n] else torch.tensor([ord("\n")])
+        ids = text_data.prompt_ids(PROMPTS[n])
         want = model.generate(ids[None, :], 40, temperature=0.9, top_k=20,
                               generator=torch.Generator().manual_seed(11 + 3 + n))
         assert row["text"] == text_data.decode(want[0, len(ids):]), n
@@ -175,14 +181,7 @@ def test_a_served_batch_generates_alike_requests_together_and_streams_every_text
     so far are prefixes of the final ones, for every item of the batch."""
     torch.manual_seed(0)
     model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
-    sizes: list[int] = []
-    batch = model.generate_batch
-
-    def counted(rows: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        sizes.append(len(rows))
-        return batch(rows, *args, **kwargs)
-
-    model.generate_batch = counted  # type: ignore[method-assign]
+    sizes = _batch_sizes(model)
     alike = {"max_tokens": 60, "temperature": 0.9, "top_k": 20}
     items = [{"prompt": "Good my lord", **alike, "seed": 1},
              {"prompt": "Hark", "max_tokens": 8, "temperature": 0.9, "top_k": 20, "seed": 2},
@@ -194,7 +193,7 @@ def test_a_served_batch_generates_alike_requests_together_and_streams_every_text
     assert sizes == [3, 1]
     assert [r["i"] for r in got] == [0, 1, 2, 3]
     for item, row in zip(items, got):
-        ids = text_data.encode(item["prompt"]) if item["prompt"] else torch.tensor([ord("\n")])
+        ids = text_data.prompt_ids(item["prompt"])
         want = model.generate(ids[None, :], item["max_tokens"], temperature=0.9, top_k=20,
                               generator=torch.Generator().manual_seed(item["seed"]))
         assert row["text"] == text_data.decode(want[0, len(ids):]), item
@@ -229,6 +228,41 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     want = _reference_classify(weights)[:64]
     worst = max(abs(a - b) for row, w in zip(rows, want) for a, b in zip(row["probs"], w))
     assert (worst == 0.0) if amp == "off" else (0.0 < worst <= 0.05), worst
+
+
+def test_a_served_batch_of_completions_runs_as_one_generation(tmp_path: Path) -> None:
+    """serve_batch, the worker's side of fedq serve: a batch of alike completions is
+    generated together (one generate_batch call for all of them), and each answer is
+    the text its prompt and seed get alone."""
+    import fedq.inference.run as run
+    from fedq.models.gpt import GPT
+
+    store = open_store(str(tmp_path / "blobs"))
+    weights = _gpt_file(tmp_path)
+    ref = store.put("jobs/abc123/serve/model.safetensors", weights.read_bytes())
+    items = [{"prompt": p, "max_tokens": 6, "temperature": 1.0, "top_k": 0, "seed": n}
+             for n, p in enumerate(PROMPTS[:5])]
+    batch = {"format": 3, "op": "generate", "items": items,
+             "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size},
+             "arch": {"name": "gpt", "dataset": "shakespeare", "args": TINY_GPT,
+                      "dataset_args": SMALL_TEXT}}
+    sizes: list[int] = []
+    alone = GPT.generate_batch
+
+    def counted(self: GPT, rows: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(rows))
+        return alone(self, rows, *args, **kwargs)
+
+    with mock.patch.object(GPT, "generate_batch", counted):
+        result = run.serve_batch(batch, store, "w1")
+    assert result["status"] == "ok", result
+    assert sizes == [5]
+    model = _gpt(weights)
+    for item, row in zip(items, result["outputs"], strict=True):
+        ids = text_data.prompt_ids(item["prompt"])
+        want = model.generate(ids[None, :], 6, generator=torch.Generator().manual_seed(
+            item["seed"]))
+        assert row["text"] == text_data.decode(want[0, len(ids):]), item
 
 
 def _classifier_file(tmp_path: Path) -> Path:
@@ -435,7 +469,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     assert [r["i"] for r in got] == list(range(len(many)))  # in order, none missing or doubled
     model = _gpt(weights)
     for i, row in enumerate(got):
-        ids = text_data.encode(many[i]) if many[i] else torch.tensor([ord("\n")])
+        ids = text_data.prompt_ids(many[i])
         gen = torch.Generator().manual_seed(11 + i)
         want = model.generate(ids[None, :], 150, temperature=0.9, top_k=20, generator=gen)
         assert row["text"] == text_data.decode(want[0, len(ids):]), i
@@ -500,7 +534,7 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
     got = _read_out(out)
     assert [r["i"] for r in got] == list(range(len(texts)))
     for row, text in zip(got, texts):
-        ids = text_data.encode(text) if text else torch.tensor([ord("\n")])
+        ids = text_data.prompt_ids(text)
         with torch.no_grad():
             total = sum(model.features(ids[lo:lo + 32][None])[0].double().sum(0)
                         for lo in range(0, len(ids), 32))

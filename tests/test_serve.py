@@ -470,7 +470,7 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
         assert status == 200 and body["object"] == "list", body
         model = _gpt(weights)
         for row, text in zip(body["data"], texts, strict=True):
-            ids = text_data.encode(text) if text else torch.tensor([ord("\n")])
+            ids = text_data.prompt_ids(text)
             with torch.no_grad():
                 total = sum(model.features(ids[lo:lo + 32][None])[0].double().sum(0)
                             for lo in range(0, len(ids), 32))

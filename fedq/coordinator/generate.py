@@ -36,7 +36,7 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
     model.eval()
-    start = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+    start = text_data.prompt_ids(prompt)
     out = model.generate(start[None, :], tokens, temperature=temperature, top_k=top_k,  # type: ignore[operator]
                          generator=torch.Generator().manual_seed(seed))
     return text_data.decode(out[0])

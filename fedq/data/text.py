@@ -82,6 +82,11 @@ def encode(text: str) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
 
 
+def prompt_ids(prompt: str) -> torch.Tensor:
+    """A prompt's byte ids (T,); an empty prompt starts the text at a newline."""
+    return encode(prompt) if prompt else torch.tensor([ord("\n")])
+
+
 def decode(ids: torch.Tensor | list[int]) -> str:
     """Byte ids -> text (invalid UTF-8 sequences, which sampling can produce, replaced)."""
     values = ids.tolist() if isinstance(ids, torch.Tensor) else ids

@@ -113,10 +113,6 @@ def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
             for n, (p, lp) in enumerate(zip(prompts, logprob))]
 
 
-def _prompt_ids(prompt: str) -> torch.Tensor:
-    return text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
-
-
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device: torch.device,
              max_tokens: int, temperature: float, top_k: int, seed: int,
@@ -126,7 +122,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device:
     Up to ``batch_size`` prompts are generated together (one forward pass per token for
     all, :meth:`GPT.generate_batch`), prompts of similar lengths in the same batch (less
     padding)."""
-    ids = [_prompt_ids(p) for p in prompts]
+    ids = [text_data.prompt_ids(p) for p in prompts]
     texts: dict[int, str] = {}
     by_length = sorted(range(len(ids)), key=lambda n: len(ids[n]))
     for sl in _batches(len(by_length), batch_size):
@@ -169,7 +165,7 @@ def complete(model: torch.nn.Module, items: Sequence[dict[str, Any]], device: to
             on_texts(list(texts))
 
         outs = model.generate_batch(  # type: ignore[operator]
-            [_prompt_ids(items[n]["prompt"]).to(device) for n in chunk], tokens,
+            [text_data.prompt_ids(items[n]["prompt"]).to(device) for n in chunk], tokens,
             temperature=temperature, top_k=top_k or None,
             generators=[torch.Generator(device=device).manual_seed(items[n]["seed"])
                         for n in chunk], on_token=so_far)
@@ -188,7 +184,7 @@ def embed(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
     block = cast(int, model.block_size)
     pieces: list[tuple[int, torch.Tensor]] = []
     for n, prompt in enumerate(prompts):
-        ids = text_data.encode(prompt) if prompt else torch.tensor([ord("\n")])
+        ids = text_data.prompt_ids(prompt)
         pieces += [(n, ids[lo:lo + block]) for lo in range(0, len(ids), block)]
     width = int(cast(torch.nn.LayerNorm, model.ln_f).normalized_shape[0])
     total = torch.zeros(len(prompts), width, dtype=torch.float64)

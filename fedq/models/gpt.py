@@ -98,20 +98,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens).
-        ``on_token(idx)`` is called after each token (a served stream's progress)."""
+                 top_k: int | None = None, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+        """Append ``tokens`` sampled tokens to idx (B, T); returns (B, T + tokens)."""
         for _ in range(tokens):
-            # float32 sampling whatever precision the forward pass ran in (AMP)
-            logits = self(idx[:, -self.block_size:])[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            if on_token is not None:
-                on_token(idx)
+            probs = _sampling(self(idx[:, -self.block_size:])[:, -1, :], temperature, top_k)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
 
     @torch.no_grad()
@@ -143,11 +135,7 @@ class GPT(nn.Module):
             index = (start[:, None] + torch.arange(width)).clamp(max=buf.shape[1] - 1)
             x = buf.gather(1, index.to(device))  # (B, width): each row's window
             last = (lens - start - 1).to(device)
-            logits = self(x)[every, last].float() / max(temperature, 1e-6)  # (B, vocab)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
+            probs = _sampling(self(x)[every, last], temperature, top_k)  # (B, vocab)
             nxt = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
                              for b, g in enumerate(generators)])
             buf[every, lens.to(device)] = nxt
@@ -155,6 +143,16 @@ class GPT(nn.Module):
             if on_token is not None:
                 on_token([buf[b, len(r):int(lens[b])] for b, r in enumerate(rows)])
         return [buf[b, len(r):len(r) + tokens] for b, r in enumerate(rows)]
+
+
+def _sampling(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """The distribution a next token is drawn from: logits (B, vocab) in float32 whatever
+    precision the forward pass ran in (AMP), over the temperature, cut to the top k."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return F.softmax(logits, dim=-1)
 
 
 @MODELS.register("gpt")
