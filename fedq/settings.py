@@ -23,6 +23,9 @@ FEDQ_DATA_CACHE            where the text corpora are kept once fetched (default
 FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
 FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
 FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
+FEDQ_AMP                   ``auto`` (default): mixed precision by the GPU's class (bf16
+                           from sm_80, fp16 on 7.x); ``off``: float32 on every GPU (faster
+                           for small models: docs/inference.md measured bf16 at 0.69-0.82x)
 FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many times slower
                            (emulates a slower machine in tests and benchmarks)
 FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests)
@@ -113,6 +116,7 @@ class Settings(BaseModel):
     torch_threads: int | None = Field(default=None, ge=1)
     visibility_timeout: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT, ge=1)
     poll_interval: float = Field(default=DEFAULT_POLL_INTERVAL, gt=0)
+    amp: Literal["auto", "off"] = "auto"
     slowdown: float = Field(default=1.0, ge=1)
     emulate_hardware: Path | None = None
     skip_hardware_check: bool = False
@@ -157,7 +161,7 @@ class Settings(BaseModel):
 
 _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
-    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN",
+    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN", "AMP",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
@@ -219,6 +223,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "torch_threads": get("TORCH_THREADS"),
         "visibility_timeout": get("VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT,
         "poll_interval": get("POLL_INTERVAL") or DEFAULT_POLL_INTERVAL,
+        "amp": get("AMP") or "auto",
         "slowdown": get("SLOWDOWN") or 1.0,
         "emulate_hardware": get("EMULATE_HARDWARE"),
         "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,

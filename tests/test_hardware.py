@@ -66,6 +66,30 @@ def test_amp_by_capability() -> None:
         "bf16", "bf16", "fp16", "fp16", "off", "off"]
 
 
+def test_a_workers_owner_can_turn_mixed_precision_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDQ_AMP=off: float32 on a GPU whose class would run bf16 (docs/inference.md
+    measured bf16 slower for small models), for training and inference alike, and
+    `fedq doctor`'s AMP column says so; a value it does not know is one clear error."""
+    import torch
+
+    from fedq.errors import ConfigError
+    from fedq.settings import get_settings, load_settings
+    from fedq.worker.loop import device_amp
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    cuda = torch.device("cuda", 0)
+    for wanted, amp in (("auto", "bf16"), ("off", "off")):
+        monkeypatch.setenv("FEDQ_AMP", wanted)
+        get_settings.cache_clear()
+        try:
+            assert device_amp(cuda) == amp
+        finally:
+            get_settings.cache_clear()
+    assert amp_mode((8, 9), "off") == "off" and amp_mode((7, 5), "auto") == "fp16"
+    with pytest.raises(ConfigError, match="FEDQ_AMP"):
+        load_settings({"FEDQ_AMP": "fast"})
+
+
 def test_queue_problems() -> None:
     cpu = HardwareReport(torch="2.14", cuda=None, driver=None, arch_list=[], gpus=[])
     assert queue_problems(["cpu"], cpu) == []

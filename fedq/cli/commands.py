@@ -604,7 +604,7 @@ def doctor(as_json: bool, smoke: bool, steps: int, batch_size: int, home: str,
             ok = arch_covers(g.capability, report.arch_list)
             table.add_row(str(g.index), g.name, f"{g.capability[0]}.{g.capability[1]}",
                           f"{g.memory_gb:.1f}", "[green]yes[/]" if ok else "[red]missing[/]",
-                          amp_mode(g.capability))
+                          amp_mode(g.capability, _settings().amp))
         out.print(table)
     else:
         out.print("gpus      none" + (" (Apple MPS available: it trains on MPS and joins "

@@ -136,13 +136,14 @@ def arch_covers(capability: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
-def amp_mode(capability: tuple[int, int] | None) -> str:
-    """Mixed precision by capability: bf16 at >= 8.0, fp16 (+GradScaler) at 7.x, else off.
+def amp_mode(capability: tuple[int, int] | None, wanted: str = "auto") -> str:
+    """Mixed precision by capability: bf16 at >= 8.0, fp16 (+GradScaler) at 7.x, else off;
+    always off where the worker's owner turned it off (``wanted``: FEDQ_AMP).
 
     Gate on capability, not ``torch.cuda.is_bf16_supported()``, which counts emulation.
     Pascal's fp16 runs at 1/64 of fp32 and has no tensor cores, so AMP is off there.
     """
-    if capability is None:
+    if capability is None or wanted == "off":
         return "off"
     if capability >= (8, 0):
         return "bf16"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.worker import inner
 from fedq.worker.hardware import amp_mode
@@ -115,10 +116,11 @@ def task_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def device_amp(device: torch.device) -> str:
-    """The mixed-precision mode for ``device`` (see fedq.worker.hardware.amp_mode)."""
+    """The mixed-precision mode for ``device`` (see fedq.worker.hardware.amp_mode), or
+    off where FEDQ_AMP says so."""
     if device.type != "cuda":
         return "off"
-    return amp_mode(torch.cuda.get_device_capability(device))
+    return amp_mode(torch.cuda.get_device_capability(device), get_settings().amp)
 
 
 def amp_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
