@@ -195,8 +195,10 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
     def seen(text: bytes, times: int) -> bool:
         return laptop.log_path.read_bytes().count(text) >= times
 
-    wait_until(lambda: seen(b"] received", 1), 120, what=laptop.tail)
     for n in (1, 2):  # trains a little, is unplugged, waits away, is plugged in again
+        # from its training's start (not the task's arrival: loading the data and the
+        # model took more than a second on a busy machine, and it yielded after 0 steps)
+        wait_until(lambda: seen(b"training: client", n), 120, what=laptop.tail)  # noqa: B023
         time.sleep(1.0)
         (power / "AC" / "online").write_text("0\n")
         wait_until(lambda: seen(b"'status': 'yielded'", n), 30, what=laptop.tail)  # noqa: B023

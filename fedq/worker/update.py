@@ -211,6 +211,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
     resume = PROCESS.kept.pop(key, None)  # it yielded here before: go on from there
     if resume is not None:
         log.info("resuming: %d steps kept in memory since it yielded", resume.step)
+    log.info("training: client %d, round %d of job %s", ref.client, ref.round, ref.job)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
