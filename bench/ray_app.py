@@ -99,8 +99,7 @@ class Generator:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         start = time.time()
         # the batch's prompts generated together, as a fedq worker does (GPT.generate_batch)
-        rows = [text_data.prompt_ids(str(p))
-                for p in batch["prompt"]]
+        rows = [text_data.prompt_ids(str(p)) for p in batch["prompt"]]
         gens = [torch.Generator().manual_seed(self.cfg["seed"] + int(i)) for i in batch["i"]]
         outs = self.model.generate_batch(  # type: ignore[operator]
             rows, self.cfg["max_tokens"], temperature=1.0, generators=gens)
