@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 
 from fedq.coordinator.buffered import _new_tasks, pick_client
+from fedq.coordinator.jobs import get_job
 from fedq.coordinator.planning import job_queues, open_clients, plan_round
 from fedq.coordinator.roster import list_workers, open_sites
-from fedq.db import Job, Worker, session_scope
+from fedq.db import Job, WatchdogAction, Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
@@ -232,3 +234,86 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
                    "battery, twice", "yielded twice; each time sent again to its site, "
                    "resumed at the step it stopped; one update with every planned step "
                    "once", 1, 0)
+
+
+@pytest.mark.slow
+def test_a_killed_site_worker_closes_its_site_until_it_is_back(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """Two sites, one worker each; a's worker is slowed and SIGKILLed mid-task (no
+    shutdown, no report). Its heartbeat stops, the watchdog records it lost ("heartbeat
+    lost"), and its site is closed: a buffered job (600 s deadline) gives the killed
+    task's slot, and any task waiting in site.a, to b's clients at once; started again,
+    the worker registers and a is open; a synchronous round whose a-worker is killed
+    commits at its deadline with b's update, and the next round takes b's clients only."""
+    cluster = redis_cluster
+    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1",
+                       FEDQ_WORKER_LOST_S="5")
+    sites = {"a": [0, 1], "b": [2, 3]}
+    base = {**DIGITS, "name": "lost-site", "num_clients": 4, "sites": sites}
+    cluster.start(control=["control"], b=["site.b"])
+    cluster.start_beat()
+    victim = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
+    db = cluster.env["FEDQ_DATABASE_URL"]
+
+    def sites_open() -> frozenset[str]:
+        with session_scope(db) as s:
+            return open_sites(s, sites)
+
+    def a_row() -> dict[str, object]:
+        return next(w for w in list_workers(db) if w["hostname"] == "a@test")
+
+    def kill_a_while_it_trains(job: str) -> None:
+        wait_until(lambda: b"training: client" in victim.log_path.read_bytes()
+                   or get_job(cluster.settings, job).status != "running", 120,
+                   what=victim.tail)
+        assert b"training: client" in victim.log_path.read_bytes(), "a never trained"
+        victim.kill()
+
+    wait_until(lambda: sites_open() == set(sites), 60, what=victim.tail)
+    buffered = cluster.submit({**base, "name": "lost-buffered", "clients_per_round": 2,
+                               "rounds": 4, "round_timeout_s": 600,
+                               "aggregation": {"mode": "buffered", "buffer": 2}})
+    kill_a_while_it_trains(buffered)
+    view = cluster.wait(buffered, timeout=150)  # its deadline is 600 s: the watchdog did it
+    assert view.status == "completed", view.error
+    assert a_row()["available"] is False and a_row()["away_reason"] == "heartbeat lost"
+    assert sites_open() == {"b"}
+    rows = cluster.updates(buffered)
+    moved = [u for u in rows if u.queue == "site.a" and u.status == UpdateStatus.MISSING]
+    assert moved and all("no worker of site.a can train now" in (u.error or "")
+                         for u in moved), [(u.client, u.status, u.error) for u in rows]
+    with session_scope(db) as s:
+        actions = [a.action for a in s.scalars(select(WatchdogAction).where(
+            WatchdogAction.job_id == buffered))]
+    assert any("(site.a closed)" in a for a in actions), actions
+    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "1"],
+                           text=True, capture_output=True, check=True,
+                           env={**cluster.env, "COLUMNS": "300"}).stdout
+    assert "lost: heartbeat stopped" in next(x for x in shown.splitlines() if "a@test" in x), \
+        shown
+    # started again: it registers, and a is open
+    victim = cluster.replace("a", FEDQ_SLOWDOWN="20")
+    wait_until(lambda: sites_open() == set(sites), 60, what=victim.tail)
+    assert a_row()["available"] is None
+    # synchronous: a seed whose first round trains one client at each site and whose
+    # second, both sites open, would take one of a's
+    def clients(spec: JobSpec, n: int) -> set[int]:
+        return {x.client for x in plan_round(spec, n, None, None, frozenset(sites))}
+
+    spec = next(c for seed in range(100) if (c := JobSpec.model_validate(
+        {**base, "name": "lost-sync", "clients_per_round": 2, "rounds": 2, "min_clients": 1,
+         "round_timeout_s": 25, "seed": seed}))
+        and len(clients(c, 1) & {0, 1}) == 1 and clients(c, 2) & {0, 1})
+    sync = cluster.submit(spec.to_json())
+    kill_a_while_it_trains(sync)
+    view = cluster.wait(sync, timeout=150)
+    assert view.status == "completed", view.error
+    assert a_row()["away_reason"] == "heartbeat lost"
+    trained = {(u.round_number, u.client) for u in cluster.updates(sync)
+               if u.status == UpdateStatus.OK}
+    assert {c for r, c in trained if r == 2} <= {2, 3} and len(trained) >= 2, trained
+    record_outcome("a site's only worker SIGKILLed mid-task (sites; buffered with a 600 s "
+                   "deadline, then synchronous; Redis)", "the worker's process group",
+                   "its site closed once its heartbeat stopped: buffered slots went to the "
+                   "other site at once; the next synchronous round took the other site's "
+                   "clients; open again once restarted", len(cluster.rounds(sync)), 0)

@@ -505,7 +505,7 @@ def workers(timeout: float) -> None:
     steps aside for its machine's owner), hardware, torch build, measured throughput,
     tasks done and failed, GPU memory and utilisation of the last task, last heartbeat."""
     from fedq.coordinator.roster import roster
-    from fedq.engine.names import STOPPED_REASON
+    from fedq.engine.names import LOST_REASON, STOPPED_REASON
 
     rows = roster(_settings(), timeout=timeout)
     if not rows:
@@ -519,7 +519,8 @@ def workers(timeout: float) -> None:
             if w.live and w.available is False else \
             "[green]live[/]" if w.live else \
             f"[dim]stopped ({_ago(w.available_since)})[/]" if w.away_reason == STOPPED_REASON \
-            else "[dim]gone[/]"
+            else f"[red]lost: heartbeat stopped ({_ago(w.available_since)})[/]" \
+            if w.away_reason == LOST_REASON else "[dim]gone[/]"
         gpu = f"{fmt(w.gpu_peak_mb, '.0f')} / {fmt(w.gpu_util, '.0f')}" \
             if w.gpu_peak_mb is not None else "-"
         table.add_row(w.host, status, ",".join(w.queues),

@@ -63,6 +63,7 @@ from fedq.coordinator.pipeline import (
 from fedq.coordinator.planning import open_clients, queue_counts
 from fedq.coordinator.roster import (
     live_throughput,
+    mark_lost,
     open_sites,
     record_tasks,
     record_throughput,
@@ -444,7 +445,7 @@ def _revoke(ids: list[str]) -> None:
     try:
         app.control.revoke(ids)
     except Exception:  # the tasks finish and are recorded as late: only compute is lost
-        log.warning("could not revoke %d task(s) of a finished buffered job", len(ids))
+        log.warning("could not revoke %d task(s) of a buffered job", len(ids))
 
 
 def cancel_ids(s: Session, job_id: str) -> list[str]:
@@ -471,6 +472,7 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
         tasks = {task_id(job_id, r.task_index, r.attempt): r.client for r in in_flight}
         by_task = {task_id(job_id, r.task_index, r.attempt): (r.task_index, r.attempt)
                    for r in in_flight}
+        queue_of = {task_id(job_id, r.task_index, r.attempt): r.queue for r in in_flight}
         training = len(in_flight)
     if rnd is None or training < spec.clients_per_round and aware(job.updated_at) < now - grace:
         # a lost start (no version row), or a replacement never recorded
@@ -488,21 +490,38 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
     lost = {h.task_id: h.host for h in holders
             if policy.lost_clients([(h.client, h.silent_s, h.resent)], [h.client],
                                    settings.worker_lost_s)}
+    stranded: dict[str, str] = {}
+    if spec.sites is not None:
+        # a site whose worker is lost closes (roster.mark_lost); a task waiting at a
+        # closed site, not started or lost, gives its slot to an open site's client
+        with session_scope(settings.database_url) as s:
+            mark_lost(s, [(host, queue_of[tid] or "") for tid, host in lost.items()])
+            opened = {site_queue(n) for n in open_sites(s, spec.sites)}
+        beating = {h.task_id for h in holders} - set(lost)
+        if opened:
+            stranded = {tid: q or "" for tid, q in queue_of.items()
+                        if q not in opened and tid not in beating and by_task[tid] not in overdue}
     for tid, host in sorted(lost.items()):
-        if by_task[tid] in overdue:
+        if by_task[tid] in overdue or tid in stranded:
             continue
         action = _overdue(settings, job_id, spec, *by_task[tid])
         action["action"] = f"{action['action']} (lost {host})"
+        actions.append(action)
+    for tid, queue in sorted(stranded.items()):
+        action = _overdue(settings, job_id, spec, *by_task[tid], closed=queue)
+        action["action"] = f"{action['action']} ({queue} closed)"
         actions.append(action)
     liveness.mark_resent(settings, sorted(lost))
     return actions
 
 
 def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
-             attempt: int) -> dict[str, Any]:
+             attempt: int, closed: str | None = None) -> dict[str, Any]:
     """A task past its deadline: absorb its result if the backend has one (its callback
     was lost), else send it again, or after ``max_redispatch`` give its slot to
-    another client."""
+    another client. ``closed``: the task waits at a site queue none of whose workers
+    can train now (stepped aside, stopped, lost): its slot goes to another client now,
+    of an open site, and the task is revoked."""
     for a in range(attempt, 0, -1):
         meta = app.backend.get_task_meta(task_id(job_id, index, a))
         if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
@@ -517,7 +536,7 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         if job is None or job.status != JobStatus.RUNNING or row is None or \
                 row.status != UpdateStatus.TRAINING or row.attempt != attempt:
             return {"job": job_id, "task": index, "action": "none (moved on)"}
-        if policy.overdue(attempt, spec.max_redispatch) == "resend":
+        if closed is None and policy.overdue(attempt, spec.max_redispatch) == "resend":
             row.attempt, row.created_at = attempt + 1, utcnow()
             row.base_version = job.committed_round
             tasks = [Dispatch(index, attempt + 1, row.client, row.queue or "cpu",
@@ -525,9 +544,12 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
             action = f"resend (attempt {attempt + 1})"
         else:
             row.status, row.round_number = UpdateStatus.MISSING, job.committed_round + 1
-            row.error = f"no result after {attempt} attempt(s)"
-            tasks = _new_tasks(s, job, spec, [row.queue or "cpu"])
+            row.error = f"no result after {attempt} attempt(s)" if closed is None else \
+                f"no worker of {closed} can train now: its slot went to another site"
+            tasks = _new_tasks(s, job, spec, [row.queue or "cpu"], closed=closed)
             action = "replace"
+    if closed is not None:
+        _revoke([task_id(job_id, index, attempt)])
     _send(job_id, spec, tasks)
     log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
     return {"job": job_id, "task": index, "action": action}

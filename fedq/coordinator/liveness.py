@@ -32,6 +32,7 @@ from typing import Any
 
 from sqlalchemy import delete, select
 
+from fedq.coordinator import roster
 from fedq.db import Claim, Job, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.engine.app import app
@@ -62,7 +63,7 @@ def observe(settings: Settings, job_id: str, tasks: Mapping[str, int],
     now = now or utcnow()
     meta = meta or app.backend.get_task_meta
     beats = {tid: b for tid in tasks if (b := read_claim(meta(tid))) is not None}
-    holders = []
+    holders, moved = [], set()
     with session_scope(settings.database_url) as s:
         known = {c.task_id: c for c in s.scalars(select(Claim).where(Claim.job_id == job_id))}
         gone = [tid for tid in known if tid not in tasks]
@@ -74,11 +75,15 @@ def observe(settings: Settings, job_id: str, tasks: Mapping[str, int],
                 row = Claim(task_id=tid, job_id=job_id, client=tasks[tid], host=b.host,
                             beat=b.beat, moved_at=now)
                 s.add(row)
+                moved.add(b.host)
             elif (row.host, row.beat) != (b.host, b.beat):
                 row.host, row.beat, row.moved_at = b.host, b.beat, now
+                moved.add(b.host)
             holders.append(Holder(tid, tasks[tid], row.host,
                                   (now - aware(row.moved_at)).total_seconds(),
                                   row.resent_at is not None))
+        if moved:  # a site worker recorded lost whose heartbeat moves again is back
+            roster.back(s, moved)
     return holders
 
 

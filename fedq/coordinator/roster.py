@@ -18,6 +18,7 @@ from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
 from fedq.engine.broker import live_queues
 from fedq.engine.names import (
+    LOST_REASON,
     REGISTER_WORKER_TASK,
     STOPPED_REASON,
     WORKER_STATE_TASK,
@@ -91,9 +92,9 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
         else:
             row.queues, row.hardware, row.last_seen = queues, hardware, utcnow()
             row.fedq_version, row.message_format = version, fmt
-            if row.available is False and row.away_reason == STOPPED_REASON:
-                # started again after it stopped: back (its run policy, if any, reports
-                # its owner's conditions next)
+            if row.available is False and row.away_reason in (STOPPED_REASON, LOST_REASON):
+                # started again after it stopped or was lost: back (its run policy, if
+                # any, reports its owner's conditions next)
                 row.available, row.away_reason, row.available_since = None, None, utcnow()
                 s.add(Availability(hostname=hostname, available=True, reason=None,
                                    at=row.available_since))
@@ -134,6 +135,38 @@ def record_availability(db_url: str, hostname: Any, available: Any, reason: Any,
         s.add(Availability(hostname=hostname, available=available, reason=reason, at=now))
     log.info("worker %s: %s", hostname, "available" if available else f"away ({reason})")
     return hostname
+
+
+def mark_lost(session: Any, lost: Iterable[tuple[str, str]]) -> list[str]:
+    """Close the sites of workers whose task's heartbeat stopped: each (host, queue) is
+    a lost claim's host and the site queue the coordinator sent that task to. The host
+    is recorded away ("heartbeat lost") only if it registered on that queue: the claim's
+    host is the worker's word, so a worker can close no site but the one whose task it
+    took. Back when it registers again or a heartbeat of its moves (:func:`back`).
+    Runs inside the caller's transaction; the hosts it closed."""
+    now, closed = utcnow(), []
+    for host, queue in sorted(set(lost)):
+        row = session.get(Worker, host)
+        if row is None or row.available is False or queue not in (row.queues or ()):
+            continue
+        row.available, row.away_reason, row.available_since = False, LOST_REASON, now
+        session.add(Availability(hostname=host, available=False, reason=LOST_REASON, at=now))
+        closed.append(host)
+    if closed:
+        log.warning("site worker(s) %s: heartbeat lost; their sites are closed until they "
+                    "come back", ", ".join(closed))
+    return closed
+
+
+def back(session: Any, hosts: Iterable[str]) -> None:
+    """These hosts' heartbeats moved: those recorded lost (:func:`mark_lost`) are back."""
+    for host in sorted(set(hosts)):
+        row = session.get(Worker, host)
+        if row is not None and row.available is False and row.away_reason == LOST_REASON:
+            row.available, row.away_reason, row.available_since = None, None, utcnow()
+            session.add(Availability(hostname=host, available=True, reason=None,
+                                     at=row.available_since))
+            log.info("worker %s: heartbeat back", host)
 
 
 def availability(db_url: str) -> dict[str, list[tuple[Any, bool, str | None]]]:

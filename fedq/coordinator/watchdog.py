@@ -37,6 +37,7 @@ from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.finalize import finalize_round
 from fedq.coordinator.intake import task_id
 from fedq.coordinator.policy import lost_clients, repair
+from fedq.coordinator.roster import mark_lost
 from fedq.coordinator.rounds import redispatch, request_round
 from fedq.db import Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
@@ -149,6 +150,9 @@ def _rescue(settings: Settings, item: NextRound, waiting: dict[str, Any]
     lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], pending,
                         settings.worker_lost_s)
     again = sorted({*lost, *yielded})
+    if lost:
+        _close_lost_sites(settings, item.job, [(h.host, h.client) for h in holders
+                                               if h.client in lost])
     if not again or not waiting["can_redispatch"]:
         return []  # nothing lost, or out of attempts: the deadline decides
     hosts = sorted({h.host for h in holders if h.client in lost})
@@ -161,6 +165,16 @@ def _rescue(settings: Settings, item: NextRound, waiting: dict[str, Any]
     return [{"job": item.job, "round": item.number,
              "action": f"redispatch ({why})"[:64],
              "result": f"clients {again}, attempt {attempt + 1}"}]
+
+
+def _close_lost_sites(settings: Settings, job_id: str, lost: list[tuple[str, int]]) -> None:
+    """With ``sites``: the lost hosts' sites are closed, so the next rounds take their
+    clients last (roster.mark_lost; this round keeps its clients and re-sends them)."""
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        spec = JobSpec.stored(job.spec) if job is not None else None
+        if spec is not None and spec.sites is not None:
+            mark_lost(s, [(host, spec.site_queue_of(client) or "") for host, client in lost])
 
 
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:

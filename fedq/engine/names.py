@@ -37,6 +37,10 @@ WORKER_STATE_TASK = "fedq.worker_state"
 #: The reason a worker reports when it shuts down (a warm or cold stop, not a kill):
 #: away until it starts again and registers (fedq/worker/signals.py, roster).
 STOPPED_REASON = "worker stopped"
+#: The reason the coordinator records for a site's worker whose task's heartbeat stopped
+#: (killed, hung, lost its link): away until it registers again or a heartbeat of its
+#: moves (fedq/coordinator/roster.py ``mark_lost``).
+LOST_REASON = "heartbeat lost"
 JOIN_WORKER_TASK = "fedq.join_worker"
 WATCHDOG_TASK = "fedq.watchdog"
 
