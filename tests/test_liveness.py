@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from fedq.cli import main
 from fedq.coordinator import liveness
-from fedq.db import Claim, Job, session_scope, upgrade
+from fedq.db import Claim, Job, Worker, session_scope, upgrade
 from fedq.db.models import utcnow
+from fedq.engine.names import LOST_REASON
 from fedq.settings import get_settings
 from fedq.wire import Beat, read_claim
 from fedq.worker.heartbeat import Heartbeat
@@ -91,8 +92,14 @@ def test_silence_is_timed_by_the_coordinators_clock(tmp_path: Path,
 
         tasks = {"t1": 0, "t2": 1, "t3": 2}
         assert look(0, tasks) == {"t1": 0.0, "t2": 0.0}  # t3 is queued: no claim
+        with session_scope(settings.database_url) as s:  # both recorded lost (sites)
+            s.add_all([Worker(hostname=h, queues=["site.x"], hardware={}, available=False,
+                              away_reason=LOST_REASON) for h in ("w1@a", "w2@a")])
         backend["t1"]["result"] = {"hostname": "w1@a", "beat": 1}
         assert look(10, tasks) == {"t1": 0.0, "t2": 10.0}
+        with session_scope(settings.database_url) as s:  # w1's heartbeat moved: back
+            assert [(w.hostname, w.available) for w in s.query(Worker).order_by(
+                Worker.hostname)] == [("w1@a", None), ("w2@a", False)]
         assert look(20, tasks) == {"t1": 10.0, "t2": 20.0}
         liveness.mark_resent(settings, ["t2"])
         holders = liveness.observe(settings, "j", {"t1": 0}, t0 + timedelta(seconds=21),

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from fedq.coordinator.buffered import _new_tasks, pick_client
 from fedq.coordinator.jobs import get_job
 from fedq.coordinator.planning import job_queues, open_clients, plan_round
-from fedq.coordinator.roster import list_workers, open_sites
+from fedq.coordinator.roster import back, list_workers, mark_lost, open_sites, record_worker
 from fedq.db import Job, WatchdogAction, Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
@@ -108,6 +108,34 @@ def test_rounds_and_buffered_slots_take_the_clients_of_open_sites_first(
     with session_scope(db) as s:
         assert open_sites(s, SITES) == {"north", "south", "east"}
     assert {w["hostname"] for w in list_workers(db)} == {"n@a", "s@b", "e@c", "x@d"}
+
+
+def test_a_lost_claim_closes_only_a_site_its_worker_took_the_task_from(
+        tmp_path: Path) -> None:
+    """roster.mark_lost trusts the claim's host only as far as the coordinator's own
+    facts go: the host must be registered on the site queue the task was sent to."""
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname="n@a", queues=["cpu", "site.north"], hardware={}),
+                   Worker(hostname="s@b", queues=["site.south"], hardware={}, available=True)])
+    with session_scope(db) as s:
+        # a south task whose claim names north's worker (a lie, or a bug): nothing closes
+        assert mark_lost(s, [("n@a", "site.south"), ("nobody@x", "site.south")]) == []
+        assert open_sites(s, SITES) == {"north", "south"}
+        assert mark_lost(s, [("s@b", "site.south")]) == ["s@b"]
+    with session_scope(db) as s:
+        assert open_sites(s, SITES) == {"north"}
+        back(s, ["n@a"])  # another host's heartbeat: south stays closed
+        assert open_sites(s, SITES) == {"north"}
+        back(s, ["s@b"])  # its heartbeat moves again
+        assert open_sites(s, SITES) == {"north", "south"}
+        assert mark_lost(s, [("s@b", "site.south")]) == ["s@b"]
+    assert record_worker(db, "s@b", ["site.south"], {"cpus": 2}) == "s@b"  # registers again
+    with session_scope(db) as s:
+        assert open_sites(s, SITES) == {"north", "south"}
+        w = s.get(Worker, "s@b")
+        assert w is not None and w.available is None and w.away_reason is None
 
 
 @pytest.mark.slow
