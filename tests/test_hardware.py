@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -167,6 +168,25 @@ def test_doctor(tmp_path: Path) -> None:
     assert "class     gpu_sm61" in pascal.stdout
     assert "problem: GPU0 NVIDIA GeForce GTX 1080 is sm_61" in pascal.stderr
     assert "Traceback" not in pascal.stderr
+    # an Ada card: AMP bf16, unless the worker's owner turned it off (FEDQ_AMP=off)
+    ada = json.loads((DATA / "gtx1080_cu128.json").read_text())
+    ada["gpus"][0].update(name="NVIDIA GeForce RTX 4090", capability=[8, 9])
+    (tmp_path / "ada.json").write_text(json.dumps(ada))
+    amp = {}
+    for wanted in ("auto", "off"):
+        shown = subprocess.run(run, env=_env(FEDQ_EMULATE_HARDWARE=str(tmp_path / "ada.json"),
+                                             FEDQ_AMP=wanted, COLUMNS="200"),
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert shown.returncode == 0, shown.stderr
+        row = next(x for x in shown.stdout.splitlines() if "RTX 4090" in x)
+        amp[wanted] = row.strip("│ ").split("│")[-1].strip()
+    assert amp == {"auto": "bf16", "off": "off"}
+    # a report it cannot read: one line, exit 2
+    missing = subprocess.run(run, env=_env(FEDQ_EMULATE_HARDWARE=str(tmp_path / "no.json")),
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"FEDQ_EMULATE_HARDWARE={tmp_path / 'no.json'}: not a hardware report fedq can " \
+        "read (No such file or directory)" in " ".join(missing.stderr.split()), missing.stderr
 
 
 def test_the_oldest_torch_is_stated_once_and_refused_below() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedq.engine.names import GPU_QUEUES
+from fedq.errors import ConfigError
 
 NEW_MIN_CC = (7, 5)
 LEGACY_MIN_CC = (5, 0)
@@ -230,7 +231,13 @@ def probe(run_smoke: bool = True) -> HardwareReport:
 
     emulated = get_settings().emulate_hardware
     if emulated:
-        return HardwareReport.from_json(json.loads(emulated.read_text()))
+        try:
+            return HardwareReport.from_json(json.loads(emulated.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+                f"missing {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+            raise ConfigError(f"FEDQ_EMULATE_HARDWARE={emulated}: not a hardware report "
+                              f"fedq can read ({why})") from None
     import warnings
 
     import torch
