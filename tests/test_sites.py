@@ -20,7 +20,14 @@ from sqlalchemy import select
 from fedq.coordinator.buffered import _new_tasks, pick_client
 from fedq.coordinator.jobs import get_job
 from fedq.coordinator.planning import job_queues, open_clients, plan_round
-from fedq.coordinator.roster import back, list_workers, mark_lost, open_sites, record_worker
+from fedq.coordinator.roster import (
+    back,
+    gone_sites,
+    list_workers,
+    mark_lost,
+    open_sites,
+    record_worker,
+)
 from fedq.db import Job, WatchdogAction, Worker, session_scope
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
@@ -126,6 +133,13 @@ def test_a_lost_claim_closes_only_a_site_its_worker_took_the_task_from(
         assert mark_lost(s, [("s@b", "site.south")]) == ["s@b"]
     with session_scope(db) as s:
         assert open_sites(s, SITES) == {"north"}
+        # gone (a buffered job moves its waiting tasks): south, its only worker lost;
+        # not east, away for its owner (its queued tasks are the first it trains when
+        # it is back), nor north
+        s.add(Worker(hostname="e@c", queues=["site.east"], hardware={}, available=False,
+                     away_reason="on battery"))
+        s.flush()
+        assert gone_sites(s, SITES) == {"south"}
         back(s, ["n@a"])  # another host's heartbeat: south stays closed
         assert open_sites(s, SITES) == {"north"}
         back(s, ["s@b"])  # its heartbeat moves again
@@ -133,7 +147,17 @@ def test_a_lost_claim_closes_only_a_site_its_worker_took_the_task_from(
         assert mark_lost(s, [("s@b", "site.south")]) == ["s@b"]
     assert record_worker(db, "s@b", ["site.south"], {"cpus": 2}) == "s@b"  # registers again
     with session_scope(db) as s:
-        assert open_sites(s, SITES) == {"north", "south"}
+        assert open_sites(s, SITES) == {"north", "south"} and gone_sites(s, SITES) == set()
+        s.add(Worker(hostname="s2@b", queues=["site.south"], hardware={}, available=False,
+                     away_reason="worker stopped"))
+        s.flush()
+        assert gone_sites(s, SITES) == set()  # one of its two workers is still there
+        s.get(Worker, "s@b").available = False  # type: ignore[union-attr]
+        s.get(Worker, "s@b").away_reason = "heartbeat lost"  # type: ignore[union-attr]
+        s.flush()
+        assert gone_sites(s, SITES) == {"south"}
+        s.rollback()
+    with session_scope(db) as s:
         w = s.get(Worker, "s@b")
         assert w is not None and w.available is None and w.away_reason is None
 
@@ -308,7 +332,7 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
     assert sites_open() == {"b"}
     rows = cluster.updates(buffered)
     moved = [u for u in rows if u.queue == "site.a" and u.status == UpdateStatus.MISSING]
-    assert moved and all("no worker of site.a can train now" in (u.error or "")
+    assert moved and all("the workers of site.a are lost or stopped" in (u.error or "")
                          for u in moved), [(u.client, u.status, u.error) for u in rows]
     with session_scope(db) as s:
         actions = [a.action for a in s.scalars(select(WatchdogAction).where(

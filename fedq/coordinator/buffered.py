@@ -62,6 +62,7 @@ from fedq.coordinator.pipeline import (
 )
 from fedq.coordinator.planning import open_clients, queue_counts
 from fedq.coordinator.roster import (
+    gone_sites,
     live_throughput,
     mark_lost,
     open_sites,
@@ -493,14 +494,16 @@ def repair(settings: Settings, job_id: str, grace: timedelta) -> list[dict[str, 
     stranded: dict[str, str] = {}
     if spec.sites is not None:
         # a site whose worker is lost closes (roster.mark_lost); a task waiting at a
-        # closed site, not started or lost, gives its slot to an open site's client
+        # site whose workers are all lost or stopped, not started or its worker lost,
+        # gives its slot to an open site's client
         with session_scope(settings.database_url) as s:
             mark_lost(s, [(host, queue_of[tid] or "") for tid, host in lost.items()])
-            opened = {site_queue(n) for n in open_sites(s, spec.sites)}
+            gone = {site_queue(n) for n in gone_sites(s, spec.sites)}
+            opened = open_sites(s, spec.sites)
         beating = {h.task_id for h in holders} - set(lost)
         if opened:
             stranded = {tid: q or "" for tid, q in queue_of.items()
-                        if q not in opened and tid not in beating and by_task[tid] not in overdue}
+                        if q in gone and tid not in beating and by_task[tid] not in overdue}
     for tid, host in sorted(lost.items()):
         if by_task[tid] in overdue or tid in stranded:
             continue
@@ -519,9 +522,9 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
              attempt: int, closed: str | None = None) -> dict[str, Any]:
     """A task past its deadline: absorb its result if the backend has one (its callback
     was lost), else send it again, or after ``max_redispatch`` give its slot to
-    another client. ``closed``: the task waits at a site queue none of whose workers
-    can train now (stepped aside, stopped, lost): its slot goes to another client now,
-    of an open site, and the task is revoked."""
+    another client. ``closed``: the task waits at a site queue whose workers are all
+    lost or stopped: its slot goes to another client now, of an open site, and the task
+    is revoked."""
     for a in range(attempt, 0, -1):
         meta = app.backend.get_task_meta(task_id(job_id, index, a))
         if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
@@ -545,7 +548,7 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         else:
             row.status, row.round_number = UpdateStatus.MISSING, job.committed_round + 1
             row.error = f"no result after {attempt} attempt(s)" if closed is None else \
-                f"no worker of {closed} can train now: its slot went to another site"
+                f"the workers of {closed} are lost or stopped: its slot went to another site"
             tasks = _new_tasks(s, job, spec, [row.queue or "cpu"], closed=closed)
             action = "replace"
     if closed is not None:

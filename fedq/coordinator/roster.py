@@ -312,6 +312,21 @@ def open_sites(session: Any, sites: Iterable[str]) -> frozenset[str]:
                      for q in (queues or ()) if q in wanted)
 
 
+def gone_sites(session: Any, sites: Iterable[str]) -> frozenset[str]:
+    """Of ``sites``, those whose registered workers are all lost or stopped (none may
+    come back soon; a site away for its owner is not gone: its queued tasks are the
+    first it trains when it is back)."""
+    wanted = {site_queue(n): n for n in sites}
+    state: dict[str, bool] = {}
+    rows = session.execute(select(Worker.queues, Worker.available, Worker.away_reason)).tuples()
+    for queues, available, reason in rows:
+        dead = available is False and reason in (LOST_REASON, STOPPED_REASON)
+        for q in queues or ():
+            if q in wanted:
+                state[q] = state.get(q, True) and dead
+    return frozenset(wanted[q] for q, dead in state.items() if dead)
+
+
 def live_view(settings: Settings) -> LiveView | None:
     """The planner's view of the live workers; None when no worker answers inspect in
     time (the planner then plans as if nothing were known)."""
