@@ -291,8 +291,10 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
     cluster = redis_cluster
     cluster.start(w1=["cpu"], w2=["cpu"])
     args = ["--weights", str(weights), "--model", "small_cnn", "--dataset", "digits"]
+    # 10 s a batch: the first batch of each worker loads the model, which took more
+    # than 3 s twice over (both attempts) on a busy 2-core machine
     gateway = Gateway(cluster, [*args, "--max-batch", "8", "--max-wait-ms", "50",
-                                "--batch-timeout-s", "3"], FEDQ_SERVE_API_KEY="k3y")
+                                "--batch-timeout-s", "10"], FEDQ_SERVE_API_KEY="k3y")
     try:
         x = load_dataset("digits").x_test[:32]
         want = _reference(weights, x)
@@ -325,8 +327,8 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
             with ThreadPoolExecutor(1) as pool:
                 late = pool.submit(_post, gateway.port, "/v1/predict",
                                    {"inputs": [x[0].tolist()]}, "k3y")
-                wait_until(lambda: "attempt 1: no answer within 3s" in gateway.log.read_text(),
-                           30, what=lambda: f"the batch's first attempt to time out\n"
+                wait_until(lambda: "attempt 1: no answer within 10s" in gateway.log.read_text(),
+                           40, what=lambda: f"the batch's first attempt to time out\n"
                                             f"{gateway.log.read_text()}")
                 os.killpg(w1.proc.pid, signal.SIGCONT)
                 status, body, _ = late.result(timeout=30)
