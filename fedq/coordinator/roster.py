@@ -95,9 +95,7 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
             if row.available is False and row.away_reason in (STOPPED_REASON, LOST_REASON):
                 # started again after it stopped or was lost: back (its run policy, if
                 # any, reports its owner's conditions next)
-                row.available, row.away_reason, row.available_since = None, None, utcnow()
-                s.add(Availability(hostname=hostname, available=True, reason=None,
-                                   at=row.available_since))
+                _reopen(s, row)
         taken = _claim(row, signer)
         if taken:
             s.rollback()
@@ -158,14 +156,19 @@ def mark_lost(session: Any, lost: Iterable[tuple[str, str]]) -> list[str]:
     return closed
 
 
+def _reopen(session: Any, row: Worker) -> None:
+    """A worker recorded stopped or lost is back: no condition known, one history row."""
+    row.available, row.away_reason, row.available_since = None, None, utcnow()
+    session.add(Availability(hostname=row.hostname, available=True, reason=None,
+                             at=row.available_since))
+
+
 def back(session: Any, hosts: Iterable[str]) -> None:
     """These hosts' heartbeats moved: those recorded lost (:func:`mark_lost`) are back."""
     for host in sorted(set(hosts)):
         row = session.get(Worker, host)
         if row is not None and row.available is False and row.away_reason == LOST_REASON:
-            row.available, row.away_reason, row.available_since = None, None, utcnow()
-            session.add(Availability(hostname=host, available=True, reason=None,
-                                     at=row.available_since))
+            _reopen(session, row)
             log.info("worker %s: heartbeat back", host)
 
 
