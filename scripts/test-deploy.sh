@@ -5,9 +5,21 @@
 # with the fault cases and the dashboard in headless Chromium (tests/test_deploy.py).
 # The daemon it started is stopped at the end, by its pid; the built images stay in
 # its data root for the next run.
+#
+# In two halves (.ci/run runs the first beside the benchmark stage): `--prepare` leaves
+# the virtual environment alone, gets the engine, the images and the browser ready and
+# runs tests/test_images.py (Redis databases FEDQ_TEST_REDIS_DBS, 1-9 unless set);
+# `--compose` then runs the docker compose tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+mode=all
+case "${1:-}" in
+    --prepare) mode=prepare; shift ;;
+    --compose) mode=compose; shift ;;
+esac
+if [ "$mode" != prepare ]; then
+    bash scripts/bootstrap.sh
+fi
 sock="${FEDQ_DOCKER_HOME:-$HOME/.cache/fedq/docker}/docker.sock"
 started_here=1  # unless an engine already answers on fedq's socket
 if command -v docker >/dev/null && DOCKER_HOST="unix://$sock" docker version >/dev/null 2>&1; then
@@ -26,5 +38,15 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     apt-get update -qq >/dev/null
     apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
 fi
-.venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py \
-    tests/test_deploy_secure.py "$@"
+case "$mode" in
+    prepare)
+        tmp=$(mktemp -d)
+        trap 'rm -rf "$tmp"; stop' EXIT
+        FEDQ_TEST_REDIS_DBS="${FEDQ_TEST_REDIS_DBS:-1-9}" .venv/bin/python -m pytest \
+            -p no:cacheprovider --basetemp="$tmp" -m docker tests/test_images.py "$@" ;;
+    compose)
+        .venv/bin/python -m pytest -m docker tests/test_deploy.py tests/test_deploy_secure.py "$@" ;;
+    *)
+        .venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py \
+            tests/test_deploy_secure.py "$@" ;;
+esac

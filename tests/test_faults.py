@@ -219,8 +219,10 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
             cluster.start_beat()
-            job = cluster.submit({**SLOW_TASKS, "rounds": 4})
-            cluster.wait_for_round(job, 2)
+            # a 15 s deadline: on a loaded CI machine three workers' first tasks (each
+            # loading its shard) once outlasted 6 s, round after round
+            job = cluster.submit({**SLOW_TASKS, "rounds": 4, "round_timeout_s": 15})
+            cluster.wait_for_round(job, 2, timeout=240)
             time.sleep(0.7)
             restart()
             view = cluster.wait(job, timeout=240)

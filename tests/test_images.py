@@ -239,7 +239,9 @@ def test_the_worker_tests_pass_inside_each_worker_image(image: str, cls: str) ->
               "pytest-timeout && python -c 'import torch; print(\"torch\", torch.__version__)'"
               " && PYTHONPATH=/tmp/pt python -m pytest -q -p no:cacheprovider "
               "-m 'not slow and not docker' " + " ".join(WORKER_TESTS))
+    dbs = os.environ.get("FEDQ_TEST_REDIS_DBS", "1-15")  # beside another stage: its own
     proc = _docker("run", "--rm", "--network", "host", "-e", "CI=true",
+                   "-e", f"FEDQ_TEST_REDIS_DBS={dbs}",
                    "-e", "XDG_CACHE_HOME=/xdg", "-v", f"{corpus}:/xdg/fedq/data:ro",
                    "-v", f"{ROOT / 'tests'}:/src/tests:ro",
                    "-v", f"{ROOT / 'pyproject.toml'}:/src/pyproject.toml:ro",

@@ -180,6 +180,7 @@ def _spin(*argv: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "while True: pass", *argv])
 
 
+@pytest.mark.quiet
 def test_other_cpu_counts_the_owners_programs_not_fedqs_workers() -> None:
     ncpu = os.cpu_count() or 1
     load = CpuLoad()
@@ -400,6 +401,7 @@ def _rows(cluster: Cluster, job: str) -> list[ClientUpdate]:
 
 
 @pytest.mark.slow
+@pytest.mark.quiet
 def test_a_worker_steps_aside_for_cpu_load_and_the_job_completes_elsewhere(
         redis_cluster: Cluster) -> None:
     """The owner starts a program that keeps a core busy while the polite worker
