@@ -26,12 +26,12 @@ tmp="${TMPDIR:-/tmp}/fedq-tests-$$"
 mkdir -p "$tmp"
 # The tests marked quiet read the machine's CPU load: they run alone, after both.
 together="not docker and not quiet"
-FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider --durations=15 \
+FEDQ_TEST_REDIS_DBS=10-15 .venv/bin/python -m pytest -p no:cacheprovider --durations=30 \
     -m "$together" --basetemp="$tmp/side" "${side[@]}" >"$tmp/side.log" 2>&1 &
 side_pid=$!
 trap 'kill "$side_pid" 2>/dev/null || true' EXIT
 main_rc=0
-FEDQ_TEST_REDIS_DBS=1-9 .venv/bin/python -m pytest --durations=25 --basetemp="$tmp/main" \
+FEDQ_TEST_REDIS_DBS=1-9 .venv/bin/python -m pytest --durations=40 --basetemp="$tmp/main" \
     -m "$together" $(printf -- '--ignore=%s ' "${side[@]}") --ignore=tests/test_bench_smoke.py \
     || main_rc=$?
 side_rc=0
