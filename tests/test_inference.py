@@ -175,31 +175,33 @@ def test_generate_runs_a_shards_prompts_in_batches_and_keeps_each_prompts_text()
         assert row["text"] == text_data.decode(want[0, len(ids):]), n
 
 
-def test_a_served_batch_generates_alike_requests_together_and_streams_every_text() -> None:
-    """fedq serve's worker (complete): requests with the same max_tokens, temperature
-    and top_k in one forward pass per token, each with its own seed; the streamed texts
-    so far are prefixes of the final ones, for every item of the batch."""
+def test_a_served_batch_generates_every_request_together_and_streams_every_text() -> None:
+    """fedq serve's worker (complete): requests of different max_tokens, temperatures
+    and top-k cuts in one forward pass per token, each with its own seed and settings
+    (the text it gets alone); the streamed texts so far are prefixes of the final ones,
+    for every item of the batch."""
     torch.manual_seed(0)
     model = build_model("gpt", (32,), 256, **TINY_GPT).eval()
     sizes = _batch_sizes(model)
     alike = {"max_tokens": 60, "temperature": 0.9, "top_k": 20}
     items = [{"prompt": "Good my lord", **alike, "seed": 1},
              {"prompt": "Hark", "max_tokens": 8, "temperature": 0.9, "top_k": 20, "seed": 2},
-             {"prompt": "", **alike, "seed": 3},
-             {"prompt": PROMPTS[5] * 3, **alike, "seed": 4}]
+             {"prompt": "", **alike, "temperature": 1.3, "top_k": 0, "seed": 3},
+             {"prompt": PROMPTS[5] * 3, **alike, "top_k": 3, "seed": 4}]
     seen: list[list[str]] = []
     with mock.patch("fedq.inference.run.STREAM_EVERY_S", 0.0):
         got = complete(model, items, torch.device("cpu"), seen.append)
-    assert sizes == [3, 1]
+    assert sizes == [4]
     assert [r["i"] for r in got] == [0, 1, 2, 3]
     for item, row in zip(items, got):
         ids = text_data.prompt_ids(item["prompt"])
-        want = model.generate(ids[None, :], item["max_tokens"], temperature=0.9, top_k=20,
+        want = model.generate(ids[None, :], item["max_tokens"],
+                              temperature=item["temperature"], top_k=item["top_k"] or None,
                               generator=torch.Generator().manual_seed(item["seed"]))
         assert row["text"] == text_data.decode(want[0, len(ids):]), item
-    assert len(seen) == 60 + 8 and all(len(texts) == 4 for texts in seen)
+    assert len(seen) == 60 and all(len(texts) == 4 for texts in seen)
     assert all(got[n]["text"].startswith(texts[n]) for texts in seen for n in range(4))
-    assert seen[0][0] and not seen[0][1]  # the first group streams; the second waits
+    assert all(texts[1] == got[1]["text"] for texts in seen[8:])  # Hark's 8: done early
 
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])

@@ -72,6 +72,35 @@ def test_a_batch_of_prompts_generates_what_each_prompt_alone_does() -> None:
         assert torch.equal(got[b], want[0, len(row):]), b
 
 
+def test_a_batch_mixing_lengths_temperatures_and_cuts_generates_each_rows_own() -> None:
+    """GPT.generate_batch with one setting per row: each row's tokens are generate()'s
+    with that row's token count, temperature and top-k, and a row that has its tokens
+    leaves the forward passes (the later ones see fewer rows)."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256, **TINY_GPT).eval()
+    rows = [torch.randint(0, 256, (n,)) for n in (1, 5, 16, 3, 21)]
+    tokens, temps, ks = [24, 3, 30, 1, 12], [0.9, 1.5, 0.5, 1.0, 2.0], [20, None, 1, 256, 5]
+    widths: list[int] = []
+    forward = model.forward
+
+    def counted(idx: torch.Tensor) -> torch.Tensor:
+        widths.append(idx.shape[0])
+        return forward(idx)
+
+    model.forward = counted  # type: ignore[method-assign]
+    got = model.generate_batch(rows, tokens, temperature=temps, top_k=ks,
+                               generators=[torch.Generator().manual_seed(7 + b)
+                                           for b in range(len(rows))])
+    model.forward = forward  # type: ignore[method-assign]
+    assert widths == [5] + [4] * 2 + [3] * 9 + [2] * 12 + [1] * 6
+    for b, row in enumerate(rows):
+        want = model.generate(row[None, :], tokens[b], temperature=temps[b], top_k=ks[b],
+                              generator=torch.Generator().manual_seed(7 + b))
+        assert torch.equal(got[b], want[0, len(row):]), b
+    with pytest.raises(ValueError, match="2 settings for 5 rows"):
+        model.generate_batch(rows, [1, 2], generators=[torch.Generator()] * 5)
+
+
 def test_byte_tokenizer_round_trip() -> None:
     for text in ["To be, or not to be", "Thy ſweet — é\n\t", ""]:
         ids = text_data.encode(text)

@@ -141,36 +141,34 @@ STREAM_EVERY_S = 0.05
 
 def complete(model: torch.nn.Module, items: Sequence[dict[str, Any]], device: torch.device,
              on_texts: Callable[[list[str]], None] | None = None) -> list[dict[str, Any]]:
-    """A served batch's completions: the items that ask for the same ``max_tokens``,
-    ``temperature`` and ``top_k`` are generated together, each with its own ``seed``
-    (so each text is the one its request gets alone). ``on_texts(texts)``: every item's
-    text so far (empty until its group starts), at most every :data:`STREAM_EVERY_S`
-    (the first token at once), each cut before a UTF-8 sequence that is not complete
-    yet, so that the final text always continues it."""
+    """A served batch's completions, generated together (one forward pass per token for
+    the whole batch), each item with its own ``max_tokens``, ``temperature``, ``top_k``
+    and ``seed`` (so each text is the one its request gets alone). ``on_texts(texts)``:
+    every item's text so far, at most every :data:`STREAM_EVERY_S` (the first token at
+    once), each cut before a UTF-8 sequence that is not complete yet, so that the final
+    text always continues it."""
     texts = [""] * len(items)
-    groups: dict[tuple[int, float, int], list[int]] = {}
-    for n, item in enumerate(items):
-        groups.setdefault((item["max_tokens"], item["temperature"], item["top_k"]),
-                          []).append(n)
     last = [float("-inf")]
-    for (tokens, temperature, top_k), chunk in groups.items():
-        def so_far(new: list[torch.Tensor], chunk: list[int] = chunk) -> None:
-            now = time.perf_counter()
-            if on_texts is None or now - last[0] < STREAM_EVERY_S:
-                return
-            last[0] = now
-            for n, row in zip(chunk, new):
-                texts[n] = codecs.getincrementaldecoder("utf-8")("replace").decode(
-                    bytes(row.tolist()), final=False)
-            on_texts(list(texts))
 
+    def so_far(new: list[torch.Tensor]) -> None:
+        now = time.perf_counter()
+        if on_texts is None or now - last[0] < STREAM_EVERY_S:
+            return
+        last[0] = now
+        for n, row in enumerate(new):
+            texts[n] = codecs.getincrementaldecoder("utf-8")("replace").decode(
+                bytes(row.tolist()), final=False)
+        on_texts(list(texts))
+
+    if items:
         outs = model.generate_batch(  # type: ignore[operator]
-            [text_data.prompt_ids(items[n]["prompt"]).to(device) for n in chunk], tokens,
-            temperature=temperature, top_k=top_k or None,
-            generators=[torch.Generator(device=device).manual_seed(items[n]["seed"])
-                        for n in chunk], on_token=so_far)
-        for n, out in zip(chunk, outs):
-            texts[n] = text_data.decode(out.cpu())
+            [text_data.prompt_ids(item["prompt"]).to(device) for item in items],
+            [item["max_tokens"] for item in items],
+            temperature=[item["temperature"] for item in items],
+            top_k=[item["top_k"] or None for item in items],
+            generators=[torch.Generator(device=device).manual_seed(item["seed"])
+                        for item in items], on_token=so_far)
+        texts = [text_data.decode(out.cpu()) for out in outs]
     return [{"i": n, "text": text} for n, text in enumerate(texts)]
 
 

@@ -12,7 +12,8 @@ Sizes (byte-level vocabulary of 256, context 64):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -107,50 +108,84 @@ class GPT(nn.Module):
         return idx
 
     @torch.no_grad()
-    def generate_batch(self, rows: list[torch.Tensor], tokens: int, *,
-                       temperature: float = 1.0, top_k: int | None = None,
+    def generate_batch(self, rows: list[torch.Tensor], tokens: int | Sequence[int], *,
+                       temperature: float | Sequence[float] = 1.0,
+                       top_k: int | None | Sequence[int | None] = None,
                        generators: list[torch.Generator],
                        on_token: Callable[[list[torch.Tensor]], None] | None = None
                        ) -> list[torch.Tensor]:
         """:meth:`generate` for several prompts at once, one forward pass per token for
         all of them: ``rows[b]`` (1-D, on the model's device) continued by ``tokens``
         tokens sampled with ``generators[b]``; returns the new tokens of each row.
+        ``tokens``, ``temperature`` and ``top_k`` are one value for every row or one per
+        row (a served batch mixes requests); a row that has its tokens leaves the
+        forward passes.
 
         The rows are right-padded in one buffer. Each row reads its own window (its last
         ``block_size`` tokens, from position 0 as :meth:`generate` does) and samples at
         its own last position; a row's padding lies after its last token, where causal
         attention keeps it from mattering. Each row samples with its own generator, so a
-        row's text is :meth:`generate`'s for that prompt and generator whatever else is
-        in the batch (equal token for token on the CPU, tests/test_lm.py).
+        row's text is :meth:`generate`'s for that prompt, settings and generator whatever
+        else is in the batch (equal token for token on the CPU, tests/test_lm.py).
         ``on_token(new)`` is called after each token with each row's new tokens so far."""
+        n = len(rows)
+        want = torch.tensor(_per_row(tokens, n), dtype=torch.long)
+        temps, ks = _per_row(temperature, n), _per_row(top_k, n)
         device, block = rows[0].device, self.block_size
         lens = torch.tensor([len(r) for r in rows])  # on the CPU: sizes, no device syncs
-        buf = torch.zeros(len(rows), int(lens.max()) + tokens, dtype=torch.long, device=device)
+        ends = lens + want
+        buf = torch.zeros(n, int(ends.max()), dtype=torch.long, device=device)
         for b, r in enumerate(rows):
             buf[b, :len(r)] = r
-        every = torch.arange(len(rows), device=device)
-        for _ in range(tokens):
-            start = (lens - block).clamp(min=0)
-            width = int((lens - start).max())
+        for _ in range(int(want.max())):
+            live = (lens < ends).nonzero()[:, 0]  # the rows still generating
+            at = lens[live]
+            start = (at - block).clamp(min=0)
+            width = int((at - start).max())
             index = (start[:, None] + torch.arange(width)).clamp(max=buf.shape[1] - 1)
-            x = buf.gather(1, index.to(device))  # (B, width): each row's window
-            last = (lens - start - 1).to(device)
-            probs = _sampling(self(x)[every, last], temperature, top_k)  # (B, vocab)
-            nxt = torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[0]
-                             for b, g in enumerate(generators)])
-            buf[every, lens.to(device)] = nxt
-            lens = lens + 1
+            x = buf[live.to(device)].gather(1, index.to(device))  # (L, width): windows
+            last = (at - start - 1).to(device)
+            logits = self(x)[torch.arange(len(live), device=device), last]  # (L, vocab)
+            picked = live.tolist()
+            probs = _sampling(logits, [temps[b] for b in picked], [ks[b] for b in picked])
+            nxt = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=generators[b])[0]
+                             for i, b in enumerate(picked)])
+            buf[live.to(device), at.to(device)] = nxt
+            lens[live] += 1
             if on_token is not None:
                 on_token([buf[b, len(r):int(lens[b])] for b, r in enumerate(rows)])
-        return [buf[b, len(r):len(r) + tokens] for b, r in enumerate(rows)]
+        return [buf[b, len(r):int(ends[b])] for b, r in enumerate(rows)]
 
 
-def _sampling(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+T = TypeVar("T")
+
+
+def _per_row(value: T | Sequence[T], n: int) -> list[T]:
+    """One setting per row: ``value`` itself for every row, or its ``n`` values."""
+    if isinstance(value, Sequence):
+        if len(value) != n:
+            raise ValueError(f"{len(value)} settings for {n} rows")
+        return list(value)
+    return [value] * n
+
+
+def _sampling(logits: torch.Tensor, temperature: float | Sequence[float],
+              top_k: int | None | Sequence[int | None]) -> torch.Tensor:
     """The distribution a next token is drawn from: logits (B, vocab) in float32 whatever
-    precision the forward pass ran in (AMP), over the temperature, cut to the top k."""
-    logits = logits.float() / max(temperature, 1e-6)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+    precision the forward pass ran in (AMP), over the temperature, cut to the top k
+    (each one value, or one per row)."""
+    logits = logits.float()
+    temps = _per_row(temperature, len(logits))
+    if len(set(temps)) == 1:
+        logits = logits / max(temps[0], 1e-6)
+    else:  # the same division, row by row
+        logits = logits / torch.tensor([max(t, 1e-6) for t in temps],
+                                       device=logits.device)[:, None]
+    vocab = logits.shape[-1]
+    ks = [vocab if k is None else min(k, vocab) for k in _per_row(top_k, len(logits))]
+    if min(ks) < vocab:  # rows without a cut keep every logit (their kth is the least)
+        top = torch.topk(logits, max(ks)).values  # (B, max k), largest first
+        kth = top.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return F.softmax(logits, dim=-1)
 
