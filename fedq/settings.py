@@ -75,6 +75,8 @@ FEDQ_PARTIAL_MIN           a task stopped for the owner uploads what it did when
 FEDQ_LEAVE_IN_MEMORY       1 (default): a task that yields keeps where it stopped in CPU
                            memory (one task a worker), and goes on from there when it
                            comes back to this worker; 0: it starts over
+FEDQ_LEAVE_ON_DISK         1: that kept task is also written under FEDQ_HOME/kept/, so a
+                           restarted worker goes on from it too (default 0)
 FEDQ_GPU_MEMORY_FRACTION   the share of each GPU's memory fedq's torch may allocate
 FEDQ_INPUT_DIR             where the idle probe reads input devices (default /dev/input)
 FEDQ_POWER_SUPPLY_DIR      where the power probe reads (default /sys/class/power_supply)
@@ -146,6 +148,7 @@ class Settings(BaseModel):
     resume_after_s: float = Field(default=10.0, ge=0)
     partial_min: float = Field(default=0.25, ge=0, le=1)
     leave_in_memory: bool = True
+    leave_on_disk: bool = False
     gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
     input_dir: Path = Path("/dev/input")
     power_dir: Path = Path("/sys/class/power_supply")
@@ -167,7 +170,7 @@ _KNOWN = {
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
     "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
     "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "LEAVE_IN_MEMORY",
-    "GPU_MEMORY_FRACTION", "INPUT_DIR",
+    "LEAVE_ON_DISK",    "GPU_MEMORY_FRACTION", "INPUT_DIR",
     "POWER_SUPPLY_DIR",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE", "RABBITMQ_API_FILE",
     "SERVE_API_KEY", "SERVE_API_KEY_FILE", "DATA_CACHE",
@@ -252,6 +255,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "resume_after_s": get("RESUME_AFTER_S") or 10.0,
         "partial_min": get("PARTIAL_MIN") or 0.25,
         "leave_in_memory": get("LEAVE_IN_MEMORY") or True,
+        "leave_on_disk": get("LEAVE_ON_DISK") or False,
         "gpu_memory_fraction": get("GPU_MEMORY_FRACTION"),
         "input_dir": get("INPUT_DIR") or "/dev/input",
         "power_dir": get("POWER_SUPPLY_DIR") or "/sys/class/power_supply",

@@ -239,7 +239,7 @@ def test_the_training_loop_stops_at_the_next_step_when_asked() -> None:
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_a_loop_that_yielded_goes_on_from_where_it_stopped_as_if_never_stopped(
-        name: str) -> None:
+        name: str, tmp_path: Path) -> None:
     """Leave in memory: a loop stopped at step 5 of 16 (mid-epoch) keeps its model,
     optimizer state, batch order and generator on the CPU; resumed with them, it ends
     with the very weights of a loop that never stopped."""
@@ -262,21 +262,35 @@ def test_a_loop_that_yielded_goes_on_from_where_it_stopped_as_if_never_stopped(
                   > 8 else None)
     assert first.yielded == "on battery" and first.steps == 8 and first.kept is not None
     assert first.kept.start == 24 and first.kept.step == 8  # batch 3 of the second epoch
+    # FEDQ_LEAVE_ON_DISK: the same record through its file (before the resume below,
+    # which trains on in the record's optimizer tensors)
+    from fedq.worker import kept as kept_file
+
+    key = ("abc123", 4, "ab" * 32)
+    kept_file.save(tmp_path, key, first.kept)
+    back = kept_file.load(tmp_path, key)
+    assert back is not None and not kept_file.path_for(tmp_path, key).exists()
     resumed = fresh()  # the task's starting weights again: the kept ones replace them
     second = train(resumed, resume=first.kept)
     assert (second.steps, second.resumed_steps, second.seen) == (18, 8, 3 * 64)
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(next(stopped.parameters()), next(whole.parameters()))
+    from_disk = fresh()  # a restarted worker, from the file
+    third = train(from_disk, resume=back)
+    assert (third.steps, third.resumed_steps) == (18, 8)
+    for a, b in zip(whole.parameters(), from_disk.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_yielded_task_resumes_on_the_same_worker_and_sends_the_same_update(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, worker_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's side (fedq/worker/update.py): a task that yields with too little
     done keeps its training in memory (keyed by job, client and global model); the
     same task sent again goes on from there and sends the update an unstopped task
-    sends, byte for byte. FEDQ_LEAVE_IN_MEMORY=0 starts over; another global model
-    does not match what was kept. (The owner's reading is faked: it is the input or
+    sends, byte for byte. FEDQ_LEAVE_IN_MEMORY=0 starts over; with FEDQ_LEAVE_ON_DISK=1
+    a restarted worker goes on from the file; another global model does not match what
+    was kept. (The owner's reading is faked: it is the input or
     battery probe, which this machine cannot produce.)"""
     from fedq.blobs import global_key, open_store
     from fedq.coordinator.evaluation import initial_weights
@@ -329,6 +343,34 @@ def test_a_yielded_task_resumes_on_the_same_worker_and_sends_the_same_update(
     finally:
         monkeypatch.delenv("FEDQ_LEAVE_IN_MEMORY")
         get_settings.cache_clear()
+    # FEDQ_LEAVE_ON_DISK=1: a worker restarted (nothing in memory) goes on from the
+    # file; a file it cannot read is dropped and the task starts over
+    from fedq.worker import kept as kept_file
+
+    PROCESS.clear()
+    monkeypatch.setenv("FEDQ_LEAVE_ON_DISK", "1")
+    get_settings.cache_clear()
+    try:
+        unplugged_after(4)
+        run_training(task, store, "w")
+        [path] = (worker_home / "kept").glob("*.safetensors")
+        PROCESS.clear()  # the worker restarted
+        unplugged_after(10_000)
+        restarted = run_training({**task, "attempt": 2}, store, "w")
+        assert restarted["sha256"] == whole["sha256"] and not path.exists()
+        assert len(steps_asked) == 1 + whole["steps"] - 4  # it trained only what was left
+        unplugged_after(4)
+        run_training(task, store, "w")
+        path.write_bytes(path.read_bytes()[:-9])  # cut short
+        PROCESS.clear()
+        unplugged_after(10_000)
+        over = run_training({**task, "attempt": 2}, store, "w")
+        assert over["sha256"] == whole["sha256"] and not path.exists()
+        assert len(steps_asked) == 1 + whole["steps"]  # from the start
+    finally:
+        monkeypatch.delenv("FEDQ_LEAVE_ON_DISK")
+        get_settings.cache_clear()
+    assert kept_file.KEEP_FILES >= 1
     unplugged_after(4)
     run_training(task, store, "w")
     other = store.put(global_key("j", 1), dumps({k: v + 0.01 if v.is_floating_point() else v

@@ -35,6 +35,7 @@ from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
 from fedq.worker import inner, owner, replica
+from fedq.worker import kept as kept_file
 from fedq.worker.loop import local_train
 
 log = logging.getLogger(__name__)
@@ -209,8 +210,15 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
         model.load_state_dict(global_weights)
     key = (ref.job, ref.client, ref.model.sha256)
     resume = PROCESS.kept.pop(key, None)  # it yielded here before: go on from there
+    on_disk = settings.leave_in_memory and settings.leave_on_disk
     if resume is not None:
         log.info("resuming: %d steps kept in memory since it yielded", resume.step)
+        if on_disk:
+            kept_file.drop(home, key)
+    elif on_disk:  # a worker restarted since
+        resume = kept_file.load(home, key)
+        if resume is not None:
+            log.info("resuming: %d steps kept on disk since it yielded", resume.step)
     log.info("training: client %d, round %d of job %s", ref.client, ref.round, ref.job)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
@@ -227,6 +235,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
             stats.steps < max(1, math.ceil(settings.partial_min * stats.planned_steps)):
         if stats.kept is not None and settings.leave_in_memory:
             PROCESS.keep_task(key, stats.kept)
+            if on_disk:
+                try:
+                    kept_file.save(home, key, stats.kept)
+                except (OSError, TypeError, ValueError) as exc:  # memory still has it
+                    log.warning("fedq: could not keep the task on disk (%s)", exc)
         raise Yielded(f"{stats.yielded}: after {stats.steps} of {stats.planned_steps} steps"
                       + (f" ({stats.resumed_steps} of them kept from before)"
                          if stats.resumed_steps else ""))
