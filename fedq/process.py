@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedq.aggregate import Accumulator
-from fedq.aggregate.types import Weights
 from fedq.blobs import BlobStore, open_store
+
+if TYPE_CHECKING:  # (torch is imported where a model is first kept or averaged: the
+    # CLI's read-only commands import this module and never need it)
+    from fedq.aggregate import Accumulator
+    from fedq.aggregate.types import Weights
 
 #: Global models a process keeps at once.
 MODEL_CACHE_SIZE = 2
@@ -40,11 +43,19 @@ KEPT_TASKS = 2
 @dataclass
 class ProcessState:
     models: OrderedDict[str, Weights] = field(default_factory=OrderedDict)
-    accumulator: Accumulator = field(default_factory=Accumulator)
     stores: dict[tuple[str, str | None], BlobStore] = field(default_factory=dict)
     zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
     uplink_mbit: float | None = None
     kept: OrderedDict[tuple[str, int, str], Any] = field(default_factory=OrderedDict)
+    _accumulator: Accumulator | None = None
+
+    @property
+    def accumulator(self) -> Accumulator:
+        if self._accumulator is None:
+            from fedq.aggregate import Accumulator
+
+            self._accumulator = Accumulator()
+        return self._accumulator
 
     def model(self, sha256: str) -> Weights | None:
         """The kept model with this sha256, if any (and mark it recently used)."""
@@ -76,7 +87,8 @@ class ProcessState:
 
     def clear(self) -> None:
         self.models.clear()
-        self.accumulator.release()
+        if self._accumulator is not None:
+            self._accumulator.release()
         self.stores.clear()
         self.zero_deltas.clear()
         self.uplink_mbit = None

@@ -55,11 +55,7 @@ from fedq.blobs import BlobRef
 from fedq.coordinator import commit, liveness, policy
 from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id
-from fedq.coordinator.pipeline import (
-    Outcome,
-    step_of,
-    update_weight,
-)
+from fedq.coordinator.pipeline import Outcome, update_weight
 from fedq.coordinator.planning import open_clients, queue_counts
 from fedq.coordinator.roster import (
     gone_sites,
@@ -69,6 +65,7 @@ from fedq.coordinator.roster import (
     record_tasks,
     record_throughput,
 )
+from fedq.coordinator.steps import step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref

@@ -32,7 +32,8 @@ from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
 from fedq.coordinator.evaluation import evaluate_weights
-from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update, set_step
+from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update
+from fedq.coordinator.steps import set_step
 from fedq.db import ClientUpdate, Job, session_scope
 from fedq.phases import phase
 from fedq.process import PROCESS

@@ -30,7 +30,6 @@ import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,9 +50,6 @@ from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus, failed_status
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
-
-if TYPE_CHECKING:
-    from fedq.db import Job
 
 
 @dataclass(frozen=True)
@@ -306,16 +302,3 @@ def put_model(store: BlobStore, job_id: str, number: int, model: NextModel, base
     return blob, state, step
 
 
-def step_of(job: Job) -> StepRef | None:
-    """The job's global model as an int8 step from the previous one, if it has one."""
-    if not (job.step_key and job.step_sha256 and job.step_base):
-        return None
-    return StepRef(BlobRef(job.step_key, job.step_sha256, job.step_size or 0), job.step_base)
-
-
-def set_step(job: Job, step: StepRef | None) -> None:
-    """Record (or clear) the step that goes with the job's new global model."""
-    job.step_key = step.blob.key if step else None
-    job.step_sha256 = step.blob.sha256 if step else None
-    job.step_size = step.blob.size if step else None
-    job.step_base = step.base if step else None

@@ -19,9 +19,9 @@ from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
 from fedq.coordinator.intake import Sent, task_id
-from fedq.coordinator.pipeline import step_of
 from fedq.coordinator.planning import Assignment, plan_round, sized_queues
 from fedq.coordinator.roster import live_view, open_sites
+from fedq.coordinator.steps import step_of
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
 from fedq.engine.app import app
