@@ -428,7 +428,11 @@ def _gpt(weights: Path) -> torch.nn.Module:
 def test_generate_on_redis_survives_a_worker_sigkill(
         redis_cluster: Cluster, tmp_path: Path) -> None:
     cluster = redis_cluster
-    cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
+    # w1 alone until it is killed, then w2 finishes the job; w1 slowed 20x (a shard of
+    # this tiny GPT takes ~0.07 s on 2 cores: the whole job once ended before the test
+    # saw w1 hold a shard)
+    cluster.start(control=["control"])
+    cluster.add("w1", ["cpu"], FEDQ_SLOWDOWN="20")
     cluster.start_beat()
     weights = _gpt_file(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
@@ -456,6 +460,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
 
     wait_until(holds_a_shard, 120, interval=0.01, what="w1 to hold a shard")
     w1.kill()  # SIGKILL while it holds a shard: the watchdog must send it again
+    cluster.add("w2", ["cpu"])
 
     def resent_and_done() -> bool:
         view = jobs.find(cluster.settings, job)
