@@ -7,10 +7,11 @@
 # With no arguments the suite runs as two pytest processes side by side (the smoke
 # runs of the benchmarks are .ci/run's own stage, scripts/test-bench.sh): the fault
 # tests (mostly waiting on deadlines and killed processes) and the strategy jobs
-# beside everything else, on disjoint Redis database numbers and temporary folders
-# (about 21 minutes on this 2-core machine: the main 576 tests in 20 min 43 s and the
-# 55 beside them in 18 min 46 s, side by side in .ci/run on 2026-11-27; 37 minutes on
-# a slower day; the goal is 15). With arguments, one
+# beside everything else, on disjoint Redis database numbers and temporary folders;
+# then the two tests marked quiet, which read the machine's CPU load, alone (19 min 5 s
+# on this 2-core machine in .ci/run on 2026-11-27: the main 584 tests in 16 min 47 s
+# and the 62 beside them in 18 min 12 s, side by side, then the quiet 2 in 30 s; a
+# busy CI machine once took 57 minutes; the goal is 15). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
