@@ -10,12 +10,14 @@ and battery probes read a folder laid out as Linux's /dev/input and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -333,24 +335,25 @@ def test_a_yielded_task_resumes_on_the_same_worker_and_sends_the_same_update(
     unplugged_after(2)
     twice = run_training(task, store, "w")
     assert "after 5 of" in twice["error"] and "(3 of them kept from before)" in twice["error"]
-    PROCESS.clear()
-    monkeypatch.setenv("FEDQ_LEAVE_IN_MEMORY", "0")
-    get_settings.cache_clear()
-    try:
+    @contextlib.contextmanager
+    def setting(name: str, value: str) -> Iterator[None]:
+        """The worker's settings with ``name`` set, from an empty process cache."""
+        PROCESS.clear()
+        monkeypatch.setenv(name, value)
+        get_settings.cache_clear()
+        try:
+            yield
+        finally:
+            monkeypatch.delenv(name)
+            get_settings.cache_clear()
+
+    with setting("FEDQ_LEAVE_IN_MEMORY", "0"):
         unplugged_after(4)
         run_training(task, store, "w")
         assert not PROCESS.kept  # not kept: it starts over
-    finally:
-        monkeypatch.delenv("FEDQ_LEAVE_IN_MEMORY")
-        get_settings.cache_clear()
     # FEDQ_LEAVE_ON_DISK=1: a worker restarted (nothing in memory) goes on from the
     # file; a file it cannot read is dropped and the task starts over
-    from fedq.worker import kept as kept_file
-
-    PROCESS.clear()
-    monkeypatch.setenv("FEDQ_LEAVE_ON_DISK", "1")
-    get_settings.cache_clear()
-    try:
+    with setting("FEDQ_LEAVE_ON_DISK", "1"):
         unplugged_after(4)
         run_training(task, store, "w")
         [path] = (worker_home / "kept").glob("*.safetensors")
@@ -367,10 +370,6 @@ def test_a_yielded_task_resumes_on_the_same_worker_and_sends_the_same_update(
         over = run_training({**task, "attempt": 2}, store, "w")
         assert over["sha256"] == whole["sha256"] and not path.exists()
         assert len(steps_asked) == 1 + whole["steps"]  # from the start
-    finally:
-        monkeypatch.delenv("FEDQ_LEAVE_ON_DISK")
-        get_settings.cache_clear()
-    assert kept_file.KEEP_FILES >= 1
     unplugged_after(4)
     run_training(task, store, "w")
     other = store.put(global_key("j", 1), dumps({k: v + 0.01 if v.is_floating_point() else v

@@ -24,12 +24,17 @@ from fedq.weights import dumps, loads_with_meta
 from fedq.wire import FormatError, check_job_id
 
 
-def client_folder(home: Path, job: str, client: int) -> Path:
-    """This worker's folder for one job's client state: under ``home`` only (the job id
-    is checked against fedq's own id shape before the path is built)."""
+def check_client(job: str, client: int) -> None:
+    """A job id of fedq's own shape and a client number, before either names a file."""
     check_job_id(job)
     if not isinstance(client, int) or not 0 <= client < 10**9:
         raise FormatError(f"client {client!r} is not a client number")
+
+
+def client_folder(home: Path, job: str, client: int) -> Path:
+    """This worker's folder for one job's client state: under ``home`` only (the job id
+    is checked against fedq's own id shape before the path is built)."""
+    check_client(job, client)
     folder = home / "inner" / job
     if not folder.resolve().is_relative_to(home.resolve()):
         raise FormatError(f"job {job!r} names a folder outside {home}")

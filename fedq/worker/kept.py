@@ -26,7 +26,7 @@ import torch
 
 from fedq.errors import FedqError
 from fedq.weights import dumps, loads_with_meta
-from fedq.wire import check_job_id
+from fedq.worker.inner import check_client
 from fedq.worker.loop import Kept
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ _COUNTERS = ("start", "step", "seen", "loss_sum", "seconds", "first_step")
 def path_for(home: Path, key: tuple[str, int, str]) -> Path:
     """The file of one task (job, client, global model sha256), under ``home`` only."""
     job, client, sha = key
-    check_job_id(job)
-    if not isinstance(client, int) or not 0 <= client < 10**9:
-        raise FedqError(f"client {client!r} is not a client number")
+    check_client(job, client)
     if len(sha) < 12 or any(c not in "0123456789abcdef" for c in sha):
         raise FedqError(f"{sha!r} is not a sha256")
     return home / "kept" / f"{job}-c{client:06d}-{sha[:12]}.safetensors"
