@@ -34,6 +34,9 @@ FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 5
 FEDQ_HEARTBEAT_S           seconds between a training task's heartbeats (default 5)
 FEDQ_WORKER_LOST_S         a started task whose heartbeat has not moved for this long is
                            lost and sent again (default 15; the deadline stays the backstop)
+FEDQ_PRESENCE_S            seconds between an idle worker's "still here" messages, which
+                           reopen a site whose worker was recorded lost once it is back
+                           (a paused laptop woken; default 30, 0: never)
 FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
 FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
                            with the job, round, client, task, worker and queue
@@ -125,6 +128,7 @@ class Settings(BaseModel):
     watchdog_interval: float = Field(default=5.0, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0)
     worker_lost_s: float = Field(default=15.0, gt=0)
+    presence_s: float = Field(default=30.0, ge=0)
     finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
     image_torch: Literal["release", "default_index"] = "release"
@@ -170,8 +174,7 @@ _KNOWN = {
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
     "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
     "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "LEAVE_IN_MEMORY",
-    "LEAVE_ON_DISK",    "GPU_MEMORY_FRACTION", "INPUT_DIR",
-    "POWER_SUPPLY_DIR",
+    "LEAVE_ON_DISK", "GPU_MEMORY_FRACTION", "INPUT_DIR", "POWER_SUPPLY_DIR", "PRESENCE_S",
     "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE", "RABBITMQ_API_FILE",
     "SERVE_API_KEY", "SERVE_API_KEY_FILE", "DATA_CACHE",
 }
@@ -233,6 +236,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "watchdog_interval": get("WATCHDOG_INTERVAL") or 5.0,
         "heartbeat_s": get("HEARTBEAT_S") or 5.0,
         "worker_lost_s": get("WORKER_LOST_S") or 15.0,
+        "presence_s": 30.0 if get("PRESENCE_S") is None else get("PRESENCE_S"),
         "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
         "image_torch": get("IMAGE_TORCH") or "release",

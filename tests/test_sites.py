@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,11 @@ from fedq.coordinator.roster import (
     list_workers,
     mark_lost,
     open_sites,
+    record_availability,
     record_worker,
 )
 from fedq.db import Job, WatchdogAction, Worker, session_scope
+from fedq.db.models import Availability, aware
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
@@ -286,6 +289,89 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
                    "battery, twice", "yielded twice; each time sent again to its site, "
                    "resumed at the step it stopped; one update with every planned step "
                    "once", 1, 0)
+
+
+def test_a_worker_saying_it_is_here_reopens_only_a_lost_site(tmp_path: Path) -> None:
+    """``fedq.worker_state`` with ``available`` None (a worker's presence beat):
+    seen now; back if it was recorded lost; left away for its owner or stopped;
+    refused for a hostname that never registered, and for a malformed state."""
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    long_ago = datetime(2020, 1, 1, tzinfo=UTC)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname=h, queues=[f"site.{site}"], hardware={}, available=False,
+                          away_reason=why, last_seen=long_ago)
+                   for h, site, why in (("n@a", "north", "heartbeat lost"),
+                                        ("s@b", "south", "on battery"),
+                                        ("e@c", "east", "worker stopped"))])
+    with session_scope(db) as s:
+        assert open_sites(s, SITES) == set()
+    for host in ("n@a", "s@b", "e@c"):
+        assert record_availability(db, host, None, None) == host
+    assert record_availability(db, "x@y", None, None) == "refused x@y: not a registered worker"
+    assert record_availability(db, "n@a", "yes", None) == \
+        "refused n@a: available is not true, false or null"
+    with session_scope(db) as s:
+        assert open_sites(s, SITES) == {"north"}
+        rows = {w.hostname: w for w in s.scalars(select(Worker))}
+        assert set(rows) == {"n@a", "s@b", "e@c"}
+        assert all(aware(w.last_seen) > long_ago for w in rows.values())
+        assert (rows["s@b"].available, rows["s@b"].away_reason) == (False, "on battery")
+        assert (rows["e@c"].available, rows["e@c"].away_reason) == (False, "worker stopped")
+
+
+@pytest.mark.slow
+def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
+        redis_cluster: Cluster) -> None:
+    """A laptop whose lid closes mid-task: a's only worker is SIGSTOPped while it trains
+    a buffered job's task. Its heartbeat stops, it is recorded lost and its site
+    closed, and b trains on alone. Resumed (SIGCONT, the same process: it does not
+    register again), it says it is here once idle (FEDQ_PRESENCE_S) and site a opens."""
+    cluster = redis_cluster
+    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1",
+                       FEDQ_WORKER_LOST_S="4", FEDQ_PRESENCE_S="1")
+    sites = {"a": [0, 1], "b": [2, 3]}
+    cluster.start(control=["control"], b=["site.b"])
+    cluster.start_beat()
+    sleeper = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
+    db = cluster.env["FEDQ_DATABASE_URL"]
+
+    def sites_open() -> frozenset[str]:
+        with session_scope(db) as s:
+            return open_sites(s, sites)
+
+    def a_row() -> dict[str, object]:
+        return next(w for w in list_workers(db) if w["hostname"] == "a@test")
+
+    wait_until(lambda: sites_open() == set(sites), 60, what=sleeper.tail)
+    job = cluster.submit({**DIGITS, "name": "paused-site", "num_clients": 4, "sites": sites,
+                          "clients_per_round": 2, "rounds": 40, "round_timeout_s": 600,
+                          "aggregation": {"mode": "buffered", "buffer": 2}})
+    mine = re.compile(rb"training: client \d+, round \d+ of job " + job.encode())
+    wait_until(lambda: mine.search(sleeper.log_path.read_bytes()), 120, what=sleeper.tail)
+    sleeper.kill(signal.SIGSTOP)
+    try:
+        wait_until(lambda: a_row()["away_reason"] == "heartbeat lost", 60,
+                   what=lambda: f"{a_row()} {get_job(cluster.settings, job).status}")
+        assert sites_open() == {"b"}
+        wait_until(lambda: len(cluster.rounds(job)) >= 6, 120, what=cluster.by_name("b").tail)
+        cluster.fedq("cancel", job)  # b trained on alone
+        registered = sleeper.log_path.read_bytes().count(b"ready.")
+    finally:
+        sleeper.kill(signal.SIGCONT)
+    wait_until(lambda: sites_open() == set(sites), 60, what=sleeper.tail)
+    assert a_row()["available"] is None and sleeper.alive()
+    assert sleeper.log_path.read_bytes().count(b"ready.") == registered  # not restarted
+    with session_scope(db) as s:
+        history = [(a.available, a.reason) for a in s.scalars(
+            select(Availability).where(Availability.hostname == "a@test")
+            .order_by(Availability.id))]
+    assert history[-2:] == [(False, "heartbeat lost"), (True, None)], history
+    record_outcome("a site's only worker paused (SIGSTOP) mid-task, resumed after its job "
+                   "completed (sites, buffered; Redis)", "SIGSTOP/SIGCONT of the worker",
+                   "its site closed once its heartbeat stopped, the other site trained on; "
+                   "open again once the same process was idle and said it was here",
+                   len(cluster.rounds(job)), 0)
 
 
 @pytest.mark.slow

@@ -109,12 +109,16 @@ def record_worker(db_url: str, hostname: Any, queues: Any, hardware: Any,
 def record_availability(db_url: str, hostname: Any, available: Any, reason: Any, *,
                         signer: str | None = None) -> str:
     """A worker's report that it stepped aside for its owner (``available`` False, with
-    the reason) or came back: its row and one history row. From the worker: typed and
-    bounded here. ``signer``: as for :func:`record_worker`."""
+    the reason) or came back: its row and one history row. ``available`` None: the
+    worker says it is here (fedq/worker/signals.py ``say_present``): seen now, and back
+    if it was recorded lost; its owner's conditions are left as they are. From the
+    worker: typed and bounded here. ``signer``: as for :func:`record_worker`."""
     if not isinstance(hostname, str) or not 0 < len(hostname) <= 200:
         return "refused: hostname is not a string of 1..200 characters"
+    if available is None:
+        return _present(db_url, hostname, signer)
     if not isinstance(available, bool):
-        return f"refused {hostname}: available is not true or false"
+        return f"refused {hostname}: available is not true, false or null"
     if reason is not None and not isinstance(reason, str):
         return f"refused {hostname}: the reason is not a string"
     reason = redact_text(reason)[:200] if reason and not available else None
@@ -135,12 +139,32 @@ def record_availability(db_url: str, hostname: Any, available: Any, reason: Any,
     return hostname
 
 
+def _present(db_url: str, hostname: str, signer: str | None) -> str:
+    """A registered worker is here: last seen now, and reopened if it was lost. A
+    hostname with no row is not recorded (a worker registers before it beats)."""
+    ensure_schema(db_url)
+    with session_scope(db_url) as s:
+        row = s.get(Worker, hostname)
+        if row is None:
+            return f"refused {hostname}: not a registered worker"
+        taken = _claim(row, signer)
+        if taken:
+            s.rollback()
+            return refused(WORKER_STATE_TASK, hostname, ValueError(taken))
+        row.last_seen = utcnow()
+        if row.available is False and row.away_reason == LOST_REASON:
+            _reopen(s, row)
+            log.info("worker %s: here again", hostname)
+    return hostname
+
+
 def mark_lost(session: Any, lost: Iterable[tuple[str, str]]) -> list[str]:
     """Close the sites of workers whose task's heartbeat stopped: each (host, queue) is
     a lost claim's host and the site queue the coordinator sent that task to. The host
     is recorded away ("heartbeat lost") only if it registered on that queue: the claim's
     host is the worker's word, so a worker can close no site but the one whose task it
-    took. Back when it registers again or a heartbeat of its moves (:func:`back`).
+    took. Back when it registers again, a heartbeat of its moves (:func:`back`) or it
+    says it is here (:func:`_present`).
     Runs inside the caller's transaction; the hosts it closed."""
     now, closed = utcnow(), []
     for host, queue in sorted(set(lost)):

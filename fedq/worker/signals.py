@@ -112,6 +112,30 @@ def register(sender: Any, **_: Any) -> None:
 
 
 @worker_ready.connect
+def say_present(sender: Any, **_: Any) -> None:
+    """Every FEDQ_PRESENCE_S, tell the coordinator this worker is here. The consumer's
+    timer runs between tasks (a task's own heartbeat covers the time it runs), so the
+    first message after a pause that outlived a task's heartbeat (SIGSTOP, a
+    suspended laptop) comes as soon as the worker is idle again, and the coordinator
+    reopens the site it closed for that worker (roster.record_availability)."""
+    from fedq.settings import get_settings
+
+    every = get_settings().presence_s
+    if every <= 0 or not [q for q in _queues(sender.app) if q != CONTROL_QUEUE]:
+        return
+
+    def beat() -> None:
+        try:
+            args = (sender.hostname, None, None)
+            sender.app.send_task(WORKER_STATE_TASK, queue=CONTROL_QUEUE, args=args,
+                                 kwargs=_signed(WORKER_STATE_TASK, args), retry=False)
+        except Exception as exc:  # noqa: BLE001 - the next beat tries again
+            log.warning("fedq: could not say %s is here: %s", sender.hostname, exc)
+
+    sender.timer.call_repeatedly(every, beat)
+
+
+@worker_ready.connect
 def mind_the_owner(sender: Any, **_: Any) -> None:
     """With a run policy: stop consuming the training queues while the owner's
     conditions fail, consume again once they hold, and report each change. Runs on the
