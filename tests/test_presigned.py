@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedq.testing.cluster import DIGITS, record
+from fedq.testing.wait import wait_until
 
 SPEC = {**DIGITS, "num_clients": 4, "clients_per_round": 2, "rounds": 2, "min_clients": 2}
 
@@ -81,6 +82,72 @@ def _run(tmp_path: Path, endpoint: str, redis_db: str, pg_url: str) -> None:
                f"through a URL its task carried", fedq=f"refused by S3: HTTP {code}",
                guard="S3's signature over the object and method (blobs/presigned.py)",
                outcome="refused; the worker held no S3 key and trained the job")
+
+
+@pytest.mark.slow
+def test_a_tasks_headers_and_events_name_it_and_carry_no_url(
+        tmp_path: Path, s3_env: dict[str, str], pg_url: str) -> None:
+    """A training task's presigned URLs travel in its (sealed) argument only: the
+    message headers and the task-sent event, which the dashboard and any event
+    listener read, show who the task is for (Celery's ``argsrepr``,
+    ``fedq.coordinator.intake.Sent.shown``), not a repr of its argument. No training
+    worker runs: a synchronous and a buffered job's tasks wait in the cpu queue."""
+    import base64
+    import json
+    import re
+
+    import redis
+
+    from tests.conftest import migrated_cluster, private_redis
+
+    endpoint = s3_env["FEDQ_S3_ENDPOINT_URL"]
+    with private_redis() as (url, _):
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        cluster.env.update(FEDQ_BLOB_URL="s3://fedq/shown", FEDQ_PRESIGN_ENDPOINT=endpoint,
+                           FEDQ_S3_ENDPOINT_URL=endpoint)
+        client = redis.Redis.from_url(url)
+        events = client.pubsub()
+        events.psubscribe("*celeryev*")
+        try:
+            cluster.start(control=["control"])
+            sync = cluster.submit({**SPEC, "name": "shown"})
+            buffered = cluster.submit({**{k: v for k, v in SPEC.items() if k != "min_clients"},
+                                       "name": "shown-buffered",
+                                       "aggregation": {"mode": "buffered", "buffer": 2}})
+            wait_until(lambda: client.llen("cpu") >= 4, 60,
+                       what=lambda: cluster.by_name("control").tail())
+            messages = [json.loads(m) for m in client.lrange("cpu", 0, -1)]
+            sent = []
+            while (event := events.get_message(timeout=1)) is not None:
+                if event["type"] == "pmessage":
+                    sent.append(event["data"])
+        finally:
+            events.close()
+            client.close()
+            cluster.stop()
+    shown = [m["headers"]["argsrepr"] for m in messages]
+    assert len(shown) == 4, shown
+    assert len([x for x in shown if re.fullmatch(
+        f"job {sync} round 1 client [0-3] attempt 1", x)]) == 2, shown
+    assert len([x for x in shown if re.fullmatch(
+        f"job {buffered} task [12] client [0-3] attempt 1", x)]) == 2, shown
+    for m in messages:
+        assert m["headers"]["kwargsrepr"] == "{}"
+        (ref,), _, _ = json.loads(base64.b64decode(m["body"]))
+        assert endpoint in json.dumps(ref)  # the URLs are in the argument, where they belong
+        assert endpoint not in json.dumps(m["headers"])
+    decoded = []  # one event, or a worker's group of them
+    for e in sent:
+        body = json.loads(base64.b64decode(json.loads(e)["body"]))
+        decoded += body if isinstance(body, list) else [body]
+    tasks_sent = {e["uuid"]: e["args"] for e in decoded if e.get("type") == "task-sent"}
+    assert sorted(tasks_sent[m["headers"]["id"]] for m in messages) == sorted(shown)
+    assert not [e for e in decoded if endpoint in json.dumps(e) or "X-Amz" in json.dumps(e)]
+    record("security", scenario="dashboard: a task's URLs", did="read every training "
+           "task's message headers and task-sent event (what Flower and any event "
+           "listener see)", fedq="the headers name the task (job, round or task, client, "
+           "attempt); no presigned URL", guard="argsrepr set by the coordinator "
+           "(intake.Sent.shown)", outcome="no URL outside the sealed argument")
 
 
 def test_presigned_urls_over_https_trust_only_the_ca_aws_ca_bundle_names(

@@ -151,7 +151,8 @@ def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
         sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
         app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
                                                      spec.round_timeout_s),),
-                      queue=t.queue, task_id=sent.task_id,
+                      queue=t.queue, task_id=sent.task_id, argsrepr=sent.shown,
+                      kwargsrepr="{}",
                       link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
                                          queue=CONTROL_QUEUE))
 

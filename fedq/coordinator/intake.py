@@ -97,6 +97,15 @@ class Sent:
         return task_id(self.job, self.round, self.attempt, self.client, self.gen)
 
     @property
+    def shown(self) -> str:
+        """What the task's message headers and task events show of it (Celery's
+        ``argsrepr``): who it is for, never its argument. Celery would otherwise put a
+        repr of the whole message there, for the dashboard: its presigned URLs, and
+        0.8 ms of the control worker's time a task (docs/benchmarks.md)."""
+        which = f"task {self.task}" if self.buffered else f"round {self.round}"
+        return f"job {self.job} {which} client {self.client} attempt {self.attempt}"
+
+    @property
     def update_key(self) -> str:
         """The one key this task's update may be stored under (a registered worker's:
         :meth:`key_of`)."""

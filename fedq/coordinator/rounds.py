@@ -135,7 +135,8 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
     header = [
         app.signature(TRAIN_TASK, args=(sent.message(spec_json, model, step,
                                                      spec.round_timeout_s),),
-                      queue=a.queue, task_id=sent.task_id)
+                      queue=a.queue, task_id=sent.task_id, argsrepr=sent.shown,
+                      kwargsrepr="{}")
         for a in plan
         for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]
     ]

@@ -340,6 +340,8 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
 def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
     for queue, tid, msg, shard in tasks:
         app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
+                      argsrepr=f"job {job_id} shard {shard} attempt {msg['attempt']}",
+                      kwargsrepr="{}",
                       link=app.signature(ABSORB_SHARD_TASK, args=(job_id, shard, msg["attempt"]),
                                          queue=CONTROL_QUEUE))
 

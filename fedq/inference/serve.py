@@ -377,7 +377,8 @@ class Batcher:
         try:
             await asyncio.to_thread(app.send_task, SERVE_TASK,
                                     args=(identity.seal(msg, tid, s.batch_timeout_s, s.keys),),
-                                    queue=queue, task_id=tid)
+                                    queue=queue, task_id=tid, kwargsrepr="{}",
+                                    argsrepr=f"{self.op} of {len(batch)} items")
             deadline = time.monotonic() + s.batch_timeout_s
             wait = 0.001
             while time.monotonic() < deadline:
