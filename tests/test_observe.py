@@ -337,14 +337,20 @@ def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, st
     assert "broker redis://127.0.0.1:1/0 is not reachable" in bad.stderr
 
 
-def test_a_rounds_measurements_fold_into_each_worker_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_rounds_measurements_fold_into_each_worker_in_order(tmp_path: Path,
+                                                              shared: bool) -> None:
     """A round's throughput and task rows, workers interleaved as results arrive, fold
     into each worker's row as if applied one by one: the moving average in order, every
     task and failure counted, the last task's GPU figures kept; rows of tasks still
-    training or missing, or of no worker, count nothing."""
-    from fedq.coordinator.roster import ema, record_tasks, record_throughput
+    training or missing, or of no worker, count nothing. The workers' rows are read in
+    one SELECT for each call, or one for both when the caller reads them (``shared``,
+    as a round's commit does)."""
+    from sqlalchemy import event
+
+    from fedq.coordinator.roster import ema, record_tasks, record_throughput, worker_rows
     from fedq.db import ClientUpdate, Worker, session_scope
-    from fedq.db.session import ensure_schema
+    from fedq.db.session import connect, ensure_schema
     from fedq.status import UpdateStatus
 
     db = f"sqlite:///{tmp_path / 'fedq.db'}"
@@ -362,9 +368,21 @@ def test_a_rounds_measurements_fold_into_each_worker_in_order(tmp_path: Path) ->
     rows = [row("a@x", UpdateStatus.OK, 10.0), row("b@y", UpdateStatus.REJECTED),
             row("a@x", UpdateStatus.ERROR, 20.0), row("b@y", UpdateStatus.MISSING),
             row("?", UpdateStatus.ERROR)]
-    with session_scope(db) as s:
-        record_throughput(s, measured)
-        record_tasks(s, rows)
+    reads: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "FROM workers" in statement:
+            reads.append(statement)
+
+    event.listen(connect(db), "before_cursor_execute", count)
+    try:
+        with session_scope(db) as s:
+            workers = worker_rows(s, ["a@x", "b@y"]) if shared else None
+            record_throughput(s, measured, workers)
+            record_tasks(s, rows, workers)
+    finally:
+        event.remove(connect(db), "before_cursor_execute", count)
+    assert len(reads) == (1 if shared else 2), reads
     with session_scope(db) as s:
         a, b = s.get(Worker, "a@x"), s.get(Worker, "b@y")
         assert a is not None and b is not None

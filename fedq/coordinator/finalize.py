@@ -50,7 +50,12 @@ from fedq.coordinator.policy import (
     pick_results,
     yielded_clients,
 )
-from fedq.coordinator.roster import record_tasks, record_throughput
+from fedq.coordinator.roster import (
+    record_tasks,
+    record_throughput,
+    task_worker,
+    worker_rows,
+)
 from fedq.coordinator.rounds import redispatch, request_round, start_round
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
@@ -344,8 +349,10 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
             s.rollback()
             return False, False
         insert_rows(s, rows)
-        record_throughput(s, throughput)
-        record_tasks(s, rows)
+        workers = worker_rows(s, [h for h, _, _ in throughput] +
+                              [w for r in rows if (w := task_worker(r)) is not None])
+        record_throughput(s, throughput, workers)
+        record_tasks(s, rows, workers)
         job = s.get(Job, job_id)
         assert job is not None
         done = True
