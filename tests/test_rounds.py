@@ -112,3 +112,30 @@ def test_three_rounds_embedded_is_deterministic(tmp_path: Path) -> None:
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     status = cluster.fedq("status", first)
     assert first in status.stdout and "completed" in status.stdout
+
+
+def test_a_rounds_chord_names_its_tasks_and_its_body_carries_no_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``dispatch`` hands Celery: each training task's headers show who it is for
+    (``argsrepr``); the body, ``finalize_round``, is immutable, so the chord's last
+    worker sends it without the header's results (Celery clones it with them when the
+    chord fires: an immutable signature keeps its own arguments). At 1,000 clients
+    those results made a message of a megabyte that nobody read."""
+    from fedq.coordinator import rounds
+    from fedq.coordinator.planning import Assignment
+    from fedq.spec import JobSpec
+
+    sent: list[tuple[list, object]] = []
+    monkeypatch.setattr(rounds, "chord", lambda header: lambda body: sent.append((header, body)))
+    spec = JobSpec.model_validate({**DIGITS, "name": "chord"})
+    model = BlobRef("jobs/j1/r00000/global.safetensors", "0" * 64, 10)
+    rounds.dispatch("j1", 3, spec, model, [Assignment(0, "cpu"), Assignment(2, "gpu_new")],
+                    attempt=1, gen=7)
+    (header, body), = sent
+    assert [t.options["argsrepr"] for t in header] == [
+        "job j1 round 3 client 0 attempt 1", "job j1 round 3 client 2 attempt 1"]
+    assert [t.options["queue"] for t in header] == ["cpu", "gpu_new"]
+    assert body.immutable and body.options["queue"] == "control"
+    fired = body.clone(args=([{"status": "ok", "client": 0}, {"status": "ok"}],))
+    assert tuple(fired.args) == (None, "j1", 3)
+    assert body.options["argsrepr"] == "job j1 round 3"

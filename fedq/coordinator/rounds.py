@@ -140,7 +140,12 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
         for a in plan
         for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]
     ]
-    body = app.signature(FINALIZE_ROUND_TASK, args=(job_id, round_number), queue=CONTROL_QUEUE)
+    # immutable: the chord's last worker sends the body without the header's results
+    # (finalize reads each result by its task id; tasks/control.py), so the message
+    # stays small at any number of clients and carries nothing a worker returned
+    body = app.signature(FINALIZE_ROUND_TASK, args=(None, job_id, round_number),
+                         queue=CONTROL_QUEUE, immutable=True,
+                         argsrepr=f"job {job_id} round {round_number}", kwargsrepr="{}")
     chord(header)(body)
 
 

@@ -33,9 +33,10 @@ def start_round(job_id: str, round_number: int) -> dict[str, Any]:
 
 @app.task(name=FINALIZE_ROUND_TASK, time_limit=CONTROL_TIME_LIMIT)
 def finalize_round(results: Any, job_id: str, round_number: int) -> dict[str, Any]:
-    """The chord's body: a doorbell. ``results`` (what the header tasks returned, or
-    what a worker says they returned) is never read: finalize reads each result back
-    by the task id it sent (fedq/coordinator/intake.py)."""
+    """The chord's body: a doorbell. ``results`` is None (the body is immutable:
+    fedq/coordinator/rounds.py), or what the header tasks returned in a message of an
+    earlier fedq, or what a worker says they returned; it is never read: finalize reads
+    each result back by the task id it sent (fedq/coordinator/intake.py)."""
     from fedq.coordinator import finalize
 
     del results
