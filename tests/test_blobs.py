@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -132,3 +133,29 @@ def test_store_init_on_a_dead_server_is_one_line(monkeypatch: pytest.MonkeyPatch
     assert result.exit_code != 0
     assert "Traceback" not in result.output
     assert "cannot create the bucket" in result.output
+
+
+def test_write_hashing_hashes_small_blobs_first_and_large_ones_beside_the_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either way the digest is the parts' sha256 and the write runs once; a blob under
+    HASH_BESIDE_BYTES starts no thread (its start and join cost more than the hash)."""
+    import hashlib
+
+    import fedq.blobs.base as base
+
+    started: list[int] = []
+    real_pool = base.ThreadPoolExecutor
+
+    def pool(**kwargs: Any) -> Any:
+        started.append(1)
+        return real_pool(**kwargs)
+
+    monkeypatch.setattr(base, "ThreadPoolExecutor", pool)
+    writes: list[int] = []
+    for size, threads in ((19_000, 0), (base.HASH_BESIDE_BYTES, 1)):
+        parts = [bytes(range(256)) * (size // 512), memoryview(b"\x07" * (size - size // 2))]
+        writes.clear()
+        digest = base.write_hashing(lambda: writes.append(1), parts)
+        assert digest == hashlib.sha256(b"".join(bytes(p) for p in parts)).hexdigest()
+        assert writes == [1] and len(started) == threads, size
+        started.clear()
