@@ -367,8 +367,9 @@ def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
             select(Availability).where(Availability.hostname == "a@test")
             .order_by(Availability.id))]
     assert history[-2:] == [(False, "heartbeat lost"), (True, None)], history
-    record_outcome("a site's only worker paused (SIGSTOP) mid-task, resumed after its job "
-                   "completed (sites, buffered; Redis)", "SIGSTOP/SIGCONT of the worker",
+    record_outcome("a site's only worker paused (SIGSTOP) mid-task, resumed once the other "
+                   "site had trained on (sites, buffered; Redis)",
+                   "SIGSTOP/SIGCONT of the worker",
                    "its site closed once its heartbeat stopped, the other site trained on; "
                    "open again once the same process was idle and said it was here",
                    len(cluster.rounds(job)), 0)
