@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
+from kombu import Connection
 from sqlalchemy import select
 
 from fedq.coordinator.buffered import _new_tasks, pick_client
@@ -36,6 +38,7 @@ from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
 from fedq.testing.cluster import DIGITS, Cluster, power_supply, record_outcome
+from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 
 SITES = {"north": [0, 1], "south": [2, 3], "east": [4, 5]}
@@ -320,6 +323,41 @@ def test_a_worker_saying_it_is_here_reopens_only_a_lost_site(tmp_path: Path) -> 
         assert (rows["e@c"].available, rows["e@c"].away_reason) == (False, "worker stopped")
 
 
+TWO_SITES = {"a": [0, 1], "b": [2, 3]}
+
+
+def _sites_open(db: str) -> Callable[[], frozenset[str]]:
+    def sites_open() -> frozenset[str]:
+        with session_scope(db) as s:
+            return open_sites(s, TWO_SITES)
+    return sites_open
+
+
+def _a_row(db: str) -> Callable[[], dict[str, object]]:
+    return lambda: next(w for w in list_workers(db) if w["hostname"] == "a@test")
+
+
+def _history(db: str, hostname: str) -> list[tuple[object, ...]]:
+    """``hostname``'s availability rows, oldest first: (at, available, reason)."""
+    with session_scope(db) as s:
+        return [(a.at.strftime("%H:%M:%S.%f"), a.available, a.reason) for a in s.scalars(
+            select(Availability).where(Availability.hostname == hostname)
+            .order_by(Availability.id))]
+
+
+def _two_sites(cluster: Cluster, **env: str) -> WorkerProcess:
+    """Sites a and b of TWO_SITES, one worker each, the control worker and beat (the
+    watchdog each second): b's worker trains at full speed, a's, returned, 20× slower
+    (the one a test pauses or kills); returns once both sites are open."""
+    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1", **env)
+    cluster.start(control=["control"], b=["site.b"])
+    cluster.start_beat()
+    worker = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
+    sites_open = _sites_open(cluster.env["FEDQ_DATABASE_URL"])
+    wait_until(lambda: sites_open() == set(TWO_SITES), 60, what=worker.tail)
+    return worker
+
+
 @pytest.mark.slow
 def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
         redis_cluster: Cluster) -> None:
@@ -328,22 +366,9 @@ def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
     closed, and b trains on alone. Resumed (SIGCONT, the same process: it does not
     register again), it says it is here once idle (FEDQ_PRESENCE_S) and site a opens."""
     cluster = redis_cluster
-    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1",
-                       FEDQ_WORKER_LOST_S="4", FEDQ_PRESENCE_S="1")
-    sites = {"a": [0, 1], "b": [2, 3]}
-    cluster.start(control=["control"], b=["site.b"])
-    cluster.start_beat()
-    sleeper = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
-    db = cluster.env["FEDQ_DATABASE_URL"]
-
-    def sites_open() -> frozenset[str]:
-        with session_scope(db) as s:
-            return open_sites(s, sites)
-
-    def a_row() -> dict[str, object]:
-        return next(w for w in list_workers(db) if w["hostname"] == "a@test")
-
-    wait_until(lambda: sites_open() == set(sites), 60, what=sleeper.tail)
+    sleeper = _two_sites(cluster, FEDQ_WORKER_LOST_S="4", FEDQ_PRESENCE_S="1")
+    sites, db = TWO_SITES, cluster.env["FEDQ_DATABASE_URL"]
+    sites_open, a_row = _sites_open(db), _a_row(db)
     job = cluster.submit({**DIGITS, "name": "paused-site", "num_clients": 4, "sites": sites,
                           "clients_per_round": 2, "rounds": 40, "round_timeout_s": 600,
                           "aggregation": {"mode": "buffered", "buffer": 2}})
@@ -385,21 +410,10 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
     the worker registers and a is open; a synchronous round whose a-worker is killed
     commits at its deadline with b's update, and the next round takes b's clients only."""
     cluster = redis_cluster
-    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1",
-                       FEDQ_WORKER_LOST_S="5")
-    sites = {"a": [0, 1], "b": [2, 3]}
+    victim = _two_sites(cluster, FEDQ_WORKER_LOST_S="5")
+    sites, db = TWO_SITES, cluster.env["FEDQ_DATABASE_URL"]
+    sites_open, a_row = _sites_open(db), _a_row(db)
     base = {**DIGITS, "name": "lost-site", "num_clients": 4, "sites": sites}
-    cluster.start(control=["control"], b=["site.b"])
-    cluster.start_beat()
-    victim = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
-    db = cluster.env["FEDQ_DATABASE_URL"]
-
-    def sites_open() -> frozenset[str]:
-        with session_scope(db) as s:
-            return open_sites(s, sites)
-
-    def a_row() -> dict[str, object]:
-        return next(w for w in list_workers(db) if w["hostname"] == "a@test")
 
     def kill_a_while_it_trains(job: str) -> None:
         # this job's task (a restarted worker may first be handed the killed task of
@@ -411,7 +425,6 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
         assert mine.search(victim.log_path.read_bytes()), f"a never trained {job}"
         victim.kill()
 
-    wait_until(lambda: sites_open() == set(sites), 60, what=victim.tail)
     buffered = cluster.submit({**base, "name": "lost-buffered", "clients_per_round": 2,
                                "rounds": 4, "round_timeout_s": 600,
                                "aggregation": {"mode": "buffered", "buffer": 2}})
@@ -433,6 +446,12 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
                            env={**cluster.env, "COLUMNS": "300"}).stdout
     assert "lost: heartbeat stopped" in next(x for x in shown.splitlines() if "a@test" in x), \
         shown
+    # The buffered job's tasks moved from site.a are still queued there. A worker that
+    # starts now would train them first (fedq does not yet tell it that their job
+    # ended), and could hold the synchronous job's task back past its round's
+    # deadline, so that a is never seen to take it: they go.
+    with Connection(cluster.env["FEDQ_BROKER_URL"]) as conn:
+        conn.default_channel.queue_purge("site.a")
     # started again: it registers, and a is open
     victim = cluster.replace("a", FEDQ_SLOWDOWN="20")
     wait_until(lambda: sites_open() == set(sites), 60, what=victim.tail)
@@ -450,7 +469,7 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
     kill_a_while_it_trains(sync)
     view = cluster.wait(sync, timeout=150)
     assert view.status == "completed", view.error
-    assert a_row()["away_reason"] == "heartbeat lost"
+    assert a_row()["away_reason"] == "heartbeat lost", _history(db, "a@test")
     trained = {(u.round_number, u.client) for u in cluster.updates(sync)
                if u.status == UpdateStatus.OK}
     assert {c for r, c in trained if r == 2} <= {2, 3} and len(trained) >= 2, trained
