@@ -71,6 +71,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
+from fedq.engine.revoke import revoke
 from fedq.process import PROCESS
 from fedq.refs import StepRef
 from fedq.settings import Settings
@@ -296,7 +297,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         status = row.status
     _send(job_id, spec, tasks)
     if revoke:
-        _revoke(revoke)
+        _revoke(revoke, "its job failed")
     out: dict[str, Any] = {"status": status, "version": version}
     if full:
         out["applied"] = apply_ready(settings, job_id)
@@ -394,7 +395,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             _ensure_version(s, job, spec, version + 1)
     commit.settle(settings, store, spec, job_id, new)
     if revoke:
-        _revoke(revoke)
+        _revoke(revoke, "its job completed")
     accuracy = new.accuracy
     log.info("job %s version %d committed: accuracy %s, %d updates, staleness %s, "
              "apply %.2fs", job_id, version, "-" if accuracy is None else f"{accuracy:.4f}",
@@ -427,7 +428,7 @@ def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> 
             job.status, job.error, job.finished_at = JobStatus.FAILED, failing, utcnow()
             revoke = _close_training(s, job_id, "the job failed")
     if revoke:
-        _revoke(revoke)
+        _revoke(revoke, "its job failed")
 
 
 def _close_training(s: Session, job_id: str, why: str) -> list[str]:
@@ -440,9 +441,10 @@ def _close_training(s: Session, job_id: str, why: str) -> list[str]:
     return ids
 
 
-def _revoke(ids: list[str]) -> None:
+def _revoke(ids: list[str], why: str) -> None:
+    """Revoke ``ids``, also for workers that start later (fedq/engine/revoke.py)."""
     try:
-        app.control.revoke(ids)
+        revoke(ids, why)
     except Exception:  # the tasks finish and are recorded as late: only compute is lost
         log.warning("could not revoke %d task(s) of a buffered job", len(ids))
 
@@ -550,7 +552,8 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
             tasks = _new_tasks(s, job, spec, [row.queue or "cpu"], closed=closed)
             action = "replace"
     if closed is not None:
-        _revoke([task_id(job_id, index, attempt)])
+        _revoke([task_id(job_id, index, attempt)],
+                f"the workers of {closed} are lost or stopped: its slot went elsewhere")
     _send(job_id, spec, tasks)
     log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
     return {"job": job_id, "task": index, "action": action}

@@ -19,8 +19,8 @@ from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
-from fedq.engine.app import app
 from fedq.engine.broker import check_broker
+from fedq.engine.revoke import revoke
 from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
 from fedq.settings import Settings
 from fedq.spec import JobSpec
@@ -109,7 +109,7 @@ def cancel(settings: Settings, job_id: str) -> int:
             rnd.status, rnd.error, rnd.finished_at = RoundStatus.FAILED, "cancelled", utcnow()
     if ids:
         try:
-            app.control.revoke(ids)
+            revoke(ids, "its job was cancelled")
         except Exception as exc:  # kombu raises transport-specific errors
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise ServiceUnavailable(

@@ -11,6 +11,7 @@ import fedq.identity as identity
 from fedq.blobs.presigned import PresignedStore
 from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
+from fedq.engine.revoke import revoked
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker import owner
@@ -38,6 +39,13 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
         except identity.Refused as exc:
             log.warning("%s", exc)
             return me.sign_result(refusal(ref, worker, str(exc)), task_id)
+    # a task revoked before this worker started (its job ended, its slot moved) waited
+    # in the queue: answered at once, untrained (fedq/engine/revoke.py)
+    why = revoked(self.backend, task_id)
+    if why is not None:
+        log.warning("not trained: task %s was revoked (%s)", task_id, why)
+        result = refusal(ref, worker, f"revoked before it started: {why}")
+        return result if me is None else me.sign_result(result, task_id)
     delivered = (self.request.delivery_info or {}).get("routing_key")
     if delivered:
         ref = {**ref, "queue": delivered}

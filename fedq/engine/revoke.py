@@ -1,0 +1,43 @@
+"""Revoking training tasks so that a worker started later refuses them too.
+
+Celery's revoke is a broadcast on the remote-control channel: the workers alive at that
+moment remember the ids in memory, and a worker started afterwards never hears of it
+(Mingle, which would copy the list at start-up, is off: docs/architecture.md). So a
+worker that started after a job was cancelled, failed or completed, or after a closed
+site's slot moved elsewhere, took the revoked task still waiting in its queue, trained
+it in full and sent an update nobody wanted, while the live tasks behind it waited.
+
+:func:`revoke` therefore also stores each id as ``REVOKED`` in the result backend, and
+the training task reads its own state there before it claims the task
+(fedq/tasks/train.py): a revoked task is answered at once, untrained.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from celery import states
+
+from fedq.engine.app import app
+
+log = logging.getLogger(__name__)
+
+
+def revoke(ids: Sequence[str], why: str) -> None:
+    """Revoke the tasks ``ids``: each is marked ``REVOKED`` in the result backend, then
+    the revocation is broadcast to the live workers. Raises what the backend or broker
+    raises."""
+    for tid in ids:
+        app.backend.mark_as_revoked(tid, reason=why[:200])
+    if ids:
+        app.control.revoke(list(ids))
+
+
+def revoked(backend: Any, task_id: str) -> str | None:
+    """Why task ``task_id`` was revoked, if :func:`revoke` marked it; else None."""
+    meta = backend.get_task_meta(task_id)
+    if not isinstance(meta, dict) or meta.get("status") != states.REVOKED:
+        return None
+    return str(meta.get("result") or "revoked")[:200]
