@@ -48,3 +48,29 @@ def test_a_worker_started_after_a_cancel_trains_none_of_the_jobs_tasks(
                            "clients_per_round": 2, "rounds": 1})
     assert cluster.wait(live, timeout=120).status == JobStatus.COMPLETED
     assert worker.log_path.read_text().count("training: client") == 2
+
+
+@pytest.mark.slow
+def test_a_rounds_straggler_still_queued_when_it_commits_is_never_trained(
+        redis_cluster: Cluster) -> None:
+    """Site b has no worker while a synchronous job runs: each round commits at its
+    deadline with site a's two clients, and b's task, still in site.b's queue, is
+    revoked. The worker b starts afterwards refuses both rounds' tasks, untrained."""
+    cluster = redis_cluster
+    cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1")
+    cluster.start(control=["control"], a=["site.a"])
+    cluster.start_beat()
+    job = cluster.submit({**DIGITS, "name": "straggler", "num_clients": 3,
+                          "clients_per_round": 3, "rounds": 2, "min_clients": 2,
+                          "round_timeout_s": 8, "sites": {"a": [0, 1], "b": [2]}})
+    assert cluster.wait(job, timeout=120).status == JobStatus.COMPLETED
+    missing = [(u.round_number, u.client) for u in cluster.updates(job)
+               if u.status == UpdateStatus.MISSING]
+    assert missing == [(1, 2), (2, 2)], missing
+    assert _waiting(cluster.env["FEDQ_BROKER_URL"], "site.b") == 2
+    b = cluster.add("b", ["site.b"])
+    wait_until(lambda: b.log_path.read_bytes().count(b"not trained: task") == 2, 60,
+               what=b.tail)
+    log = b.log_path.read_text()
+    assert "training: client" not in log, log
+    assert "(round 1 committed without it)" in log and "(round 2 committed without it)" in log

@@ -34,7 +34,7 @@ from sqlalchemy import select, update
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit
 from fedq.coordinator.enrol import registry_if_required
-from fedq.coordinator.intake import Sent, admit, known_limits
+from fedq.coordinator.intake import Sent, admit, known_limits, task_id
 from fedq.coordinator.pipeline import (
     Outcome,
     UpdateRecord,
@@ -62,6 +62,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, insert_rows, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
+from fedq.engine.revoke import revoke
 from fedq.phases import current_times, phase, recording, summary
 from fedq.process import PROCESS
 from fedq.refs import UpdateRef
@@ -215,6 +216,8 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
                                   total=spec.rounds)
     if not committed:
         return {"status": "skipped", "reason": "round committed by another delivery"}
+    if decision.missing:  # before the next round's tasks queue up behind them
+        _revoke_stragglers(rnd, decision.missing)
     with phase("settle"):
         commit.settle(settings, store, spec, job_id, new)
     if done:
@@ -228,6 +231,20 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
              outcome.accepted, seconds, time.perf_counter() - started)
     log.info("job %s round %d finalize phases: %s", job_id, number, summary(current_times()))
     return {"status": "committed", "round": number, "accuracy": accuracy}
+
+
+def _revoke_stragglers(rnd: OpenRound, missing: Sequence[int]) -> None:
+    """The tasks of clients a committed round went without: one still in its queue is
+    refused untrained by the worker that takes it (fedq/engine/revoke.py); one already
+    training goes on and is recorded late."""
+    st = rnd.state
+    ids = [task_id(st.job, st.number, a, c, st.gen) for c in missing
+           for a in range(1, st.attempt + 1)]
+    try:
+        revoke(ids, f"round {st.number} committed without it")
+    except Exception as exc:  # noqa: BLE001 - they train and are recorded late: compute only
+        log.warning("job %s round %d: could not revoke %d straggler task(s): %s", st.job,
+                    st.number, len(ids), exc)
 
 
 def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:
