@@ -442,7 +442,9 @@ def test_generate_on_redis_survives_a_worker_sigkill(
                                   "args": TINY_GPT, "dataset_args": SMALL_TEXT},
                  inputs={"prompts": prompts.name}, op="generate",
                  generate={"max_tokens": 150, "temperature": 0.9, "top_k": 20, "seed": 11},
-                 shard_size=4, batch_size=4, shard_timeout_s=3, max_redispatch=3)
+                 shard_size=4, batch_size=4, shard_timeout_s=20, max_redispatch=3)
+    # (20 s: each timeout while w1 is merely slow counts as a re-send; on a loaded
+    # machine w1 took 12 s for a shard, and with 3 s timeouts the job failed)
     job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
 
     def done_by(worker: str) -> bool:
