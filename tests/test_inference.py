@@ -487,7 +487,8 @@ def test_generate_on_redis_survives_a_worker_sigkill(
 @pytest.mark.slow
 def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis_cluster: Cluster,
                                                      tmp_path: Path) -> None:
-    """Cancelled before any worker took a shard, then resumed: the job completes once."""
+    """Cancelled before any worker took a shard, then resumed: the job completes once,
+    and the worker started between the two never runs the cancelled shards."""
     cluster = redis_cluster
     cluster.start(control=["control"])
     weights = _gpt_file(tmp_path)
@@ -507,10 +508,14 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
     refused = cluster.fedq("results", job, "--out", str(out), check=False)
     assert refused.returncode == 1 and "not completed" in refused.stderr
     assert not out.exists()
-    cluster.add("w1", ["cpu"])
+    w1 = cluster.add("w1", ["cpu"])
     assert "resumed: 11 shard(s) to go" in cluster.fedq("resume", job).stdout
     watched = cluster.fedq("watch", job, timeout=240)
     assert "completed" in watched.stdout, watched.stdout + watched.stderr
+    # w1 started after the cancel: it never heard the broadcast, and refused the two
+    # revoked shards from the result backend's mark (fedq/engine/revoke.py), unrun
+    log = w1.log_path.read_text()
+    assert log.count("not run: task") == 2 and log.count("(its job was cancelled)") == 2, log
     cluster.fedq("results", job, "--out", str(out))
     got = _read_out(out)
     import pyarrow.parquet as pq

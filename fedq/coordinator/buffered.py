@@ -71,7 +71,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
 from fedq.engine.app import app
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
-from fedq.engine.revoke import revoke
+from fedq.engine.revoke import revoke_quietly
 from fedq.process import PROCESS
 from fedq.refs import StepRef
 from fedq.settings import Settings
@@ -443,10 +443,7 @@ def _close_training(s: Session, job_id: str, why: str) -> list[str]:
 
 def _revoke(ids: list[str], why: str) -> None:
     """Revoke ``ids``, also for workers that start later (fedq/engine/revoke.py)."""
-    try:
-        revoke(ids, why)
-    except Exception:  # the tasks finish and are recorded as late: only compute is lost
-        log.warning("could not revoke %d task(s) of a buffered job", len(ids))
+    revoke_quietly(ids, why, "task(s) of a buffered job")
 
 
 def cancel_ids(s: Session, job_id: str) -> list[str]:

@@ -62,7 +62,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, insert_rows, new_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
-from fedq.engine.revoke import revoke
+from fedq.engine.revoke import revoke_quietly
 from fedq.phases import current_times, phase, recording, summary
 from fedq.process import PROCESS
 from fedq.refs import UpdateRef
@@ -240,11 +240,8 @@ def _revoke_stragglers(rnd: OpenRound, missing: Sequence[int]) -> None:
     st = rnd.state
     ids = [task_id(st.job, st.number, a, c, st.gen) for c in missing
            for a in range(1, st.attempt + 1)]
-    try:
-        revoke(ids, f"round {st.number} committed without it")
-    except Exception as exc:  # noqa: BLE001 - they train and are recorded late: compute only
-        log.warning("job %s round %d: could not revoke %d straggler task(s): %s", st.job,
-                    st.number, len(ids), exc)
+    revoke_quietly(ids, f"round {st.number} committed without it",
+                   f"straggler task(s) of job {st.job} round {st.number}")
 
 
 def _rows(job_id: str, records: Sequence[UpdateRecord]) -> list[ClientUpdate]:

@@ -8,8 +8,10 @@ site's slot moved elsewhere, took the revoked task still waiting in its queue, t
 it in full and sent an update nobody wanted, while the live tasks behind it waited.
 
 :func:`revoke` therefore also stores each id as ``REVOKED`` in the result backend, and
-the training task reads its own state there before it claims the task
-(fedq/tasks/train.py): a revoked task is answered at once, untrained.
+the training and inference tasks read their own state there before they start
+(fedq/tasks/train.py, fedq/tasks/infer.py): a revoked task is answered at once, untrained.
+:func:`revoke_quietly` is the same for callers whose tasks may as well run (a job that
+ended, a round that committed): it logs a failure instead of raising it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,21 @@ def revoke(ids: Sequence[str], why: str) -> None:
         app.backend.mark_as_revoked(tid, reason=why[:200])
     if ids:
         app.control.revoke(list(ids))
+
+
+def revoke_quietly(ids: Sequence[str], why: str, what: str) -> bool:
+    """:func:`revoke`, logging instead of raising when the backend or broker fails: the
+    tasks then run and their answers are dropped or recorded late, only compute is lost.
+    ``what`` names the tasks in that warning ("straggler task(s) of job J round N")."""
+    if not ids:
+        return True
+    try:
+        revoke(ids, why)
+    except Exception as exc:  # noqa: BLE001 - kombu and redis raise transport-specific errors
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        log.warning("could not revoke %d %s: %s", len(ids), what, first)
+        return False
+    return True
 
 
 def revoked(backend: Any, task_id: str) -> str | None:

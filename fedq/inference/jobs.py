@@ -41,6 +41,7 @@ from fedq.db.session import ensure_schema
 from fedq.engine.app import app
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
+from fedq.engine.revoke import revoke_quietly
 from fedq.errors import BlobError, FedqError, JobNotFound, SpecError, require_extra
 from fedq.inference.messages import (
     LINE_BYTES,
@@ -464,7 +465,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
                 tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
         status = row.status
     _send(job_id, tasks)
-    _revoke(revoke)
+    _revoke(revoke, "its job failed")
     return {"status": status if verdict.status == "ok" else verdict.status, "shard": shard,
             "error": verdict.error}
 
@@ -478,13 +479,10 @@ def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:
     return ids
 
 
-def _revoke(ids: list[str]) -> None:
-    if not ids:
-        return
-    try:
-        app.control.revoke(ids)
-    except Exception:  # noqa: BLE001 - the shards finish and are dropped: only compute lost
-        log.warning("could not revoke %d inference task(s)", len(ids))
+def _revoke(ids: list[str], why: str) -> None:
+    """Revoke ``ids``, also for workers that start later (fedq/engine/revoke.py): the
+    shards would finish and be dropped, only compute is lost if this fails."""
+    revoke_quietly(ids, why, "inference task(s)")
 
 
 # -- repair, cancel, resume ---------------------------------------------------------
@@ -534,7 +532,7 @@ def cancel(settings: Settings, job_id: str) -> int:
             raise FedqError(f"job {job_id} is {job.status}, not running")
         job.status, job.error, job.finished_at = JobStatus.CANCELLED, "cancelled by user", utcnow()
         ids = _close(s, job_id, QUEUED, "cancelled")
-    _revoke(ids)
+    _revoke(ids, "its job was cancelled")
     return len(ids)
 
 

@@ -19,6 +19,7 @@ from fedq.engine.names import (
     TRAIN_SOFT_TIME_LIMIT,
     TRAIN_TIME_LIMIT,
 )
+from fedq.engine.revoke import revoked
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker import owner
@@ -47,8 +48,14 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
         except identity.Refused as exc:
             log.warning("%s", exc)
             return me.sign_result({**base, "status": "error", "error": str(exc)}, task_id)
-    reason = owner.away()
-    if reason is not None:  # the owner is back: not started
+    # a shard revoked before this worker started (its job cancelled or failed) waited
+    # in the queue: answered untrained (fedq/engine/revoke.py)
+    why = revoked(self.backend, task_id)
+    reason = owner.away() if why is None else None
+    if why is not None:
+        log.warning("not run: task %s was revoked (%s)", task_id, why)
+        result = {**base, "status": "error", "error": f"revoked before it started: {why}"}
+    elif reason is not None:  # the owner is back: not started
         owner.stepped_aside()
         result = {**base, "status": "yielded", "error": f"not started: {reason}"}
     else:
