@@ -74,3 +74,24 @@ def test_a_rounds_straggler_still_queued_when_it_commits_is_never_trained(
     log = b.log_path.read_text()
     assert "training: client" not in log, log
     assert "(round 1 committed without it)" in log and "(round 2 committed without it)" in log
+
+
+@pytest.mark.slow
+def test_a_buffered_jobs_task_still_queued_when_it_completes_is_never_trained(
+        redis_cluster: Cluster) -> None:
+    """A buffered job keeps one task on gpu_new, which no worker consumes, while the cpu
+    worker makes every version: the job completes with that task still queued and
+    revokes it. A gpu_new worker started afterwards refuses it, untrained."""
+    cluster = redis_cluster
+    cluster.start(control=["control"], a=["cpu"])
+    job = cluster.submit({**DIGITS, "name": "completed-buffered", "num_clients": 4,
+                          "clients_per_round": 2, "rounds": 2,
+                          "queues": {"cpu": 1, "gpu_new": 1},
+                          "aggregation": {"mode": "buffered", "buffer": 1}})
+    assert cluster.wait(job, timeout=120).status == JobStatus.COMPLETED
+    assert _waiting(cluster.env["FEDQ_BROKER_URL"], "gpu_new") == 1
+    late = cluster.add("late", ["gpu_new"])
+    wait_until(lambda: b"not trained: task" in late.log_path.read_bytes(), 60, what=late.tail)
+    log = late.log_path.read_text()
+    assert "training: client" not in log, log
+    assert log.count("(its job completed)") == 1, log
