@@ -451,6 +451,23 @@ def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
     assert "--sites" in proc.stdout and "each client's data on one worker's" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_revoke_smoke_run_renders_its_table(redis_db: str) -> None:
+    """bench/revoke.py on small counts: both ways of revoking run on the bench's Redis
+    and the table renders (no speed assertion: the figures are the full run's, in
+    docs/architecture.md); a bad --sizes gets one line."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.revoke", "--sizes", "5,50",
+                           "--no-write"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=100, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 5 |", "| 50 |"))]
+    assert len(rows) == 2 and all(len(r.strip("|").split("|")) == 4 for r in rows), proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.revoke", "--sizes", "5,x"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "--sizes" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_owners_wait_smoke_run_renders_its_table(redis_db: str) -> None:

@@ -6,9 +6,13 @@ result backend, where the task's worker reads it before it claims the task
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from celery import Celery, states
 from kombu import Connection
 
+from fedq.engine.revoke import _mark_redis, revoked
 from fedq.status import JobStatus, UpdateStatus
 from fedq.testing.cluster import DIGITS, Cluster
 from fedq.testing.wait import wait_until
@@ -17,6 +21,35 @@ from fedq.testing.wait import wait_until
 def _waiting(broker_url: str, queue: str) -> int:
     with Connection(broker_url) as conn:
         return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
+
+def test_revoking_many_tasks_on_redis_stores_what_celery_would_and_keeps_successes(
+        redis_db: str) -> None:
+    """The batched marks (two round trips for any number of ids) are what Celery's
+    ``mark_as_revoked`` stores, a task that already succeeded keeps its result, and a
+    waiting subscriber hears each mark as it would Celery's."""
+    app = Celery("revoke-test", backend=redis_db, set_as_current=False)
+    backend = app.backend
+    backend.mark_as_revoked("t-celery", reason="its job was cancelled")
+    backend.store_result("t-done", {"status": "ok"}, states.SUCCESS)
+    pubsub = backend.client.pubsub()
+    pubsub.subscribe(backend.get_key_for_task("t-0"))
+    ids = [f"t-{i}" for i in range(300)] + ["t-done"]
+    _mark_redis(backend, ids, "its job was cancelled")
+    ours, celerys = (json.loads(backend.get(backend.get_key_for_task(t)))
+                     for t in ("t-0", "t-celery"))
+    for meta in (ours, celerys):
+        meta.pop("date_done")
+        meta.pop("task_id")
+    assert ours == celerys and ours["status"] == "REVOKED", (ours, celerys)
+    assert [revoked(backend, t) for t in ("t-0", "t-299", "t-done", "t-never")] == [
+        "its job was cancelled", "its job was cancelled", None, None]
+    assert backend.get_task_meta("t-done")["result"] == {"status": "ok"}
+    assert 0 < backend.client.ttl(backend.get_key_for_task("t-7")) <= backend.expires
+    heard = [m for m in iter(lambda: pubsub.get_message(timeout=1.0), None)
+             if m["type"] == "message"]
+    assert len(heard) == 1 and b"REVOKED" in heard[0]["data"], heard
+    pubsub.close()
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery import states
+from celery.backends.redis import RedisBackend
+from celery.exceptions import TaskRevokedError
 
 from fedq.engine.app import app
 
@@ -31,10 +33,37 @@ def revoke(ids: Sequence[str], why: str) -> None:
     """Revoke the tasks ``ids``: each is marked ``REVOKED`` in the result backend, then
     the revocation is broadcast to the live workers. Raises what the backend or broker
     raises."""
-    for tid in ids:
-        app.backend.mark_as_revoked(tid, reason=why[:200])
-    if ids:
-        app.control.revoke(list(ids))
+    if not ids:
+        return
+    if isinstance(app.backend, RedisBackend):
+        _mark_redis(app.backend, ids, why[:200])
+    else:
+        for tid in ids:
+            app.backend.mark_as_revoked(tid, reason=why[:200])
+    app.control.revoke(list(ids))
+
+
+def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str) -> None:
+    """What ``mark_as_revoked`` stores for each id, in two round trips for all of them
+    instead of two each (0.43 ms an id on local Redis: 4.3 s to cancel 10,000 tasks).
+    As Celery's ``store_result`` does, a task whose result is already ``SUCCESS`` keeps
+    it: the coordinator may still read that result (a lost callback)."""
+    keys = [backend.get_key_for_task(tid) for tid in ids]
+    with backend.client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+        stored = pipe.execute()
+    result = backend.encode_result(TaskRevokedError(why), states.REVOKED)
+    with backend.client.pipeline(transaction=False) as pipe:
+        for tid, key, now in zip(ids, keys, stored):
+            if now is not None and backend.decode_result(now).get("status") == states.SUCCESS:
+                continue
+            meta = backend._get_result_meta(result=result, state=states.REVOKED,
+                                            traceback=None, request=None)
+            value = backend.encode({**meta, "task_id": tid})
+            pipe.set(key, value, ex=backend.expires or None)
+            pipe.publish(key, value)  # as RedisBackend.set: a waiting AsyncResult hears it
+        pipe.execute()
 
 
 def revoke_quietly(ids: Sequence[str], why: str, what: str) -> bool:
