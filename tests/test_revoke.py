@@ -34,7 +34,9 @@ def test_revoking_many_tasks_on_redis_stores_what_celery_would_and_keeps_success
     backend.store_result("t-done", {"status": "ok"}, states.SUCCESS)
     pubsub = backend.client.pubsub()
     pubsub.subscribe(backend.get_key_for_task("t-0"))
-    ids = [f"t-{i}" for i in range(300)] + ["t-done"]
+    backend.client.set(backend.get_key_for_task("t-junk"), b"\xff not json")  # a worker's
+    backend.client.set(backend.get_key_for_task("t-list"), b"[1, 2]")
+    ids = [f"t-{i}" for i in range(300)] + ["t-done", "t-junk", "t-list"]
     _mark_redis(backend, ids, "its job was cancelled")
     ours, celerys = (json.loads(backend.get(backend.get_key_for_task(t)))
                      for t in ("t-0", "t-celery"))
@@ -42,8 +44,8 @@ def test_revoking_many_tasks_on_redis_stores_what_celery_would_and_keeps_success
         meta.pop("date_done")
         meta.pop("task_id")
     assert ours == celerys and ours["status"] == "REVOKED", (ours, celerys)
-    assert [revoked(backend, t) for t in ("t-0", "t-299", "t-done", "t-never")] == [
-        "its job was cancelled", "its job was cancelled", None, None]
+    assert [revoked(backend, t) for t in ("t-0", "t-299", "t-junk", "t-list", "t-done",
+                                          "t-never")] == ["its job was cancelled"] * 4 + [None] * 2
     assert backend.get_task_meta("t-done")["result"] == {"status": "ok"}
     assert 0 < backend.client.ttl(backend.get_key_for_task("t-7")) <= backend.expires
     heard = [m for m in iter(lambda: pubsub.get_message(timeout=1.0), None)

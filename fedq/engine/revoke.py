@@ -58,12 +58,24 @@ def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str) -> None:
                                     request=None)  # one date_done for the batch
     with backend.client.pipeline(transaction=False) as pipe:
         for tid, key, now in zip(ids, keys, stored):
-            if now is not None and backend.decode_result(now).get("status") == states.SUCCESS:
+            if _succeeded(backend, now):
                 continue
             value = backend.encode({**meta, "task_id": tid})
             pipe.set(key, value, ex=backend.expires or None)
             pipe.publish(key, value)  # as RedisBackend.set: a waiting AsyncResult hears it
         pipe.execute()
+
+
+def _succeeded(backend: RedisBackend, stored: bytes | None) -> bool:
+    """Whether a result backend value is a ``SUCCESS``; anything that does not decode
+    (a worker can write its task's key) is not, and is overwritten."""
+    if stored is None:
+        return False
+    try:
+        meta = backend.decode_result(stored)
+    except Exception:  # noqa: BLE001 - kombu's decode raises what the payload makes it
+        return False
+    return isinstance(meta, dict) and meta.get("status") == states.SUCCESS
 
 
 def revoke_quietly(ids: Sequence[str], why: str, what: str) -> bool:
