@@ -79,6 +79,8 @@ from fedq.spec import JobSpec
 from fedq.status import FAILED_UPDATES, JobStatus, RoundStatus, UpdateStatus
 
 log = logging.getLogger(__name__)
+BUFFERED_TASKS = "task(s) of a buffered job"  # as revoke_quietly's warning names them
+
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -297,7 +299,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         status = row.status
     _send(job_id, spec, tasks)
     if revoke:
-        _revoke(revoke, "its job failed")
+        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS)
     out: dict[str, Any] = {"status": status, "version": version}
     if full:
         out["applied"] = apply_ready(settings, job_id)
@@ -395,7 +397,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             _ensure_version(s, job, spec, version + 1)
     commit.settle(settings, store, spec, job_id, new)
     if revoke:
-        _revoke(revoke, "its job completed")
+        revoke_quietly(revoke, "its job completed", BUFFERED_TASKS)
     accuracy = new.accuracy
     log.info("job %s version %d committed: accuracy %s, %d updates, staleness %s, "
              "apply %.2fs", job_id, version, "-" if accuracy is None else f"{accuracy:.4f}",
@@ -428,7 +430,7 @@ def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> 
             job.status, job.error, job.finished_at = JobStatus.FAILED, failing, utcnow()
             revoke = _close_training(s, job_id, "the job failed")
     if revoke:
-        _revoke(revoke, "its job failed")
+        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS)
 
 
 def _close_training(s: Session, job_id: str, why: str) -> list[str]:
@@ -439,11 +441,6 @@ def _close_training(s: Session, job_id: str, why: str) -> list[str]:
         ids += [task_id(job_id, row.task_index, a) for a in range(1, row.attempt + 1)]
         row.status, row.error = UpdateStatus.CANCELLED, why
     return ids
-
-
-def _revoke(ids: list[str], why: str) -> None:
-    """Revoke ``ids``, also for workers that start later (fedq/engine/revoke.py)."""
-    revoke_quietly(ids, why, "task(s) of a buffered job")
 
 
 def cancel_ids(s: Session, job_id: str) -> list[str]:
@@ -549,8 +546,9 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
             tasks = _new_tasks(s, job, spec, [row.queue or "cpu"], closed=closed)
             action = "replace"
     if closed is not None:
-        _revoke([task_id(job_id, index, attempt)],
-                f"the workers of {closed} are lost or stopped: its slot went elsewhere")
+        revoke_quietly([task_id(job_id, index, attempt)],
+                       f"the workers of {closed} are lost or stopped: its slot went elsewhere",
+                       BUFFERED_TASKS)
     _send(job_id, spec, tasks)
     log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
     return {"job": job_id, "task": index, "action": action}

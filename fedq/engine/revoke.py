@@ -78,19 +78,15 @@ def _succeeded(backend: RedisBackend, stored: bytes | None) -> bool:
     return isinstance(meta, dict) and meta.get("status") == states.SUCCESS
 
 
-def revoke_quietly(ids: Sequence[str], why: str, what: str) -> bool:
+def revoke_quietly(ids: Sequence[str], why: str, what: str) -> None:
     """:func:`revoke`, logging instead of raising when the backend or broker fails: the
     tasks then run and their answers are dropped or recorded late, only compute is lost.
     ``what`` names the tasks in that warning ("straggler task(s) of job J round N")."""
-    if not ids:
-        return True
     try:
         revoke(ids, why)
     except Exception as exc:  # noqa: BLE001 - kombu and redis raise transport-specific errors
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         log.warning("could not revoke %d %s: %s", len(ids), what, first)
-        return False
-    return True
 
 
 def revoked(backend: Any, task_id: str) -> str | None:

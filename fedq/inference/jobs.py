@@ -465,7 +465,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
                 tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
         status = row.status
     _send(job_id, tasks)
-    _revoke(revoke, "its job failed")
+    revoke_quietly(revoke, "its job failed", "inference task(s)")
     return {"status": status if verdict.status == "ok" else verdict.status, "shard": shard,
             "error": verdict.error}
 
@@ -477,12 +477,6 @@ def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:
         ids += [task_id(job_id, row.shard, a) for a in range(1, row.attempt + 1)]
         row.status, row.error = status, why
     return ids
-
-
-def _revoke(ids: list[str], why: str) -> None:
-    """Revoke ``ids``, also for workers that start later (fedq/engine/revoke.py): the
-    shards would finish and be dropped, only compute is lost if this fails."""
-    revoke_quietly(ids, why, "inference task(s)")
 
 
 # -- repair, cancel, resume ---------------------------------------------------------
@@ -532,7 +526,7 @@ def cancel(settings: Settings, job_id: str) -> int:
             raise FedqError(f"job {job_id} is {job.status}, not running")
         job.status, job.error, job.finished_at = JobStatus.CANCELLED, "cancelled by user", utcnow()
         ids = _close(s, job_id, QUEUED, "cancelled")
-    _revoke(ids, "its job was cancelled")
+    revoke_quietly(ids, "its job was cancelled", "inference task(s)")
     return len(ids)
 
 

@@ -50,12 +50,10 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
             return me.sign_result({**base, "status": "error", "error": str(exc)}, task_id)
     # a shard revoked before this worker started (its job cancelled or failed) waited
     # in the queue: answered untrained (fedq/engine/revoke.py)
-    why = revoked(self.backend, task_id)
-    reason = owner.away() if why is None else None
-    if why is not None:
+    if (why := revoked(self.backend, task_id)) is not None:
         log.warning("not run: task %s was revoked (%s)", task_id, why)
         result = {**base, "status": "error", "error": f"revoked before it started: {why}"}
-    elif reason is not None:  # the owner is back: not started
+    elif (reason := owner.away()) is not None:  # the owner is back: not started
         owner.stepped_aside()
         result = {**base, "status": "yielded", "error": f"not started: {reason}"}
     else:
