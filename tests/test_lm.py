@@ -80,25 +80,52 @@ def test_a_batch_mixing_lengths_temperatures_and_cuts_generates_each_rows_own() 
     model = build_model("gpt", (16,), 256, **TINY_GPT).eval()
     rows = [torch.randint(0, 256, (n,)) for n in (1, 5, 16, 3, 21)]
     tokens, temps, ks = [24, 3, 30, 1, 12], [0.9, 1.5, 0.5, 1.0, 2.0], [20, None, 1, 256, 5]
-    widths: list[int] = []
-    forward = model.forward
-
-    def counted(idx: torch.Tensor) -> torch.Tensor:
-        widths.append(idx.shape[0])
-        return forward(idx)
-
-    model.forward = counted  # type: ignore[method-assign]
+    widths = [0]  # the rows the output head saw in each step (cached and whole windows)
+    hook = model.head.register_forward_hook(
+        lambda _m, args, _out: widths.__setitem__(-1, widths[-1] + args[0].shape[0]))
     got = model.generate_batch(rows, tokens, temperature=temps, top_k=ks,
                                generators=[torch.Generator().manual_seed(7 + b)
-                                           for b in range(len(rows))])
-    model.forward = forward  # type: ignore[method-assign]
-    assert widths == [5] + [4] * 2 + [3] * 9 + [2] * 12 + [1] * 6
+                                           for b in range(len(rows))],
+                               on_token=lambda _new: widths.append(0))
+    hook.remove()
+    assert widths[:-1] == [5] + [4] * 2 + [3] * 9 + [2] * 12 + [1] * 6
     for b, row in enumerate(rows):
         want = model.generate(row[None, :], tokens[b], temperature=temps[b], top_k=ks[b],
                               generator=torch.Generator().manual_seed(7 + b))
         assert torch.equal(got[b], want[0, len(row):]), b
     with pytest.raises(ValueError, match="2 settings for 5 rows"):
         model.generate_batch(rows, [1, 2], generators=[torch.Generator()] * 5)
+
+
+def test_the_key_value_cache_reads_each_position_once_and_changes_no_token() -> None:
+    """generate_batch with its cache: the prompts are read once and each later token at
+    one position (the attention's input holds one token a row), until a row outgrows
+    the context and is read whole again; the tokens are the ones without the cache
+    (which re-reads every window), token for token on the CPU."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256, **TINY_GPT).eval()
+    rows = [torch.randint(0, 256, (n,)) for n in (1, 5, 16, 3, 21, 9)]
+    tokens = [30, 3, 8, 12, 4, 7]  # rows 0 and 5 outgrow the 16-byte context
+    seen: list[tuple[int, int]] = []  # (rows, positions) the first attention took in
+    hook = model.blocks[0].attn.register_forward_hook(
+        lambda _m, args, _out: seen.append(tuple(args[0].shape[:2])))
+
+    def run(cache: bool) -> list[torch.Tensor]:
+        seen.clear()
+        return model.generate_batch(rows, tokens, temperature=0.9, top_k=20, cache=cache,
+                                    generators=[torch.Generator().manual_seed(3 + b)
+                                                for b in range(len(rows))])
+
+    without = run(False)
+    work_without = sum(r * t for r, t in seen)
+    with_cache = run(True)
+    hook.remove()
+    for b in range(len(rows)):
+        assert torch.equal(with_cache[b], without[b]), b
+    # step 1: the 5 prompts that fit read once, the 21 bytes whole; step 2: one new
+    # position for each cached row, whole windows for the 16-byte one that outgrew it
+    assert seen[:4] == [(5, 16), (1, 16), (4, 1), (2, 16)]
+    assert sum(r * t for r, t in seen) < 0.6 * work_without  # 514 of 990 positions
 
 
 def test_byte_tokenizer_round_trip() -> None:

@@ -31,14 +31,58 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). With ``kv`` (generation): x's keys and values are
+        written into it at their positions and x's queries read every cached key up to
+        their own position, so one new token costs one position's work."""
         b, t, c = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split(c, dim=2)  # each (B, T, C)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
                    for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if kv is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        else:
+            keys, values = kv.write(k, v)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))  # (B, T, C)
+
+
+class KV:
+    """One layer's keys and values for the rows being generated, (rows, nh, block, hs),
+    filled from position 0 (a row's cache holds its whole sequence while that fits the
+    context; after that its window moves and every position changes). ``at`` (rows,
+    on the device) and ``mask`` are the positions of the tokens of the current call and
+    which cached keys each may read (its own position and before); :meth:`GPT.cached`
+    sets them for every layer."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.at = torch.zeros(0, dtype=torch.long)
+        self.mask = torch.zeros(0, dtype=torch.bool)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (rows, nh, T, hs) at their positions (T > 1: a prefill from
+        position 0; T == 1: one token per row at its own position); returns the cached
+        keys and values as far as the mask reaches."""
+        rows, nh, t, hs = k.shape
+        if self.keys is None or self.values is None:
+            self.keys = k.new_zeros(rows, nh, self.block_size, hs)
+            self.values = v.new_zeros(rows, nh, self.block_size, hs)
+        if t > 1:
+            self.keys[:, :, :t], self.values[:, :, :t] = k, v
+        else:
+            which = torch.arange(rows, device=k.device)
+            self.keys[which, :, self.at], self.values[which, :, self.at] = k[:, :, 0], v[:, :, 0]
+        reach = self.mask.shape[-1]
+        return self.keys[:, :, :reach], self.values[:, :, :reach]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of the cache (indices into its rows), in this order."""
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
 
 
 class Block(nn.Module):
@@ -52,8 +96,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
                                  nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), kv)
         return x + self.mlp(self.ln2(x))
 
 
@@ -97,6 +141,22 @@ class GPT(nn.Module):
             x = block(x)
         return self.ln_f(x)  # (B, T, C)
 
+    def cached(self, idx: torch.Tensor, start: torch.Tensor, kvs: list[KV]) -> torch.Tensor:
+        """Logits (L, W, vocab) of idx (L, W), row r's tokens at positions start[r] ..
+        start[r] + W - 1 (W > 1 only from position 0: a prefill), reading and extending
+        each layer's cache in ``kvs`` (rows in idx's order; ``start`` on the CPU)."""
+        w = idx.shape[1]
+        reach = int(start.max()) + w
+        if reach > self.block_size:
+            raise ValueError(f"position {reach - 1} is past block_size {self.block_size}")
+        at = (start[:, None] + torch.arange(w)).to(idx.device)  # (L, W)
+        mask = (torch.arange(reach, device=idx.device) <= at[:, :, None])[:, None]  # (L, 1, W, reach)
+        x = self.tok(idx) + self.pos(at)  # (L, W, C)
+        for block, kv in zip(self.blocks, kvs):
+            kv.at, kv.mask = at[:, 0], mask
+            x = block(x, kv)
+        return self.head(self.ln_f(x))
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None
@@ -112,8 +172,8 @@ class GPT(nn.Module):
                        temperature: float | Sequence[float] = 1.0,
                        top_k: int | None | Sequence[int | None] = None,
                        generators: list[torch.Generator],
-                       on_token: Callable[[list[torch.Tensor]], None] | None = None
-                       ) -> list[torch.Tensor]:
+                       on_token: Callable[[list[torch.Tensor]], None] | None = None,
+                       cache: bool = True) -> list[torch.Tensor]:
         """:meth:`generate` for several prompts at once, one forward pass per token for
         all of them: ``rows[b]`` (1-D, on the model's device) continued by ``tokens``
         tokens sampled with ``generators[b]``; returns the new tokens of each row.
@@ -127,7 +187,13 @@ class GPT(nn.Module):
         attention keeps it from mattering. Each row samples with its own generator, so a
         row's text is :meth:`generate`'s for that prompt, settings and generator whatever
         else is in the batch (equal token for token on the CPU, tests/test_lm.py).
-        ``on_token(new)`` is called after each token with each row's new tokens so far."""
+        ``on_token(new)`` is called after each token with each row's new tokens so far.
+
+        With ``cache`` (the default) each layer's keys and values are kept (:class:`KV`)
+        while a row's sequence fits the context: the prompts are read once, and each
+        later token costs one position's work instead of its whole window's. A row
+        whose sequence outgrows the context (its window starts to move, so every
+        position changes) is read whole again at each token, as without the cache."""
         n = len(rows)
         want = torch.tensor(_per_row(tokens, n), dtype=torch.long)
         temps, ks = _per_row(temperature, n), _per_row(top_k, n)
@@ -137,21 +203,45 @@ class GPT(nn.Module):
         buf = torch.zeros(n, int(ends.max()), dtype=torch.long, device=device)
         for b, r in enumerate(rows):
             buf[b, :len(r)] = r
-        for _ in range(int(want.max())):
+        kvs = [KV(block) for _ in self.blocks]
+        held = torch.zeros(0, dtype=torch.long)  # the rows in the cache, in its order
+        for step in range(int(want.max())):
             live = (lens < ends).nonzero()[:, 0]  # the rows still generating
-            at = lens[live]
-            start = (at - block).clamp(min=0)
-            width = int((at - start).max())
-            index = (start[:, None] + torch.arange(width)).clamp(max=buf.shape[1] - 1)
-            x = buf[live.to(device)].gather(1, index.to(device))  # (L, width): windows
-            last = (at - start - 1).to(device)
-            logits = self(x)[torch.arange(len(live), device=device), last]  # (L, vocab)
-            picked = live.tolist()
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their logits)
+            if cache and step == 0:  # the prompts that fit, read once from position 0
+                held = live[lens[live] <= block]
+                if len(held):
+                    x = buf[held.to(device), :int(lens[held].max())]
+                    last = (lens[held] - 1).to(device)
+                    logits = self.cached(x, torch.zeros(len(held), dtype=torch.long), kvs)
+                    parts.append((held, logits[torch.arange(len(held), device=device), last]))
+            elif cache and len(held):  # each cached row's newest token, at its position
+                kept = (lens[held] < ends[held]) & (lens[held] <= block)
+                if not kept.all():
+                    for kv in kvs:
+                        kv.keep(kept.nonzero()[:, 0].to(device))
+                    held = held[kept]
+                if len(held):
+                    at = lens[held] - 1
+                    x = buf[held.to(device), at.to(device)][:, None]  # (H, 1)
+                    parts.append((held, self.cached(x, at, kvs)[:, 0]))
+            rest = live[~torch.isin(live, held)] if cache else live
+            if len(rest):  # whole windows
+                at = lens[rest]
+                start = (at - block).clamp(min=0)
+                width = int((at - start).max())
+                index = (start[:, None] + torch.arange(width)).clamp(max=buf.shape[1] - 1)
+                x = buf[rest.to(device)].gather(1, index.to(device))  # (R, width): windows
+                last = (at - start - 1).to(device)
+                parts.append((rest, self(x)[torch.arange(len(rest), device=device), last]))
+            picked_rows = torch.cat([r for r, _ in parts])
+            picked = picked_rows.tolist()
+            logits = torch.cat([lg.float() for _, lg in parts])  # (L, vocab)
             probs = _sampling(logits, [temps[b] for b in picked], [ks[b] for b in picked])
             nxt = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=generators[b])[0]
                              for i, b in enumerate(picked)])
-            buf[live.to(device), at.to(device)] = nxt
-            lens[live] += 1
+            buf[picked_rows.to(device), lens[picked_rows].to(device)] = nxt
+            lens[picked_rows] += 1
             if on_token is not None:
                 on_token([buf[b, len(r):int(lens[b])] for b, r in enumerate(rows)])
         return [buf[b, len(r):int(ends[b])] for b, r in enumerate(rows)]
