@@ -452,6 +452,19 @@ def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_kvcache_smoke_run_renders_its_table() -> None:
+    """bench/kvcache.py --quick: the smallest GPT with and without the key-value cache,
+    one prompt and eight, the same tokens both ways, and the table renders (no speed
+    assertion: the figures are the full run's, in docs/inference.md)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.kvcache", "--quick", "--no-write"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| a 1-layer GPT")]
+    assert [r.split("|")[4].strip() for r in rows] == ["1", "8"], proc.stdout
+    assert all(r.rstrip(" |").endswith("yes") for r in rows), proc.stdout
+
+
+@pytest.mark.timeout(120)
 def test_revoke_smoke_run_renders_its_table(redis_db: str) -> None:
     """bench/revoke.py on small counts: both ways of revoking run on the bench's Redis
     and the table renders (no speed assertion: the figures are the full run's, in

@@ -43,41 +43,45 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         else:
-            keys, values = kv.write(k, v)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask)
+            keys, values = kv.write(k, v)  # a prefill is causal; one token reads all it gets
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask,
+                                               is_causal=t > 1)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))  # (B, T, C)
 
 
 class KV:
     """One layer's keys and values for the rows being generated, (rows, nh, block, hs),
     filled from position 0 (a row's cache holds its whole sequence while that fits the
-    context; after that its window moves and every position changes). ``at`` (rows,
-    on the device) and ``mask`` are the positions of the tokens of the current call and
-    which cached keys each may read (its own position and before); :meth:`GPT.cached`
-    sets them for every layer."""
+    context; after that its window moves and every position changes). For the current
+    call, which :meth:`GPT.cached` sets for every layer: ``at``, the position of each
+    row's token (one int when every row is at the same one), ``reach``, how many cached
+    positions are read, and ``mask``, which of them each row may read (None when every
+    row may read all of them)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.at = torch.zeros(0, dtype=torch.long)
-        self.mask = torch.zeros(0, dtype=torch.bool)
+        self.at: torch.Tensor | int = 0
+        self.reach = 0
+        self.mask: torch.Tensor | None = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (rows, nh, T, hs) at their positions (T > 1: a prefill from
         position 0; T == 1: one token per row at its own position); returns the cached
-        keys and values as far as the mask reaches."""
+        keys and values as far as ``reach``."""
         rows, nh, t, hs = k.shape
         if self.keys is None or self.values is None:
             self.keys = k.new_zeros(rows, nh, self.block_size, hs)
             self.values = v.new_zeros(rows, nh, self.block_size, hs)
         if t > 1:
             self.keys[:, :, :t], self.values[:, :, :t] = k, v
+        elif isinstance(self.at, int):
+            self.keys[:, :, self.at], self.values[:, :, self.at] = k[:, :, 0], v[:, :, 0]
         else:
             which = torch.arange(rows, device=k.device)
             self.keys[which, :, self.at], self.values[which, :, self.at] = k[:, :, 0], v[:, :, 0]
-        reach = self.mask.shape[-1]
-        return self.keys[:, :, :reach], self.values[:, :, :reach]
+        return self.keys[:, :, :self.reach], self.values[:, :, :self.reach]
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows of the cache (indices into its rows), in this order."""
@@ -149,11 +153,18 @@ class GPT(nn.Module):
         reach = int(start.max()) + w
         if reach > self.block_size:
             raise ValueError(f"position {reach - 1} is past block_size {self.block_size}")
-        at = (start[:, None] + torch.arange(w)).to(idx.device)  # (L, W)
-        mask = (torch.arange(reach, device=idx.device) <= at[:, :, None])[:, None]  # (L, 1, W, reach)
-        x = self.tok(idx) + self.pos(at)  # (L, W, C)
+        if w > 1 and int(start.max()):
+            raise ValueError("several tokens a row are read only from position 0")
+        at: torch.Tensor | int
+        if int(start.min()) + w == reach:  # every row at the same positions
+            at, mask = reach - w, None
+            x = self.tok(idx) + self.pos(torch.arange(at, reach, device=idx.device))
+        else:  # one token per row, each at its own position, reading up to it
+            at = start.to(idx.device)
+            mask = (torch.arange(reach, device=idx.device) <= at[:, None])[:, None, None]
+            x = self.tok(idx) + self.pos(at[:, None])  # (L, 1, C)
         for block, kv in zip(self.blocks, kvs):
-            kv.at, kv.mask = at[:, 0], mask
+            kv.at, kv.reach, kv.mask = at, reach, mask
             x = block(x, kv)
         return self.head(self.ln_f(x))
 
