@@ -37,6 +37,7 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
     model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
     model.eval()
     start = text_data.prompt_ids(prompt)
-    out = model.generate(start[None, :], tokens, temperature=temperature, top_k=top_k,  # type: ignore[operator]
-                         generator=torch.Generator().manual_seed(seed))
-    return text_data.decode(out[0])
+    new = model.generate_batch(  # type: ignore[operator]
+        [start], tokens, temperature=temperature, top_k=top_k,  # with its key-value cache
+        generators=[torch.Generator().manual_seed(seed)])[0]
+    return text_data.decode(torch.cat([start, new]))
