@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 
 from bench.common import ROOT, BenchError, commit, machine, redis_database, write_section
 
@@ -95,7 +94,7 @@ def main() -> int:
         return 1
     print("\n".join(lines))
     if not args.no_write:
-        write_section(Path(DOC), BEGIN, END, lines)
+        write_section(DOC, BEGIN, END, lines)
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TaskRevokedError
+from kombu.exceptions import DecodeError
 
 from fedq.engine.app import app
 
@@ -68,12 +69,14 @@ def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str) -> None:
 
 def _succeeded(backend: RedisBackend, stored: bytes | None) -> bool:
     """Whether a result backend value is a ``SUCCESS``; anything that does not decode
-    (a worker can write its task's key) is not, and is overwritten."""
+    (a worker can write its task's key) is not, and is overwritten. Only the status is
+    read: the value is deserialised, not turned into a result (no exception rebuilt
+    from what a worker wrote)."""
     if stored is None:
         return False
     try:
-        meta = backend.decode_result(stored)
-    except Exception:  # noqa: BLE001 - kombu's decode raises what the payload makes it
+        meta = backend.decode(stored)
+    except DecodeError:  # kombu wraps whatever its deserialiser raised
         return False
     return isinstance(meta, dict) and meta.get("status") == states.SUCCESS
 

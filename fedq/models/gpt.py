@@ -229,8 +229,9 @@ class GPT(nn.Module):
             elif cache and len(held):  # each cached row's newest token, at its position
                 kept = (lens[held] < ends[held]) & (lens[held] <= block)
                 if not kept.all():
+                    keep = kept.nonzero()[:, 0].to(device)
                     for kv in kvs:
-                        kv.keep(kept.nonzero()[:, 0].to(device))
+                        kv.keep(keep)
                     held = held[kept]
                 if len(held):
                     at = lens[held] - 1
