@@ -13,17 +13,73 @@ and nothing reads that connection.
 Inside a worker (where Celery says joining a result would block) this backend does
 not register results as pending; everywhere else it is Celery's. ``fedq.engine.app`` selects
 it for ``redis://`` and ``rediss://`` result backends.
+
+Storing a task's state is one round trip to Redis, not two. Celery reads the task's
+key before each write (``GET``), so that a lost worker's late state never overwrites a
+stored ``SUCCESS``, then writes it (``SET`` and ``PUBLISH``); a training task stores
+its claim, its heartbeats and its answer that way, each a wait on a Redis the whole
+round shares. The same rule runs here inside Redis, in one Lua script (``_STORE``):
+atomic, where Celery's read and write had a gap between them. Measured in
+docs/benchmarks.md ("A round of 1,000 clients").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from celery import states
 from celery._state import task_join_will_block
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
+from celery.exceptions import BackendStoreError
+from kombu.utils.encoding import bytes_to_str
+
+#: KEYS[1] the task's key; ARGV[1] the encoded state, ARGV[2] its lifetime in seconds
+#: (0: none). Celery's rule: a stored SUCCESS is never overwritten (Celery 5.7,
+#: ``BaseKeyValueStoreBackend._store_result``); then what Celery's ``_set`` sends.
+_STORE = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, meta = pcall(cjson.decode, current)
+  if ok and type(meta) == 'table' and meta['status'] == 'SUCCESS' then
+    return 0
+  end
+end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+redis.call('PUBLISH', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
+    _store_script: Any = None
+
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        """Celery's ``_store_result`` in one round trip (the module's docstring). A
+        serializer other than JSON (the script reads the stored state as JSON) takes
+        Celery's own path."""
+        if self.serializer != "json":
+            return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        value = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state,
+                                    task_id=task_id)
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        self.ensure(self._store, (self.get_key_for_task(task_id), value, expires or 0))
+        return result
+
+    def _store(self, key: str | bytes, value: str | bytes, expires: float) -> Any:
+        if self._store_script is None:
+            self._store_script = self.client.register_script(_STORE)
+        return self._store_script(keys=[key], args=[value, int(expires)])
+
     def _add_pending_result(self, task_id: str, result: Any, weak: bool = False) -> None:
         if task_join_will_block():  # a worker: nobody will wait on this result here
             return

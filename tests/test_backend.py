@@ -1,0 +1,85 @@
+"""fedq's Redis result backend (fedq/engine/backend.py) on a real Redis: Celery's rule
+that a stored SUCCESS is never overwritten, kept, in one round trip."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, states
+
+from fedq.engine.backend import RedisBackend
+
+
+@pytest.fixture
+def backend(redis_db: str) -> RedisBackend:
+    app = Celery("test-backend", broker="memory://")
+    app.conf.result_serializer = "json"
+    app.conf.result_expires = 600
+    return RedisBackend(app=app, url=redis_db)
+
+
+def _commands(backend: RedisBackend) -> list[str]:
+    """The names of the commands ``backend``'s client sends from now on."""
+    sent: list[str] = []
+    send = backend.client.execute_command
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        sent.append(str(args[0]).upper())
+        return send(*args, **kwargs)
+
+    backend.client.execute_command = recording
+    return sent
+
+
+def test_a_state_is_stored_and_published_in_one_round_trip(backend: RedisBackend,
+                                                           redis_db: str) -> None:
+    plain = redis.Redis.from_url(redis_db)
+    listener = plain.pubsub(ignore_subscribe_messages=True)
+    key = backend.get_key_for_task("t1")
+    listener.subscribe(key)
+    backend.store_result("t0", {"warm": True}, states.STARTED)  # loads the script
+    sent = _commands(backend)
+    backend.store_result("t1", {"hostname": "w1", "beat": 0}, states.STARTED)
+    assert sent == ["EVALSHA"]  # Celery's own path: a GET, then SET and PUBLISH
+    stored = json.loads(plain.get(key))
+    assert stored["status"] == "STARTED" and stored["result"] == {"hostname": "w1", "beat": 0}
+    assert stored["task_id"] == "t1"
+    assert 0 < plain.ttl(key) <= 600
+    heard = None
+    deadline = time.monotonic() + 5
+    while heard is None and time.monotonic() < deadline:
+        heard = listener.get_message(timeout=0.5)
+    assert heard is not None and json.loads(heard["data"]) == stored  # the very value
+    assert backend.get_task_meta("t1")["result"] == {"hostname": "w1", "beat": 0}
+
+
+def test_a_late_state_never_overwrites_a_stored_success(backend: RedisBackend,
+                                                        redis_db: str) -> None:
+    plain = redis.Redis.from_url(redis_db)
+    backend.store_result("t2", {"beat": 3}, states.STARTED)
+    backend.store_result("t2", {"answer": 42}, states.SUCCESS)
+    # a lost worker's heartbeat, or a re-run's answer, after the task succeeded
+    backend.store_result("t2", {"beat": 4}, states.STARTED)
+    backend.store_result("t2", {"answer": 0}, states.SUCCESS)
+    meta = json.loads(plain.get(backend.get_key_for_task("t2")))
+    assert meta["status"] == "SUCCESS" and meta["result"] == {"answer": 42}
+    # anything else may be overwritten, and a key holding what is not JSON is replaced
+    plain.set(backend.get_key_for_task("t3"), b"\x00not json")
+    backend.store_result("t3", {"beat": 0}, states.STARTED)
+    backend.store_result("t3", "boom", states.FAILURE)
+    assert json.loads(plain.get(backend.get_key_for_task("t3")))["status"] == "FAILURE"
+
+
+def test_another_serializer_takes_celerys_own_path(redis_db: str) -> None:
+    app = Celery("test-backend", broker="memory://")
+    app.conf.result_serializer = "yaml"
+    app.conf.accept_content = app.conf.result_accept_content = ["json", "yaml"]
+    backend = RedisBackend(app=app, url=redis_db)
+    sent = _commands(backend)
+    backend.store_result("t4", {"beat": 0}, states.STARTED)
+    assert sent == ["GET"]  # then Celery's pipeline: SET and PUBLISH
+    assert backend.get_task_meta("t4")["status"] == "STARTED"
