@@ -83,3 +83,28 @@ def test_another_serializer_takes_celerys_own_path(redis_db: str) -> None:
     backend.store_result("t4", {"beat": 0}, states.STARTED)
     assert sent == ["GET"]  # then Celery's pipeline: SET and PUBLISH
     assert backend.get_task_meta("t4")["status"] == "STARTED"
+
+
+def test_a_claim_is_stored_unless_the_task_was_revoked_in_one_round_trip(
+        backend: RedisBackend, redis_db: str) -> None:
+    """A training task's revocation check and claim (fedq/tasks/train.py): what
+    ``revoked`` would say, and the claim stored only when it says nothing."""
+    from fedq.engine import revoke as revoke_mod
+    from fedq.worker.heartbeat import beat_meta
+
+    plain = redis.Redis.from_url(redis_db)
+    revoke_mod._mark_redis(backend, ["gone"], "its job was cancelled")  # what revoke stores
+    backend.store_result("done", {"answer": 1}, states.SUCCESS)
+    assert revoke_mod.revoked(backend, "gone") == "its job was cancelled"
+    backend.store_result("warm", {"x": 1}, states.STARTED)
+    sent = _commands(backend)
+    claim = beat_meta("w1@test", 0)
+    assert revoke_mod.revoked_else_claim(backend, "gone", claim) == "its job was cancelled"
+    assert sent == ["EVALSHA"]
+    assert json.loads(plain.get(backend.get_key_for_task("gone")))["status"] == "REVOKED"
+    assert revoke_mod.revoked_else_claim(backend, "fresh", claim) is None
+    stored = json.loads(plain.get(backend.get_key_for_task("fresh")))
+    assert stored["status"] == "STARTED" and stored["result"] == claim
+    assert revoke_mod.revoked_else_claim(backend, "done", claim) is None  # trains; kept
+    assert json.loads(plain.get(backend.get_key_for_task("done")))["status"] == "SUCCESS"
+    assert len(sent) == 3

@@ -58,6 +58,16 @@ def test_heartbeat_beats_while_the_work_runs_and_never_after() -> None:
     assert not [t for t in threading.enumerate() if t.name == "fedq-heartbeat"]
 
 
+def test_a_heartbeat_whose_claim_is_stored_goes_on_from_it() -> None:
+    """The training task stores its claim with its revocation check (one round trip,
+    fedq/engine/revoke.py): its heartbeat writes nothing on entry and counts on."""
+    written: list[dict[str, Any]] = []
+    with Heartbeat(written.append, "w1@a", 0.05, written=True):
+        assert written == []
+        time.sleep(0.2)
+    assert written and [w["beat"] for w in written] == list(range(1, len(written) + 1))
+
+
 def test_a_failing_heartbeat_never_fails_the_task() -> None:
     def broken(meta: dict[str, Any]) -> None:
         raise ConnectionError("backend down")

@@ -34,14 +34,20 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
 #: KEYS[1] the task's key; ARGV[1] the encoded state, ARGV[2] its lifetime in seconds
-#: (0: none). Celery's rule: a stored SUCCESS is never overwritten (Celery 5.7,
+#: (0: none), ARGV[3] "1" to leave a stored REVOKED in place and answer it. Celery's
+#: rule: a stored SUCCESS is never overwritten (Celery 5.7,
 #: ``BaseKeyValueStoreBackend._store_result``); then what Celery's ``_set`` sends.
 _STORE = """
 local current = redis.call('GET', KEYS[1])
 if current then
   local ok, meta = pcall(cjson.decode, current)
-  if ok and type(meta) == 'table' and meta['status'] == 'SUCCESS' then
-    return 0
+  if ok and type(meta) == 'table' then
+    if meta['status'] == 'SUCCESS' then
+      return 0
+    end
+    if ARGV[3] == '1' and meta['status'] == 'REVOKED' then
+      return current
+    end
   end
 end
 if tonumber(ARGV[2]) > 0 then
@@ -75,10 +81,26 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         self.ensure(self._store, (self.get_key_for_task(task_id), value, expires or 0))
         return result
 
-    def _store(self, key: str | bytes, value: str | bytes, expires: float) -> Any:
+    def store_unless_revoked(self, task_id: str, result: Any, state: str) -> Any:
+        """Store ``result`` as the task's ``state`` (as ``store_result`` does) unless the
+        task is marked ``REVOKED`` (fedq/engine/revoke.py); then nothing is written and
+        the stored state comes back, deserialised (never turned into a result: no
+        exception is rebuilt from what a worker wrote). None when it was stored, or kept
+        a stored SUCCESS. One round trip: a training task's revocation check and claim."""
+        if self.serializer != "json":
+            raise NotImplementedError("store_unless_revoked reads states as JSON")
+        meta = self._get_result_meta(result=self.encode_result(result, state), state=state,
+                                     traceback=None, request=None)
+        meta["task_id"] = bytes_to_str(task_id)
+        stored = self.ensure(self._store, (self.get_key_for_task(task_id), self.encode(meta),
+                                           self.expires or 0, True))
+        return self.decode(stored) if isinstance(stored, bytes) else None
+
+    def _store(self, key: str | bytes, value: str | bytes, expires: float,
+               keep_revoked: bool = False) -> Any:
         if self._store_script is None:
             self._store_script = self.client.register_script(_STORE)
-        return self._store_script(keys=[key], args=[value, int(expires)])
+        return self._store_script(keys=[key], args=[value, int(expires), int(keep_revoked)])
 
     def _add_pending_result(self, task_id: str, result: Any, weak: bool = False) -> None:
         if task_join_will_block():  # a worker: nobody will wait on this result here

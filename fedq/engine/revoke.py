@@ -26,6 +26,7 @@ from celery.exceptions import TaskRevokedError
 from kombu.exceptions import DecodeError
 
 from fedq.engine.app import app
+from fedq.wire import CLAIM_STATE
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,31 @@ def revoke_quietly(ids: Sequence[str], why: str, what: str) -> None:
     except Exception as exc:  # noqa: BLE001 - kombu and redis raise transport-specific errors
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         log.warning("could not revoke %d %s: %s", len(ids), what, first)
+
+
+def revoked_else_claim(backend: Any, task_id: str, claim: dict[str, Any]) -> str | None:
+    """:func:`revoked`; and when the task was not revoked, ``claim`` stored as its
+    ``STARTED`` state (a training task's first heartbeat, fedq/worker/heartbeat.py). On
+    fedq's Redis backend both are one round trip (``store_unless_revoked``), on any
+    other two."""
+    store = getattr(backend, "store_unless_revoked", None)
+    if store is None or getattr(backend, "serializer", None) != "json":
+        why = revoked(backend, task_id)
+        if why is None:
+            backend.store_result(task_id, claim, CLAIM_STATE)
+        return why
+    stored = store(task_id, claim, CLAIM_STATE)
+    return None if stored is None else _reason(stored)
+
+
+def _reason(meta: Any) -> str:
+    """The reason a ``REVOKED`` state names (``TaskRevokedError(why)`` as the backend
+    stores an exception), read without rebuilding the exception."""
+    result = meta.get("result") if isinstance(meta, dict) else None
+    message = result.get("exc_message") if isinstance(result, dict) else result
+    if isinstance(message, (list, tuple)):
+        message = " ".join(str(m) for m in message)
+    return str(message or "revoked")[:200]
 
 
 def revoked(backend: Any, task_id: str) -> str | None:

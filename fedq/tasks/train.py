@@ -11,11 +11,11 @@ import fedq.identity as identity
 from fedq.blobs.presigned import PresignedStore
 from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
-from fedq.engine.revoke import revoked
+from fedq.engine.revoke import revoked_else_claim
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker import owner
-from fedq.worker.heartbeat import claim
+from fedq.worker.heartbeat import beat_meta, claim
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
             log.warning("%s", exc)
             return me.sign_result(refusal(ref, worker, str(exc)), task_id)
     # a task revoked before this worker started (its job ended, its slot moved) waited
-    # in the queue: answered at once, untrained (fedq/engine/revoke.py)
-    why = revoked(self.backend, task_id)
+    # in the queue: answered at once, untrained (fedq/engine/revoke.py); else its claim
+    # is stored, in the same round trip
+    why = revoked_else_claim(self.backend, task_id, beat_meta(worker, 0))
     if why is not None:
         log.warning("not trained: task %s was revoked (%s)", task_id, why)
         result = refusal(ref, worker, f"revoked before it started: {why}")
@@ -49,13 +50,13 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     delivered = (self.request.delivery_info or {}).get("routing_key")
     if delivered:
         ref = {**ref, "queue": delivered}
-    # the claim and its heartbeat (fedq/worker/heartbeat.py): a dead worker's task is
-    # sent again in seconds, not at the round's deadline
     # a task with presigned URLs reads and writes its blobs only through them
     links = ref.get("links") if isinstance(ref, dict) else None
     store = PresignedStore(links) if isinstance(links, dict) else \
         PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-    with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s):
+    # the claim's heartbeat (fedq/worker/heartbeat.py): a dead worker's task is sent
+    # again in seconds, not at the round's deadline
+    with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s, written=True):
         result = run_training(ref, store, worker)
     if result.get("status") == "yielded":  # take nothing more until the owner is done
         owner.stepped_aside()

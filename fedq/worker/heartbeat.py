@@ -30,16 +30,17 @@ class Heartbeat:
     stores ``meta`` as the task's STARTED state."""
 
     def __init__(self, write: Callable[[dict[str, Any]], None], host: str,
-                 interval: float) -> None:
+                 interval: float, written: bool = False) -> None:
+        """``written``: the first beat (:func:`first_beat`) is stored already."""
         self._write, self._host, self._interval = write, host, interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.beats = 0
+        self.beats = 1 if written else 0
         self._failed = False
 
     def _beat(self) -> None:
         try:
-            self._write({"hostname": self._host, "pid": os.getpid(), "beat": self.beats})
+            self._write(beat_meta(self._host, self.beats))
             self.beats += 1
         except Exception as exc:  # noqa: BLE001 - a missed beat is the watchdog's business
             if not self._failed:
@@ -52,7 +53,8 @@ class Heartbeat:
             self._beat()
 
     def __enter__(self) -> Heartbeat:
-        self._beat()
+        if self.beats == 0:
+            self._beat()
         self._thread = threading.Thread(target=self._run, name="fedq-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -64,8 +66,15 @@ class Heartbeat:
             self._thread.join()
 
 
+def beat_meta(host: str, beat: int) -> dict[str, Any]:
+    """What a heartbeat stores: the worker, its process and the counter."""
+    return {"hostname": host, "pid": os.getpid(), "beat": beat}
+
+
 def claim(store_result: Callable[[str, Any, str], Any], task_id: str, host: str,
-          interval: float) -> Heartbeat:
+          interval: float, written: bool = False) -> Heartbeat:
     """The heartbeat of task ``task_id``, written with ``store_result(task_id, meta,
-    state)`` (a Celery result backend's)."""
-    return Heartbeat(lambda meta: store_result(task_id, meta, CLAIM_STATE), host, interval)
+    state)`` (a Celery result backend's); ``written``: its first beat, ``beat_meta(host,
+    0)``, is stored already (fedq/engine/revoke.py's ``revoked_else_claim``)."""
+    return Heartbeat(lambda meta: store_result(task_id, meta, CLAIM_STATE), host, interval,
+                     written)
