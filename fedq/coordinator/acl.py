@@ -52,7 +52,8 @@ COMMANDS = (
     "sadd", "srem", "sismember", "setex", "mget", "incr", "incrby", "decr", "lrange",
     "ltrim", "zcount",
     "zrange", "zrangebyscore", "rpop", "lpop", "strlen", "getrange", "ttl", "pttl",
-    # kombu's mutex (a Lua script; Redis checks a script's keys against these rules too)
+    # kombu's mutex and fedq's result store (Lua scripts: fedq/engine/backend.py; Redis
+    # checks a script's keys and channels against these rules too)
     "evalsha", "eval", "script|load", "script|exists", "time",
     # pub/sub: remote-control commands in (PUBLISH only in the selector below)
     "subscribe", "psubscribe", "unsubscribe", "punsubscribe",
