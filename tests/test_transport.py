@@ -84,3 +84,46 @@ def test_messages_round_trip_and_half_written_files_are_not_read(tmp_path: Path)
         got = queue(conn.default_channel).get(no_ack=True)
         assert got is not None and got.payload == {"n": 1}
         assert queue(conn.default_channel).get(no_ack=True) is None
+
+
+def test_a_redis_broker_gets_the_transport_with_one_client_per_channel(
+        redis_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fedq/engine/redis_transport.py: fedq's app makes it the transport of redis://
+    URLs, and its channel sends every command outside the event loop through one
+    client object (kombu builds one per message), a new one only for a new pool."""
+    from fedq.engine import app, redis_transport
+
+    assert app.app.main == "fedq"  # importing fedq's app installed the transport
+
+    made: list[object] = []  # the clients built for commands outside the event loop
+    build = redis_transport.redis.Channel._create_client
+
+    def counting(self: object, asynchronous: bool = False) -> object:
+        client = build(self, asynchronous)
+        if not asynchronous:
+            made.append(client)
+        return client
+
+    monkeypatch.setattr(redis_transport.redis.Channel, "_create_client", counting)
+    queue = Queue("fedq-test-q", Exchange("fedq-test-q", type="direct"),
+                  routing_key="fedq-test-q")
+    with Connection(redis_db) as conn:
+        assert isinstance(conn.transport, redis_transport.Transport)
+        assert conn.as_uri().startswith("redis://")  # as the banner, logs and Flower read it
+        channel = conn.channel()
+        queue(channel).declare()
+        producer = conn.Producer(channel)
+        for i in range(5):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="fedq-test-q")
+        got: list[dict[str, int]] = []
+        with conn.Consumer(queue, channel=channel,
+                           callbacks=[lambda body, msg: (msg.ack(), got.append(body))]):
+            while len(got) < 5:
+                conn.drain_events(timeout=5)
+        assert [b["i"] for b in got] == list(range(5))
+        assert len(made) == 1, made  # kombu's own: one per declare, publish, take and ack
+        channel._pool = None  # a reconnect's new pool: a client for it
+        assert channel._create_client().connection_pool is channel.pool
+        assert len(made) == 2
+    with Connection("rediss://127.0.0.1:1/0") as tls:
+        assert isinstance(tls.transport, redis_transport.Transport)

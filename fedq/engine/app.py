@@ -14,7 +14,10 @@ from celery import Celery
 from celery.app import amqp
 from kombu import Exchange, Queue
 
-from fedq.engine import logs  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
+from fedq.engine import (
+    logs,  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
+    redis_transport,
+)
 from fedq.engine.names import (
     ABSORB_SHARD_TASK,
     ABSORB_UPDATE_TASK,
@@ -137,6 +140,7 @@ class AMQP(amqp.AMQP):
     queues_cls = Queues
 
 
+redis_transport.install()  # redis:// brokers: one client object per channel
 app = Celery("fedq", amqp=AMQP)
 app.add_defaults(lambda: celery_config(get_settings()))
 
