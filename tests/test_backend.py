@@ -99,12 +99,14 @@ def test_a_claim_is_stored_unless_the_task_was_revoked_in_one_round_trip(
     backend.store_result("warm", {"x": 1}, states.STARTED)
     sent = _commands(backend)
     claim = beat_meta("w1@test", 0)
-    assert revoke_mod.revoked_else_claim(backend, "gone", claim) == "its job was cancelled"
+    why = revoke_mod.revoked_else_claim(backend, "gone", claim, "STARTED")
+    assert why == "its job was cancelled"
     assert sent == ["EVALSHA"]
     assert json.loads(plain.get(backend.get_key_for_task("gone")))["status"] == "REVOKED"
-    assert revoke_mod.revoked_else_claim(backend, "fresh", claim) is None
+    assert revoke_mod.revoked_else_claim(backend, "fresh", claim, "STARTED") is None
     stored = json.loads(plain.get(backend.get_key_for_task("fresh")))
     assert stored["status"] == "STARTED" and stored["result"] == claim
-    assert revoke_mod.revoked_else_claim(backend, "done", claim) is None  # trains; kept
+    # a task that succeeded already trains (as before: it was not revoked); SUCCESS kept
+    assert revoke_mod.revoked_else_claim(backend, "done", claim, "STARTED") is None
     assert json.loads(plain.get(backend.get_key_for_task("done")))["status"] == "SUCCESS"
     assert len(sent) == 3

@@ -26,7 +26,6 @@ from celery.exceptions import TaskRevokedError
 from kombu.exceptions import DecodeError
 
 from fedq.engine.app import app
-from fedq.wire import CLAIM_STATE
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +92,19 @@ def revoke_quietly(ids: Sequence[str], why: str, what: str) -> None:
         log.warning("could not revoke %d %s: %s", len(ids), what, first)
 
 
-def revoked_else_claim(backend: Any, task_id: str, claim: dict[str, Any]) -> str | None:
+def revoked_else_claim(backend: Any, task_id: str, claim: dict[str, Any],
+                       state: str) -> str | None:
     """:func:`revoked`; and when the task was not revoked, ``claim`` stored as its
-    ``STARTED`` state (a training task's first heartbeat, fedq/worker/heartbeat.py). On
+    ``state`` (a training task's first heartbeat, fedq/worker/heartbeat.py). On
     fedq's Redis backend both are one round trip (``store_unless_revoked``), on any
     other two."""
     store = getattr(backend, "store_unless_revoked", None)
     if store is None or getattr(backend, "serializer", None) != "json":
         why = revoked(backend, task_id)
         if why is None:
-            backend.store_result(task_id, claim, CLAIM_STATE)
+            backend.store_result(task_id, claim, state)
         return why
-    stored = store(task_id, claim, CLAIM_STATE)
+    stored = store(task_id, claim, state)
     return None if stored is None else _reason(stored)
 
 

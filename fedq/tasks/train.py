@@ -11,11 +11,10 @@ import fedq.identity as identity
 from fedq.blobs.presigned import PresignedStore
 from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
-from fedq.engine.revoke import revoked_else_claim
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker import owner
-from fedq.worker.heartbeat import beat_meta, claim
+from fedq.worker.heartbeat import claim, claim_unless_revoked
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     # a task revoked before this worker started (its job ended, its slot moved) waited
     # in the queue: answered at once, untrained (fedq/engine/revoke.py); else its claim
     # is stored, in the same round trip
-    why = revoked_else_claim(self.backend, task_id, beat_meta(worker, 0))
+    why = claim_unless_revoked(self.backend, task_id, worker)
     if why is not None:
         log.warning("not trained: task %s was revoked (%s)", task_id, why)
         result = refusal(ref, worker, f"revoked before it started: {why}")

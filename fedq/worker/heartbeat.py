@@ -20,6 +20,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from fedq.engine.revoke import revoked_else_claim
 from fedq.wire import CLAIM_STATE
 
 log = logging.getLogger(__name__)
@@ -78,3 +79,10 @@ def claim(store_result: Callable[[str, Any, str], Any], task_id: str, host: str,
     0)``, is stored already (fedq/engine/revoke.py's ``revoked_else_claim``)."""
     return Heartbeat(lambda meta: store_result(task_id, meta, CLAIM_STATE), host, interval,
                      written)
+
+
+def claim_unless_revoked(backend: Any, task_id: str, host: str) -> str | None:
+    """Why task ``task_id`` was revoked (then nothing is written), else None with its
+    claim, the first beat, stored: one round trip on fedq's Redis result backend
+    (fedq/engine/revoke.py). Then ``claim(..., written=True)`` beats on."""
+    return revoked_else_claim(backend, task_id, beat_meta(host, 0), CLAIM_STATE)
