@@ -220,14 +220,20 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
             cluster.start_beat()
             # a 15 s deadline: on a loaded CI machine three workers' first tasks (each
-            # loading its shard) once outlasted 6 s, round after round
-            job = cluster.submit({**SLOW_TASKS, "rounds": 4, "round_timeout_s": 15})
+            # loading its shard) once outlasted 6 s, round after round. Six clients a
+            # round on three workers: when Redis dies, three tasks are in the workers'
+            # hands (their answers are stored once Redis is back: the result backend
+            # retries its one round trip) and three wait in the queue, which the restart
+            # empties: those must be sent again.
+            job = cluster.submit({**SLOW_TASKS, "rounds": 4, "round_timeout_s": 15,
+                                  "clients_per_round": 6, "min_clients": 6,
+                                  "queues": {"cpu": 6}})
             cluster.wait_for_round(job, 2, timeout=240)
             time.sleep(0.7)
             restart()
             view = cluster.wait(job, timeout=240)
             assert view.status == "completed", view.error
-            lost = _assert_each_round_once(cluster, job, rounds=4, per_round=3)
+            lost = _assert_each_round_once(cluster, job, rounds=4, per_round=6)
             assert lost == 0
             assert any(r.attempt > 1 for r in cluster.rounds(job))  # lost tasks were re-sent
             record_outcome("Redis (broker + results) SIGKILLed mid-job, restarted empty",
