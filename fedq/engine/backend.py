@@ -70,13 +70,7 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         Celery's own path."""
         if self.serializer != "json":
             return super()._store_result(task_id, result, state, traceback, request, **kwargs)
-        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
-                                     request=request)
-        meta["task_id"] = bytes_to_str(task_id)
-        value = self.encode(meta)
-        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
-            raise BackendStoreError("value too large for Redis backend", state=state,
-                                    task_id=task_id)
+        value = self._state_value(task_id, result, state, traceback, request)
         expires = self.failure_expires if state == states.FAILURE else self.expires
         self.ensure(self._store, (self.get_key_for_task(task_id), value, expires or 0))
         return result
@@ -89,12 +83,23 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         a stored SUCCESS. One round trip: a training task's revocation check and claim."""
         if self.serializer != "json":
             raise NotImplementedError("store_unless_revoked reads states as JSON")
-        meta = self._get_result_meta(result=self.encode_result(result, state), state=state,
-                                     traceback=None, request=None)
-        meta["task_id"] = bytes_to_str(task_id)
-        stored = self.ensure(self._store, (self.get_key_for_task(task_id), self.encode(meta),
+        value = self._state_value(task_id, self.encode_result(result, state), state)
+        stored = self.ensure(self._store, (self.get_key_for_task(task_id), value,
                                            self.expires or 0, True))
         return self.decode(stored) if isinstance(stored, bytes) else None
+
+    def _state_value(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                     request: Any = None) -> str | bytes:
+        """The stored form of a task's state, as Celery's ``_store_result`` and ``set``
+        build and bound it."""
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        value: str | bytes = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state,
+                                    task_id=task_id)
+        return value
 
     def _store(self, key: str | bytes, value: str | bytes, expires: float,
                keep_revoked: bool = False) -> Any:

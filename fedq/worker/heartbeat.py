@@ -32,7 +32,7 @@ class Heartbeat:
 
     def __init__(self, write: Callable[[dict[str, Any]], None], host: str,
                  interval: float, written: bool = False) -> None:
-        """``written``: the first beat (:func:`first_beat`) is stored already."""
+        """``written``: the first beat (``beat_meta(host, 0)``) is stored already."""
         self._write, self._host, self._interval = write, host, interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
