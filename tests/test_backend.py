@@ -110,3 +110,25 @@ def test_a_claim_is_stored_unless_the_task_was_revoked_in_one_round_trip(
     assert revoke_mod.revoked_else_claim(backend, "done", claim, "STARTED") is None
     assert json.loads(plain.get(backend.get_key_for_task("done")))["status"] == "SUCCESS"
     assert len(sent) == 3
+
+
+@pytest.mark.parametrize(("message", "reason"), [
+    ({"nested": ["x"] * 3}, "revoked"),  # not a text
+    (["a", "b"], "revoked"),  # not what revoke stores (one text)
+    (["   "], "revoked"),
+    (["line one\nFAKE LOG LINE"], "line one FAKE LOG LINE"),  # one line for the log
+    (["x" * 5000], "x" * 200),
+])
+def test_a_revoked_mark_a_worker_wrote_is_read_as_one_bounded_line(
+        backend: RedisBackend, redis_db: str, message: Any, reason: str) -> None:
+    """A worker's Redis user can write any task's key: the reason its REVOKED mark
+    names reaches the worker's log and its refusal only as one line of at most 200
+    characters, or as plain "revoked"."""
+    from fedq.engine import revoke as revoke_mod
+
+    plain = redis.Redis.from_url(redis_db)
+    plain.set(backend.get_key_for_task("t5"), json.dumps(
+        {"status": "REVOKED", "result": {"exc_type": "TaskRevokedError",
+                                         "exc_message": message}, "task_id": "t5"}))
+    assert revoke_mod.revoked_else_claim(backend, "t5", {"beat": 0}, "STARTED") == reason
+    assert json.loads(plain.get(backend.get_key_for_task("t5")))["status"] == "REVOKED"

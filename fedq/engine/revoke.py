@@ -110,12 +110,17 @@ def revoked_else_claim(backend: Any, task_id: str, claim: dict[str, Any],
 
 def _reason(meta: Any) -> str:
     """The reason a ``REVOKED`` state names (``TaskRevokedError(why)`` as the backend
-    stores an exception), read without rebuilding the exception."""
+    stores an exception: ``exc_message`` a list of one string), read without rebuilding
+    the exception. A worker's Redis user can write any task's key, so anything else
+    (another shape, a long text, line breaks for the log) reads as plain "revoked" or is
+    cut to one line of at most 200 characters."""
     result = meta.get("result") if isinstance(meta, dict) else None
-    message = result.get("exc_message") if isinstance(result, dict) else result
-    if isinstance(message, (list, tuple)):
-        message = " ".join(str(m) for m in message)
-    return str(message or "revoked")[:200]
+    message = result.get("exc_message") if isinstance(result, dict) else None
+    if isinstance(message, list) and len(message) == 1:
+        message = message[0]
+    if not isinstance(message, str) or not message.strip():
+        return "revoked"
+    return " ".join(message[:200].split())
 
 
 def revoked(backend: Any, task_id: str) -> str | None:
