@@ -348,6 +348,72 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     assert bad_hash["status"] == "rejected" and "sha256" in bad_hash["error"]
 
 
+def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
+        tmp_path: Path) -> None:
+    """The coordinator's side on the embedded default, answering as workers would: once
+    no shard waits, a freed slot sends a second copy of the shard out longest; the copy's
+    answer completes the job, the first copy is revoked and its late answer dropped; a
+    copy that fails is one failure, not two."""
+    from fedq.engine.app import app
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    weights = _classifier_file(tmp_path)
+    store = open_store(settings.blob_url)
+
+    def answer(job: str, row: dict[str, Any], attempt: int, **over: Any) -> dict[str, Any]:
+        lines = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in range(row["start"], row["stop"])]
+        ref = store.put(output_key(job, row["shard"], attempt), encode_rows(lines))
+        result = {"status": "ok", "job": job, "shard": row["shard"], "attempt": attempt,
+                  "worker": "w@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,
+                  "size": ref.size, "items": len(lines), "seconds": 0.1, **over}
+        return jobs.absorb(settings, result, job, row["shard"], attempt)
+
+    def rows(job: str) -> list[dict[str, Any]]:
+        view = jobs.find(settings, job)
+        assert view is not None
+        return view.shard_rows
+
+    def submit(**fields: Any) -> str:
+        spec = load_inference(_spec(tmp_path, model={"weights": str(weights),
+                                                     "name": "small_cnn", "dataset": "digits"},
+                                    inputs={"dataset": "digits", "limit": 8}, op="classify",
+                                    shard_size=2, in_flight=2, **fields))
+        job = jobs.submit(settings, spec, tmp_path)
+        # every shard but the first answered as it is sent: shard 0 is the slow machine's
+        while True:
+            out = [r for r in rows(job)[1:] if r["status"] == "running"]
+            if not out:
+                return job
+            for r in out:
+                assert answer(job, r, r["attempt"])["status"] == "done"
+
+    job = submit(max_redispatch=0)
+    first = rows(job)[0]
+    assert (first["status"], first["attempt"], first["backups"]) == ("running", 2, 1)
+    assert answer(job, first, 2)["status"] == "done"  # the copy answers first
+    view = jobs.find(settings, job)
+    assert view is not None and view.status == "completed" and view.done_items == 8
+    assert app.backend.get_task_meta(jobs.task_id(job, 0, 1))["status"] == "REVOKED"
+    assert app.backend.get_task_meta(jobs.task_id(job, 0, 2))["status"] != "REVOKED"
+    assert answer(job, first, 1)["status"] == "dropped"  # the first copy, late
+
+    # a copy that fails is one failure: with max_redispatch 1 the shard goes out again
+    job = submit(max_redispatch=1)
+    failed = answer(job, rows(job)[0], 2, status="error", error="RuntimeError: boom")
+    assert failed["status"] == "error"
+    first = rows(job)[0]
+    assert (first["status"], first["attempt"]) == ("running", 3)  # not failed: 1 of 1
+    assert answer(job, first, 1)["status"] == "done"  # the first copy was still out
+    view = jobs.find(settings, job)
+    assert view is not None and view.status == "completed"
+
+    # backups: false sends no copy
+    job = submit(backups=False)
+    first = rows(job)[0]
+    assert (first["status"], first["attempt"], first["backups"]) == ("running", 1, 0)
+
+
 @pytest.mark.slow
 def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
         embedded: Cluster, tmp_path: Path) -> None:

@@ -310,6 +310,8 @@ class InferenceShard(Base):
     # dispatches that do not count against max_redispatch: yields to an owner, and
     # those before a resume
     spared: Mapped[int] = mapped_column(Integer, default=0)
+    # backup copies sent while an earlier attempt was still out (not failures either)
+    backups: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
     key: Mapped[str | None] = mapped_column(String(300), default=None)

@@ -335,6 +335,30 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
         while waiting and running[queue] < spec["in_flight"]:
             out.append(_take(job, waiting.pop(0), queue))
             running[queue] += 1
+    if not waiting and spec.get("backups", True):  # jobs before 0018 have no field
+        out += _backups(s, job, queues or spec["queues"], running)
+    return out
+
+
+def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str, int]
+             ) -> list[tuple[str, str, dict[str, Any], int]]:
+    """Backup copies for the job's end (MapReduce's backup tasks, Dean and Ghemawat
+    2004, section 3.6): with no shard waiting, each free slot of ``queues`` runs a
+    second copy of the shard out longest that has none, so the job does not end
+    waiting on a slow or lost machine. Whichever copy answers first counts (a shard is
+    done once); the other is revoked and its answer dropped. A copy is not a failure:
+    ``backups`` keeps it out of ``max_redispatch``'s count."""
+    spec = job.spec
+    alone = list(s.scalars(select(InferenceShard).where(
+        InferenceShard.job_id == job.id, InferenceShard.status == RUNNING,
+        InferenceShard.backups == 0).order_by(InferenceShard.sent_at, InferenceShard.shard)))
+    out = []
+    for queue in queues:
+        while alone and running[queue] < spec["in_flight"]:
+            row = alone.pop(0)
+            row.backups += 1
+            out.append(_take(job, row, queue))
+            running[queue] += 1
     return out
 
 
@@ -441,6 +465,10 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
             row.worker, row.seconds, row.device = r.worker, r.seconds, r.device
             row.started_at = worker_time(r.started)
             row.done_at, row.error = utcnow(), None
+            if row.backups:  # the other copies of this shard are no longer needed
+                revoke = [task_id(job_id, shard, a) for a in
+                          range(max(1, row.attempt - row.backups), row.attempt + 1)
+                          if a != attempt]
             if not s.scalar(select(InferenceShard.id).where(
                     InferenceShard.job_id == job_id, InferenceShard.status != DONE).limit(1)):
                 job.status, job.finished_at = JobStatus.COMPLETED, utcnow()
@@ -453,7 +481,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
             if verdict.status == "yielded" and row.spared < MAX_YIELDS:
                 row.spared += 1
             row.error = verdict.error
-            failed = row.attempt - row.spared
+            failed = row.attempt - row.spared - row.backups
             if failed > job.spec["max_redispatch"]:
                 row.status = FAILED
                 job.status, job.finished_at = JobStatus.FAILED, utcnow()
@@ -465,7 +493,9 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
                 tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
         status = row.status
     _send(job_id, tasks)
-    revoke_quietly(revoke, "its job failed", "inference task(s)")
+    if revoke:
+        revoke_quietly(revoke, "its shard is done" if verdict.status == "ok"
+                       else "its job failed", "inference task(s)")
     return {"status": status if verdict.status == "ok" else verdict.status, "shard": shard,
             "error": verdict.error}
 
@@ -544,7 +574,7 @@ def resume(settings: Settings, job_id: str) -> int:
         left = 0
         for row in s.scalars(select(InferenceShard).where(InferenceShard.job_id == job_id,
                                                           InferenceShard.status != DONE)):
-            row.status, row.spared, row.error = QUEUED, row.attempt, None
+            row.status, row.spared, row.backups, row.error = QUEUED, row.attempt, 0, None
             left += 1
         job.status, job.error, job.finished_at = JobStatus.RUNNING, None, None
     fill(settings, job_id)
@@ -621,7 +651,7 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
         for r in rows:
             view.shard_rows.append({
                 "shard": r.shard, "start": r.start, "stop": r.stop, "status": r.status,
-                "attempt": r.attempt, "queue": r.queue, "worker": r.worker, "device": r.device,
+                "attempt": r.attempt, "backups": r.backups, "queue": r.queue, "worker": r.worker, "device": r.device,
                 "seconds": r.seconds, "error": r.error,
                 "started": aware(r.started_at).timestamp() if r.started_at else None,
                 "done": aware(r.done_at).timestamp() if r.done_at else None})

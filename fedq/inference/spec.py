@@ -79,6 +79,9 @@ class InferenceSpec(_Model):
     in_flight: int = Field(default=2, ge=1, le=1000)  # shards out per queue at once
     shard_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     max_redispatch: int = Field(default=2, ge=0, le=100)
+    # once no shard waits, a queue's free slot runs a second copy of the shard out
+    # longest (fedq/inference/jobs.py ``_backups``); the first answer counts
+    backups: bool = True
 
     @model_validator(mode="after")
     def _fits(self) -> "InferenceSpec":
