@@ -362,7 +362,8 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     store = open_store(settings.blob_url)
 
     def answer(job: str, row: dict[str, Any], attempt: int, **over: Any) -> dict[str, Any]:
-        lines = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in range(row["start"], row["stop"])]
+        lines = [{"i": i, "label": 0, "probs": [0.1] * 10}
+                 for i in range(row["start"], row["stop"])]
         ref = store.put(output_key(job, row["shard"], attempt), encode_rows(lines))
         result = {"status": "ok", "job": job, "shard": row["shard"], "attempt": attempt,
                   "worker": "w@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,

@@ -651,7 +651,8 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
         for r in rows:
             view.shard_rows.append({
                 "shard": r.shard, "start": r.start, "stop": r.stop, "status": r.status,
-                "attempt": r.attempt, "backups": r.backups, "queue": r.queue, "worker": r.worker, "device": r.device,
+                "attempt": r.attempt, "backups": r.backups,
+                "queue": r.queue, "worker": r.worker, "device": r.device,
                 "seconds": r.seconds, "error": r.error,
                 "started": aware(r.started_at).timestamp() if r.started_at else None,
                 "done": aware(r.done_at).timestamp() if r.done_at else None})
