@@ -313,7 +313,7 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     store = open_store(settings.blob_url)
     view = jobs.find(settings, job)
     assert view is not None and [r["status"] for r in view.shard_rows] == [
-        "running", "queued", "queued", "queued", "queued"]  # 4, 4, then 2, 1, 1 items
+        "running", "queued", "queued"]  # 4 items each
     rows = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in range(4)]
 
     def answer(shard: int, attempt: int, body: bytes, **over: Any) -> dict[str, Any]:
@@ -331,7 +331,7 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     assert other["status"] == "rejected" and "is not" in other["error"]
     view = jobs.find(settings, job)
     assert view is not None and view.status == "failed" and "shard 0" in (view.error or "")
-    assert jobs.resume(settings, job) == 5
+    assert jobs.resume(settings, job) == 3
     view = jobs.find(settings, job)
     assert view is not None and view.shard_rows[0]["attempt"] == 3
     assert answer(0, 3, encode_rows(rows))["status"] == "done"
@@ -395,6 +395,7 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     assert answer(job, first, 2)["status"] == "done"  # the copy answers first
     view = jobs.find(settings, job)
     assert view is not None and view.status == "completed" and view.done_items == 8
+    assert (view.to_json()["backups"], view.resent) == (1, 0)  # a copy is not a re-send
     assert app.backend.get_task_meta(jobs.task_id(job, 0, 1))["status"] == "REVOKED"
     assert app.backend.get_task_meta(jobs.task_id(job, 0, 2))["status"] != "REVOKED"
     assert answer(job, first, 1)["status"] == "dropped"  # the first copy, late
@@ -646,7 +647,8 @@ def test_inference_figures_draw_each_shard_and_each_worker() -> None:
                SimpleNamespace(worker="b@h", device="cuda", shards=1, items=10, seconds=0.5,
                                items_per_s=20.0)]
     view = SimpleNamespace(id="j1", name="n", op="classify", status="failed", items=25,
-                           done_items=20, shards=3, done_shards=2, resent=3, elapsed_s=4.0,
+                           done_items=20, shards=3, done_shards=2, resent=3, backups=1,
+                           elapsed_s=4.0,
                            error="shard 2 failed", shard_rows=rows, workers=workers,
                            spec={"kind": "inference"}, created=100.0)
     # Execute
@@ -663,7 +665,7 @@ def test_inference_figures_draw_each_shard_and_each_worker() -> None:
     close(figs)
     assert '<table id="failures">' in page and "boom" in page
     assert '<td class="text">gpu_new</td><td>1</td><td>1</td><td>10</td>' in page
-    assert "20 of 25 items" in page
+    assert "20 of 25 items" in page and "3 re-sent, 1 backup copy" in page
 
 
 def test_latest_model_is_the_newest_completed_job_that_fits_the_inputs(tmp_path: Path) -> None:

@@ -43,7 +43,9 @@ def follow(settings: Any, job_id: str, *, interval: float = 0.5, timeout: float 
             time.sleep(interval)
     console.print(f"job {job_id} {status_style(view.status)}: {view.done_items}/{view.items} "
                   f"items in {view.elapsed_s:.1f}s, {view.done_shards}/{view.shards} shards"
-                  + (f", {view.resent} re-sent" if view.resent else ""), highlight=False)
+                  + (f", {view.resent} re-sent" if view.resent else "")
+                  + (f", {view.backups} backup cop{'y' if view.backups == 1 else 'ies'}"
+                     if view.backups else ""), highlight=False)
     return view
 
 

@@ -4,8 +4,10 @@ each shard's answer once, repair, cancel, resume, and the merged outputs.
 Who does how much: each queue of the job keeps ``in_flight`` shards out; when one
 comes back, the next queued shard goes to the same queue. A queue whose workers are
 faster returns sooner and so takes more shards (with ``worker_prefetch_multiplier``
-1, a worker holds one shard at a time). The last shards are smaller
-(:func:`plan_shards`), so the tail does not wait on a slow machine's big shard.
+1, a worker holds one shard at a time). The job's end does not wait on a slow
+machine: once no shard waits, a free slot runs a backup copy of the shard out longest
+(:func:`_backups`), or, with ``backups: false``, the last shards are smaller
+(:func:`plan_shards`).
 
 Exactly once: a shard's row moves to ``done`` once, under the job's row lock; a
 re-sent shard's second answer (or a straggler's) is dropped. A shard's output is
@@ -246,7 +248,10 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
                             f"{arch['dataset']}")
         x = ds.x_test if spec.inputs.split == "test" else ds.x_train
         items = min(len(x), spec.inputs.limit) if spec.inputs.limit else len(x)
-    shards = plan_shards(items, spec.shard_size, tail=len(spec.queues) * spec.in_flight)
+    # with backup copies the job's end does not wait on a slow machine's shard, and
+    # short shards would only add their overhead (docs/inference.md, "The tail")
+    shards = plan_shards(items, spec.shard_size,
+                         tail=0 if spec.backups else len(spec.queues) * spec.in_flight)
     job_id = uuid.uuid4().hex[:12]
     try:
         if weights_bytes is not None:
@@ -610,6 +615,7 @@ class InferenceView:
     elapsed_s: float
     error: str | None
     workers: list[WorkerLine] = field(default_factory=list)
+    backups: int = 0  # backup copies sent (not counted in ``resent``)
     shard_rows: list[dict[str, Any]] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0  # epoch seconds
@@ -624,6 +630,7 @@ class InferenceView:
         return {"id": self.id, "name": self.name, "status": self.status, "op": self.op,
                 "items": self.items, "done_items": self.done_items, "shards": self.shards,
                 "done_shards": self.done_shards, "resent": self.resent,
+                "backups": self.backups,
                 "elapsed_s": round(self.elapsed_s, 3), "eta_s": self.eta_s, "error": self.error,
                 "workers": [{"worker": w.worker, "device": w.device, "shards": w.shards,
                              "items": w.items, "seconds": round(w.seconds, 3),
@@ -644,9 +651,10 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
         view = InferenceView(job.id, job.name, job.status, job.spec["op"], job.items,
                              sum(r.stop - r.start for r in rows if r.status == DONE),
                              job.shards, sum(r.status == DONE for r in rows),
-                             sum(max(0, r.attempt - 1) for r in rows),
+                             sum(max(0, r.attempt - 1 - r.backups) for r in rows),
                              (end - aware(job.created_at)).total_seconds(), job.error,
-                             spec=dict(job.spec), created=aware(job.created_at).timestamp())
+                             spec=dict(job.spec), created=aware(job.created_at).timestamp(),
+                             backups=sum(r.backups for r in rows))
         by: dict[str, WorkerLine] = {}
         for r in rows:
             view.shard_rows.append({

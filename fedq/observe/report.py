@@ -100,8 +100,8 @@ def render(job: dict[str, Any], rounds: list[dict[str, Any]], clients: list[dict
 """
 
 
-SHARD_COLUMNS = ("shard", "start", "stop", "status", "attempt", "queue", "worker", "device",
-                 "seconds", "error")
+SHARD_COLUMNS = ("shard", "start", "stop", "status", "attempt", "backups", "queue", "worker",
+                 "device", "seconds", "error")
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -141,7 +141,8 @@ def render_inference(view: Any, figs: dict[str, Any]) -> str:
     summary = (f"inference ({html.escape(view.op)}), status <b>{html.escape(view.status)}</b>, "
                f"{view.done_items} of {view.items} items in {view.done_shards} of "
                f"{view.shards} shards, {view.elapsed_s:.1f} s ({rate:.1f} items/s), "
-               f"{view.resent} re-sent"
+               f"{view.resent} re-sent, {view.backups} backup "
+               f"cop{'y' if view.backups == 1 else 'ies'}"
                + (f", error: {html.escape(view.error)}" if view.error else ""))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
