@@ -577,13 +577,16 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
     assert refused.returncode == 1 and "not completed" in refused.stderr
     assert not out.exists()
     w1 = cluster.add("w1", ["cpu"])
-    assert "resumed: 11 shard(s) to go" in cluster.fedq("resume", job).stdout
+    assert "resumed: 3 shard(s) to go" in cluster.fedq("resume", job).stdout
     watched = cluster.fedq("watch", job, timeout=240)
     assert "completed" in watched.stdout, watched.stdout + watched.stderr
     # w1 started after the cancel: it never heard the broadcast, and refused the two
-    # revoked shards from the result backend's mark (fedq/engine/revoke.py), unrun
+    # revoked shards from the result backend's mark (fedq/engine/revoke.py), unrun (the
+    # last shard's backup copy may be refused the same way, "its shard is done")
     log = w1.log_path.read_text()
-    assert log.count("not run: task") == 2 and log.count("(its job was cancelled)") == 2, log
+    cancelled = [line for line in log.splitlines() if "not run: task" in line
+                 and "(its job was cancelled)" in line]
+    assert len(cancelled) == 2, log
     cluster.fedq("results", job, "--out", str(out))
     got = _read_out(out)
     import pyarrow.parquet as pq
