@@ -417,6 +417,43 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
 
 
 @pytest.mark.slow
+def test_a_fast_worker_finishes_a_slow_workers_last_shard_as_its_backup(
+        tmp_path: Path) -> None:
+    """Real workers on the embedded default: the slow one (100,000x) takes the first
+    shard and holds it; the fast one, started after, takes the rest and then the
+    slow one's shard as a backup copy, and the job completes with the model's outputs.
+    Without copies the job would wait for the slow one's shard (hours)."""
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    try:
+        cluster.start(control=["control"])
+        slow = cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="100000")
+        weights = _classifier_file(tmp_path)
+        spec = _spec(tmp_path, model={"weights": weights.name, "name": "small_cnn",
+                                      "dataset": "digits"},
+                     inputs={"dataset": "digits", "split": "test"}, op="classify",
+                     shard_size=60, batch_size=60, in_flight=2, shard_timeout_s=3600)
+        job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
+        wait_until(lambda: "Task fedq.infer_shard[" in slow.log_path.read_text(
+            errors="replace"), 60, what="the slow worker to take a shard")
+        cluster.add("fast", ["cpu"])
+        out = tmp_path / "out.jsonl"
+        cluster.fedq("watch", job, timeout=120)
+        cluster.fedq("results", job, "--out", str(out))
+        view = jobs.find(cluster.settings, job)
+        assert view is not None and view.status == "completed", view
+        copied = [r for r in view.shard_rows if r["backups"]]
+        assert [r["shard"] for r in copied] == [0] and copied[0]["worker"] == "fast@test", \
+            view.shard_rows
+        assert {r["worker"] for r in view.shard_rows} == {"fast@test"}
+        got, want = _read_out(out), _reference_classify(weights)
+        assert [r["i"] for r in got] == list(range(len(want)))  # none missing or doubled
+        assert max(abs(a - b) for r, w in zip(got, want) for a, b in zip(r["probs"], w)) <= 1e-5
+    finally:
+        cluster.by_name("slow").kill()
+        cluster.stop()
+
+
+@pytest.mark.slow
 def test_classify_on_the_embedded_default_matches_the_model_in_one_process(
         embedded: Cluster, tmp_path: Path) -> None:
     weights = _classifier_file(tmp_path)
