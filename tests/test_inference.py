@@ -410,6 +410,19 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     view = jobs.find(settings, job)
     assert view is not None and view.status == "completed"
 
+    # resume forgets a cancelled job's copies: its fresh copy is the first again, and
+    # with max_redispatch 0 that copy failing fails the job (had the old copy been kept
+    # in the count, the failure would have been taken for a copy's and re-sent)
+    job = submit(max_redispatch=0)
+    jobs.cancel(settings, job)
+    jobs.resume(settings, job)
+    first = rows(job)[0]
+    assert (first["status"], first["attempt"], first["backups"]) == ("running", 4, 1)
+    assert answer(job, first, 4, status="error", error="RuntimeError: boom")["status"] == "error"
+    view = jobs.find(settings, job)
+    assert view is not None and view.status == "failed" and "failed 1 time(s)" in view.error, view
+    assert (view.to_json()["backups"], view.resent) == (1, 2)
+
     # backups: false sends no copy
     job = submit(backups=False)
     first = rows(job)[0]
@@ -437,7 +450,9 @@ def test_a_fast_worker_finishes_a_slow_workers_last_shard_as_its_backup(
             errors="replace"), 60, what="the slow worker to take a shard")
         cluster.add("fast", ["cpu"])
         out = tmp_path / "out.jsonl"
-        cluster.fedq("watch", job, timeout=120)
+        watched = cluster.fedq("watch", job, timeout=120).stdout
+        # a copy is counted apart from re-sends (a re-send is a failure, a copy is not)
+        assert "6/6 shards, 1 backup copy" in watched and "re-sent" not in watched, watched
         cluster.fedq("results", job, "--out", str(out))
         view = jobs.find(cluster.settings, job)
         assert view is not None and view.status == "completed", view
