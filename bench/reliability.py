@@ -11,7 +11,9 @@ test_wan.py kills, cuts or corrupts something real (a worker's process group, th
 control worker mid-finalize, the Redis server, an update blob, a host's network link),
 and each in test_owner.py and test_sites.py that makes a real worker step aside for
 its owner (load, the clock, its power supply) records one row: scenario, fault, outcome, rounds
-committed, updates lost. This script collects the rows and renders the table; the
+committed, updates lost; so does each in test_inference.py that kills a worker, leaves
+a shard with one that never answers, or cancels and resumes a job (its rows count
+shards done and items lost). This script collects the rows and renders the table; the
 rest of docs/reliability.md is written by hand below the marker.
 """
 
@@ -32,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
 MARKER = "<!-- end of generated table -->"
 TESTS = ["tests/test_faults.py", "tests/test_finalize.py", "tests/test_buffered.py",
-         "tests/test_wan.py", "tests/test_owner.py", "tests/test_sites.py"]
+         "tests/test_wan.py", "tests/test_owner.py", "tests/test_sites.py",
+         "tests/test_inference.py"]
 
 
 def _seconds(values: list[float]) -> str:
@@ -60,8 +63,8 @@ def main() -> int:
         f"{datetime.now(timezone.utc):%Y-%m-%d} ({platform.machine()}, "
         f"{os.cpu_count()} cores). Every row is a test that passed in that run.",
         "",
-        "| scenario | what was killed or corrupted | outcome | rounds committed | "
-        "updates lost | kill to re-dispatch |",
+        "| scenario | what was killed or corrupted | outcome | rounds committed "
+        "(inference: shards done) | updates lost (inference: items) | kill to re-dispatch |",
         "|---|---|---|---|---|---|",
     ]
     lines += [f"| {r['scenario']} | {r['fault']} | {r['outcome']} | {r['committed']} | "

@@ -25,7 +25,7 @@ from fedq.inference.messages import check_output, output_key, parse_task
 from fedq.inference.run import complete, encode_rows, run_items
 from fedq.inference.spec import load_inference
 from fedq.models import build_model, seeded_model
-from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.cluster import Cluster, base_env, record_outcome
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, state_of
 from fedq.wire import FormatError
@@ -468,6 +468,13 @@ def test_a_fast_worker_finishes_a_slow_workers_last_shard_as_its_backup(
         got, want = _read_out(out), _reference_classify(weights)
         assert [r["i"] for r in got] == list(range(len(want)))  # none missing or doubled
         assert max(abs(a - b) for r, w in zip(got, want) for a, b in zip(r["probs"], w)) <= 1e-5
+        record_outcome(
+            "inference job (classify 360 digits, 6 shards), one worker 100,000x slow holds "
+            "a shard; a fast worker joins (embedded default)",
+            "nothing killed: a worker that does not answer in the job's time",
+            "completed: the held shard's backup copy ran on the fast worker, its answer "
+            "counted, the slow copy revoked; outputs equal the model's in input order",
+            view.done_shards, len(want) - len({r["i"] for r in got}))
     finally:
         cluster.by_name("slow").kill()
         cluster.stop()
@@ -607,6 +614,15 @@ def test_generate_on_redis_survives_a_worker_sigkill(
         gen = torch.Generator().manual_seed(11 + i)
         want = model.generate(ids[None, :], 150, temperature=0.9, top_k=20, generator=gen)
         assert row["text"] == text_data.decode(want[0, len(ids):]), i
+    view = jobs.find(cluster.settings, job)
+    assert view is not None
+    record_outcome(
+        f"inference job (GPT generate, {len(many)} prompts, {view.shards} shards), a worker "
+        "SIGKILLed while it holds a shard, another started (Redis)",
+        "the worker's process group",
+        "completed: the held shard sent again and counted once; outputs equal the "
+        "model's in input order", view.done_shards,
+        len(many) - len({r["i"] for r in got}))
 
 
 @pytest.mark.slow
@@ -663,6 +679,14 @@ def test_score_on_redis_cancelled_and_resumed_matches_one_prompt_at_a_time(redis
                 total += float(logp.gather(-1, piece[1:, None]).sum())
         assert row["tokens"] == len(ids) - 1
         assert row["logprob"] == pytest.approx(total, abs=1e-3), text
+    view = jobs.find(cluster.settings, job)
+    assert view is not None
+    record_outcome(
+        "inference job (GPT score), cancelled before a worker took a shard, resumed "
+        "with a worker started between (Redis)",
+        "nothing killed: `fedq cancel`, then `fedq resume`",
+        "completed once; the new worker refused the two cancelled shards unrun",
+        view.done_shards, len(texts) - len({r["i"] for r in got}))
 
     # op: embed on the same worker: each prompt's unit vector, as one prompt at a time
     # gives it (the long one read in pieces of the model's 32-byte context)
