@@ -1,6 +1,6 @@
 """Run the fault-injection tests and write their outcomes to docs/reliability.md.
 
-    .venv/bin/python -m bench.reliability            # about 16 minutes on 2 cores
+    .venv/bin/python -m bench.reliability            # about 18 minutes on 2 cores
 
 The Redis worker-kill test kills a worker in every round but the first and last
 (FEDQ_BENCH_KILLS=10 here; 2 in the test suite), so the times from a kill to its
