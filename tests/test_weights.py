@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedq.blobs import open_store
-from fedq.errors import BlobNotFound, UpdateRejected
+from fedq.blobs import BlobRef, open_store
+from fedq.errors import BlobNotFound, BlobTooLarge, UpdateRejected
 from fedq.weights import dumps, loads, loads_with_meta
 
 from .conftest import free_port, missing
@@ -95,6 +95,22 @@ def test_bulk_reader_reconnects_after_the_server_drops_it(redis_db: str) -> None
     assert bytes(store.get(ref)) == b"value"
     with pytest.raises(BlobNotFound, match="missing"):
         store._read("missing")
+
+
+def test_a_bounded_read_is_refused_from_the_replys_length(redis_db: str) -> None:
+    """The bulk reader knows a value's length before its bytes: a value over the limit
+    is refused unread in the one GET (no size query first), and the store reads on."""
+    store = open_store(redis_db)
+    assert store.bounds_reads
+    ref = store.put("jobs/j/u.safetensors", b"x" * (2 << 20))
+    small = store.put("jobs/j/v.safetensors", b"y" * 1000)
+    with pytest.raises(BlobTooLarge, match=f"is {2 << 20} bytes, more than the 1000 it may "
+                                           "be: not read"):
+        store.get(ref, limit=1000)
+    assert bytes(store.get(small, limit=1000)) == b"y" * 1000  # on a new connection
+    assert len(store.get(ref, limit=2 << 20)) == 2 << 20
+    with pytest.raises(BlobNotFound):
+        store.get(BlobRef("jobs/j/gone", "0" * 64, 1), limit=1)
 
 
 @pytest.fixture

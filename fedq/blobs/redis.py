@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fedq.blobs.base import BlobRef, BlobStore, write_hashing
+from fedq.blobs.base import BlobRef, BlobStore, too_large, write_hashing
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
 from fedq.redaction import redact
 
@@ -38,6 +38,7 @@ class RedisBlobStore(BlobStore):
             self._reader = _BulkReader(opts.get("host", "localhost"), int(opts.get("port", 6379)),
                                        int(opts.get("db", 0) or 0), opts.get("username"),
                                        opts.get("password"))
+            self.bounds_reads = True  # the reply's length comes before its bytes
 
     def _write(self, key: str, data: bytes) -> None:
         import redis
@@ -77,15 +78,18 @@ class RedisBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.url}")
         return data  # type: ignore[no-any-return]  # bytes, or a bytearray from the reader
 
-    def _read_hashed(self, key: str) -> tuple[bytes, str | None]:
+    def _read_hashed(self, key: str, limit: int | None = None) -> tuple[bytes, str | None]:
         """A large value is hashed on a second thread as it arrives (hashlib and socket
-        reads release the GIL): the sha256 costs little more than the read."""
+        reads release the GIL): the sha256 costs little more than the read. A value
+        over ``limit`` is refused from the reply's length, its bytes unread."""
         import redis
 
         if self._reader is None:
             return self._read(key), None
         try:
-            data, digest = self._reader.get_hashed((KEY_PREFIX + key).encode())
+            data, digest = self._reader.get_hashed((KEY_PREFIX + key).encode(), limit=limit)
+        except _TooLarge as exc:
+            raise too_large(key, exc.size, exc.limit) from None
         except (redis.RedisError, OSError) as exc:
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
         if data is None:
@@ -144,15 +148,17 @@ class _BulkReader:
         """The value, or None when the key does not exist."""
         return self.get_hashed(key, hashing=False)[0]
 
-    def get_hashed(self, key: bytes, hashing: bool = True
+    def get_hashed(self, key: bytes, hashing: bool = True, limit: int | None = None
                    ) -> tuple[bytearray | None, str | None]:
         """The value (None when the key does not exist) and, with ``hashing``, its
-        sha256 hex, computed as it was received. One reconnect on a dropped connection
-        (Redis restarted, idle timeout), with the hash started afresh."""
+        sha256 hex, computed as it was received. A value longer than ``limit`` raises
+        :class:`_TooLarge` before its bytes are read (the connection is closed: the
+        reply is left unread). One reconnect on a dropped connection (Redis restarted,
+        idle timeout), with the hash started afresh."""
         for attempt in (1, 2):
             hasher = _Hasher() if hashing else None
             try:
-                data = self._get(key, hasher)
+                data = self._get(key, hasher, limit)
             except (ConnectionError, socket.timeout):
                 self.close()
                 if attempt == 2:
@@ -219,7 +225,8 @@ class _BulkReader:
             if end >= 0:
                 return bytes(head[:end]), head[end + 2:]
 
-    def _get(self, key: bytes, hasher: _Hasher | None = None) -> bytearray | None:
+    def _get(self, key: bytes, hasher: _Hasher | None = None, limit: int | None = None
+             ) -> bytearray | None:
         """``GET key``; with ``hasher``, the value is also fed to it as it arrives."""
         sock = self._connect()
         sock.sendall(_command(b"GET", key))
@@ -230,6 +237,9 @@ class _BulkReader:
         length = int(line[1:])
         if length < 0:
             return None
+        if limit is not None and length > limit:
+            self.close()  # the rest of the reply is not read: this connection is done
+            raise _TooLarge(length, limit)
         out = self._buffer(length)  # the value and its CRLF
         view = memoryview(out)
         have = len(rest)
@@ -270,6 +280,12 @@ class _BulkReader:
         self._pool.append(buf)
         del self._pool[:-_POOL_SIZE]
         return buf
+
+
+class _TooLarge(Exception):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(size, limit)
+        self.size, self.limit = size, limit
 
 
 class _Hasher:
