@@ -136,12 +136,20 @@ def test_a_tasks_headers_and_events_name_it_and_carry_no_url(
         (ref,), _, _ = json.loads(base64.b64decode(m["body"]))
         assert endpoint in json.dumps(ref)  # the URLs are in the argument, where they belong
         assert endpoint not in json.dumps(m["headers"])
-    decoded = []  # one event, or a worker's group of them
+    decoded = []  # one event, or a group of them (a worker's; a round's task-sent)
+    batches = []
     for e in sent:
         body = json.loads(base64.b64decode(json.loads(e)["body"]))
         decoded += body if isinstance(body, list) else [body]
+        batches.append({x.get("uuid") for x in (body if isinstance(body, list) else [body])
+                        if x.get("type") == "task-sent"})
     tasks_sent = {e["uuid"]: e["args"] for e in decoded if e.get("type") == "task-sent"}
     assert sorted(tasks_sent[m["headers"]["id"]] for m in messages) == sorted(shown)
+    # a round's task-sent events go out together, in one message after its chord
+    # (fedq.engine.app.SentEvents), not one broker round trip per task
+    round_ids = {m["headers"]["id"] for m in messages
+                 if m["headers"]["argsrepr"].startswith(f"job {sync} round 1 ")}
+    assert round_ids in batches, batches
     assert not [e for e in decoded if endpoint in json.dumps(e) or "X-Amz" in json.dumps(e)]
     record("security", scenario="dashboard: a task's URLs", did="read every training "
            "task's message headers and task-sent event (what Flower and any event "
