@@ -410,18 +410,20 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     view = jobs.find(settings, job)
     assert view is not None and view.status == "completed"
 
-    # resume forgets a cancelled job's copies: its fresh copy is the first again, and
-    # with max_redispatch 0 that copy failing fails the job (had the old copy been kept
-    # in the count, the failure would have been taken for a copy's and re-sent)
+    # resume forgets a cancelled job's copies for max_redispatch: its fresh copy is the
+    # first again, and with max_redispatch 0 that copy failing fails the job (had the
+    # old copy been kept in the count, the failure would have been taken for a copy's
+    # and re-sent); what a person reads still counts both copies (attempts 2 and 4)
+    # and one re-send (attempt 3, the resume's), not three re-sends
     job = submit(max_redispatch=0)
     jobs.cancel(settings, job)
     jobs.resume(settings, job)
     first = rows(job)[0]
-    assert (first["status"], first["attempt"], first["backups"]) == ("running", 4, 1)
+    assert (first["status"], first["attempt"], first["backups"]) == ("running", 4, 2)
     assert answer(job, first, 4, status="error", error="RuntimeError: boom")["status"] == "error"
     view = jobs.find(settings, job)
     assert view is not None and view.status == "failed" and "failed 1 time(s)" in view.error, view
-    assert (view.to_json()["backups"], view.resent) == (1, 2)
+    assert (view.to_json()["backups"], view.resent) == (2, 1)
 
     # backups: false sends no copy
     job = submit(backups=False)

@@ -312,6 +312,10 @@ class InferenceShard(Base):
     spared: Mapped[int] = mapped_column(Integer, default=0)
     # backup copies sent while an earlier attempt was still out (not failures either)
     backups: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # backup copies over the job's whole life: a resume starts ``backups`` again from 0
+    # (the copies out before it were revoked) but keeps these, so that a copy sent
+    # before a resume is not taken for a re-send afterwards
+    copies: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     queue: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
     key: Mapped[str | None] = mapped_column(String(300), default=None)

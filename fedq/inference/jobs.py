@@ -362,6 +362,7 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
         while alone and running[queue] < spec["in_flight"]:
             row = alone.pop(0)
             row.backups += 1
+            row.copies += 1
             out.append(_take(job, row, queue))
             running[queue] += 1
     return out
@@ -615,7 +616,7 @@ class InferenceView:
     elapsed_s: float
     error: str | None
     workers: list[WorkerLine] = field(default_factory=list)
-    backups: int = 0  # backup copies sent (not counted in ``resent``)
+    backups: int = 0  # backup copies sent, before a resume too (not counted in ``resent``)
     shard_rows: list[dict[str, Any]] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0  # epoch seconds
@@ -651,15 +652,15 @@ def find(settings: Settings, job_id: str) -> InferenceView | None:
         view = InferenceView(job.id, job.name, job.status, job.spec["op"], job.items,
                              sum(r.stop - r.start for r in rows if r.status == DONE),
                              job.shards, sum(r.status == DONE for r in rows),
-                             sum(max(0, r.attempt - 1 - r.backups) for r in rows),
+                             sum(max(0, r.attempt - 1 - r.copies) for r in rows),
                              (end - aware(job.created_at)).total_seconds(), job.error,
                              spec=dict(job.spec), created=aware(job.created_at).timestamp(),
-                             backups=sum(r.backups for r in rows))
+                             backups=sum(r.copies for r in rows))
         by: dict[str, WorkerLine] = {}
         for r in rows:
             view.shard_rows.append({
                 "shard": r.shard, "start": r.start, "stop": r.stop, "status": r.status,
-                "attempt": r.attempt, "backups": r.backups,
+                "attempt": r.attempt, "backups": r.copies,
                 "queue": r.queue, "worker": r.worker, "device": r.device,
                 "seconds": r.seconds, "error": r.error,
                 "started": aware(r.started_at).timestamp() if r.started_at else None,
