@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from fedq.engine.names import TRAINING_QUEUES, site_queue
 from fedq.spec import JobSpec
 
@@ -75,6 +73,8 @@ def plan_round(spec: JobSpec, round_number: int,
     ``clients_per_worker`` (JobSpec.round_size). With ``sites``, each client trains on
     its site's queue, and the round takes the clients of ``open_sites`` (sites with a
     worker that can train now) first, in a seeded order, then others'."""
+    import numpy as np  # here: the CLI imports this module to read jobs, and needs none
+
     size = spec.round_size(available)
     rng = np.random.default_rng([spec.seed, round_number])
     if spec.sites is not None:
