@@ -10,8 +10,9 @@
 # beside everything else, on disjoint Redis database numbers and temporary folders;
 # then the two tests marked quiet, which read the machine's CPU load, alone (19 min 5 s
 # on this 2-core machine in .ci/run on 2026-11-27: the main 584 tests in 16 min 47 s
-# and the 62 beside them in 18 min 12 s, side by side, then the quiet 2 in 30 s; a
-# busy CI machine once took 57 minutes; the goal is 15). With arguments, one
+# and the 62 beside them in 18 min 12 s, side by side, then the quiet 2 in 30 s; on
+# 2026-11-29, a slower day (torch imported in 3.4 s, not 1.7), 32 min 3 s, 31 min 19 s
+# and 53 s; a busy CI machine once took 57 minutes; the goal is 15). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
