@@ -93,13 +93,14 @@ def test_pure_rooms_load_no_celery() -> None:
 
 def test_the_clis_read_only_commands_load_no_torch() -> None:
     """fedq results, watch, status, cancel, resume, report and plot import these and
-    never need torch (importing it costs about 1.7 s of CPU a command)."""
+    never need torch (importing it costs about 1.7 s of CPU a command) or numpy (0.26 s:
+    only a client split and a round plan use it, and import it there)."""
     code = ("import sys, fedq.cli.commands, fedq.cli.observe, fedq.cli.output, "
             "fedq.coordinator.jobs, fedq.inference.jobs, fedq.process; "
-            "print('torch' in sys.modules)")
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.strip()
-    assert out == "False"
+    assert out == "False False"
 
 
 def test_every_task_name_the_app_sends_is_registered() -> None:
