@@ -127,3 +127,71 @@ def test_a_redis_broker_gets_the_transport_with_one_client_per_channel(
         assert len(made) == 2
     with Connection("rediss://127.0.0.1:1/0") as tls:
         assert isinstance(tls.transport, redis_transport.Transport)
+
+
+def test_publishes_in_a_batch_go_out_together_at_its_end_and_not_at_all_on_error(
+        redis_db: str) -> None:
+    """fedq/engine/redis_transport.py's ``batched_publishes``: tasks Celery sends inside
+    the block reach Redis together when it ends (one pipeline, in the order sent), none
+    before; when the block raises, none at all (a round is never half-sent). Celery's
+    own send path, a separate app on the same Redis, Celery's own routing."""
+    import redis
+    from celery import Celery
+
+    from fedq.engine.redis_transport import batched_publishes
+
+    celery = Celery("batch-test", broker=redis_db)
+    client = redis.Redis.from_url(redis_db)
+    try:
+        with batched_publishes():
+            for i in range(3):
+                celery.send_task("t", args=(i,), queue="batch-q")
+            assert client.llen("batch-q") == 0  # buffered, not sent
+            with batched_publishes():  # a nested block joins the outer one
+                celery.send_task("t", args=(3,), queue="batch-q")
+            assert client.llen("batch-q") == 0
+        bodies = [json.loads(m) for m in client.lrange("batch-q", 0, -1)]
+        assert [m["headers"]["argsrepr"] for m in reversed(bodies)] == [
+            "(0,)", "(1,)", "(2,)", "(3,)"]  # LPUSH: the newest first
+        client.delete("batch-q")
+
+        with pytest.raises(KeyError), batched_publishes():
+            celery.send_task("t", args=(0,), queue="batch-q")
+            raise KeyError("the third queue of a round")
+        assert client.llen("batch-q") == 0
+        celery.send_task("t", args=(1,), queue="batch-q")  # outside a block: at once
+        assert client.llen("batch-q") == 1
+    finally:
+        celery.close()
+        client.close()
+
+
+def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fedq sends many tasks at once it sends them inside ``batched_publishes``
+    (the test above shows what that does on Redis): a round's chord, a buffered job's
+    refill, an inference job's shards. Each records whether a batch was open as Celery
+    was handed the tasks."""
+    from fedq.coordinator import buffered, rounds
+    from fedq.coordinator.planning import Assignment
+    from fedq.engine import redis_transport
+    from fedq.engine.app import app
+    from fedq.inference import jobs as inference_jobs
+    from fedq.refs import BlobRef
+    from fedq.spec import JobSpec
+    from fedq.testing.cluster import DIGITS
+
+    def batching() -> bool:
+        return getattr(redis_transport._batch, "sessions", None) is not None
+
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(rounds, "chord",
+                        lambda header: lambda body: seen.append(("round", batching())))
+    monkeypatch.setattr(app, "send_task",
+                        lambda name, **kw: seen.append((name, batching())))
+    spec = JobSpec.model_validate({**DIGITS, "name": "batch"})
+    model = BlobRef("jobs/j1/r00000/global.safetensors", "0" * 64, 10)
+    rounds.dispatch("j1", 1, spec, model, [Assignment(0, "cpu")], attempt=1, gen=1)
+    buffered._send("j1", spec, [buffered.Dispatch(1, 1, 0, "cpu", 1, model, None)])
+    inference_jobs._send("j2", [("cpu", "t1", {"attempt": 1}, 0)])
+    assert seen == [("round", True), ("fedq.train", True), ("fedq.infer_shard", True)], seen

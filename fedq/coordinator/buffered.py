@@ -69,7 +69,7 @@ from fedq.coordinator.steps import step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
-from fedq.engine.app import app
+from fedq.engine.app import app, sending
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.engine.revoke import revoke_quietly
 from fedq.process import PROCESS
@@ -150,14 +150,16 @@ def pick_client(spec: JobSpec, task: int, busy: set[int],
 
 def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
     spec_json = spec.to_json()
-    for t in tasks:
-        sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
-        app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
-                                                     spec.round_timeout_s),),
-                      queue=t.queue, task_id=sent.task_id, argsrepr=sent.shown,
-                      kwargsrepr="{}",
-                      link=app.signature(ABSORB_UPDATE_TASK, args=(job_id, t.index, t.attempt),
-                                         queue=CONTROL_QUEUE))
+    with sending() as events:  # one Redis round trip for all, events included
+        for t in tasks:
+            sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
+            app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
+                                                         spec.round_timeout_s),),
+                          queue=t.queue, task_id=sent.task_id, argsrepr=sent.shown,
+                          kwargsrepr="{}", event_dispatcher=events,
+                          link=app.signature(ABSORB_UPDATE_TASK,
+                                             args=(job_id, t.index, t.attempt),
+                                             queue=CONTROL_QUEUE))
 
 
 def _ensure_version(s: Session, job: Job, spec: JobSpec, version: int) -> Round:

@@ -24,7 +24,7 @@ from fedq.coordinator.roster import live_view, open_sites
 from fedq.coordinator.steps import step_of
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
-from fedq.engine.app import SentEvents, app
+from fedq.engine.app import app, sending
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.phases import phase
 from fedq.refs import StepRef
@@ -132,23 +132,25 @@ def dispatch(job_id: str, round_number: int, spec: JobSpec, model: BlobRef,
              step: StepRef | None = None) -> None:
     """Send the chord: one ``train`` per assignment on its queue, ``finalize_round`` after."""
     spec_json = spec.to_json()
-    events = SentEvents()  # the dashboard's task-sent events: one message, after
-    header = [
-        app.signature(TRAIN_TASK, args=(sent.message(spec_json, model, step,
-                                                     spec.round_timeout_s),),
-                      queue=a.queue, task_id=sent.task_id, argsrepr=sent.shown,
-                      kwargsrepr="{}", event_dispatcher=events)
-        for a in plan
-        for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]
-    ]
-    # immutable: the chord's last worker sends the body without the header's results
-    # (finalize reads each result by its task id; tasks/control.py), so the message
-    # stays small at any number of clients and carries nothing a worker returned
-    body = app.signature(FINALIZE_ROUND_TASK, args=(None, job_id, round_number),
-                         queue=CONTROL_QUEUE, immutable=True,
-                         argsrepr=f"job {job_id} round {round_number}", kwargsrepr="{}")
-    chord(header)(body)
-    events.flush()
+    # the train messages, then their task-sent events (one message, for the
+    # dashboard), go out together: one Redis round trip, not one per client
+    with sending() as events:
+        header = [
+            app.signature(TRAIN_TASK, args=(sent.message(spec_json, model, step,
+                                                         spec.round_timeout_s),),
+                          queue=a.queue, task_id=sent.task_id, argsrepr=sent.shown,
+                          kwargsrepr="{}", event_dispatcher=events)
+            for a in plan
+            for sent in [Sent(job_id, round_number, a.client, attempt, gen, a.queue)]
+        ]
+        # immutable: the chord's last worker sends the body without the header's
+        # results (finalize reads each result by its task id; tasks/control.py), so the
+        # message stays small at any number of clients and carries nothing a worker
+        # returned
+        body = app.signature(FINALIZE_ROUND_TASK, args=(None, job_id, round_number),
+                             queue=CONTROL_QUEUE, immutable=True,
+                             argsrepr=f"job {job_id} round {round_number}", kwargsrepr="{}")
+        chord(header)(body)
 
 
 def request_round(job_id: str, round_number: int) -> None:

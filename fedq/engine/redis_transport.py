@@ -18,13 +18,61 @@ which picks its broker client by that scheme).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES, redis
 
+_batch = threading.local()  # .sessions: channel -> kombu PublishBatch, while batching
+_MAX_BATCH = 1000  # commands a pipeline holds before it is sent (kombu's default)
+
+
+@contextmanager
+def batched_publishes() -> Iterator[None]:
+    """Messages published to Redis inside the block go out together when it ends: one
+    pipeline (one round trip) per channel, instead of one ``LPUSH`` round trip each.
+
+    A round's chord is one ``train`` message per client, then its task-sent events:
+    sent one by one they cost a round trip each (4 of a tiny round's 16 ms of control
+    work in a py-spy profile). Celery publishes them through whichever producer it
+    takes from its pool, so this works below it, on this transport's channels, with
+    kombu's own ``PublishBatch`` (a non-transactional pipeline). Nothing is sent when
+    the block raises; a nested block joins the outer one. Other transports (AMQP)
+    publish at once, as before. Messages are sent after the block's own Redis
+    commands (a chord's counter is set first either way)."""
+    if getattr(_batch, "sessions", None) is not None:
+        yield
+        return
+    sessions: dict[Channel, Any] = {}
+    _batch.sessions = sessions
+    try:
+        yield
+        for session in sessions.values():
+            session.flush()
+    except BaseException:
+        for session in sessions.values():
+            session.discard()
+        raise
+    finally:
+        _batch.sessions = None
+        for session in sessions.values():
+            session.close()
+
 
 class Channel(redis.Channel):  # type: ignore[misc]
     _sync_client: Any = None
+
+    def basic_publish(self, message: Any, exchange: str, routing_key: str,
+                      **kwargs: Any) -> Any:
+        sessions = getattr(_batch, "sessions", None)
+        if sessions is None or "_publish_batch" in kwargs or not self.supports_batch_publish:
+            return super().basic_publish(message, exchange, routing_key, **kwargs)
+        session = sessions.get(self)
+        if session is None:
+            session = sessions[self] = self.create_publish_batch(max_size=_MAX_BATCH)
+        return session.publish(message, exchange=exchange, routing_key=routing_key, **kwargs)
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:  # the event loop's own (BRPOP, LISTEN): kombu's, unchanged

@@ -40,7 +40,7 @@ from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema
-from fedq.engine.app import app
+from fedq.engine.app import app, sending
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
@@ -369,12 +369,14 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
 
 
 def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
-    for queue, tid, msg, shard in tasks:
-        app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
-                      argsrepr=f"job {job_id} shard {shard} attempt {msg['attempt']}",
-                      kwargsrepr="{}",
-                      link=app.signature(ABSORB_SHARD_TASK, args=(job_id, shard, msg["attempt"]),
-                                         queue=CONTROL_QUEUE))
+    with sending() as events:  # one Redis round trip for all, events included
+        for queue, tid, msg, shard in tasks:
+            app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
+                          argsrepr=f"job {job_id} shard {shard} attempt {msg['attempt']}",
+                          kwargsrepr="{}", event_dispatcher=events,
+                          link=app.signature(ABSORB_SHARD_TASK,
+                                             args=(job_id, shard, msg["attempt"]),
+                                             queue=CONTROL_QUEUE))
 
 
 def fill(settings: Settings, job_id: str) -> int:
