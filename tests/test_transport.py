@@ -133,11 +133,13 @@ def test_publishes_in_a_batch_go_out_together_at_its_end_and_not_at_all_on_error
         redis_db: str) -> None:
     """fedq/engine/redis_transport.py's ``batched_publishes``: tasks Celery sends inside
     the block reach Redis together when it ends (one pipeline, in the order sent), none
-    before; when the block raises, none at all (a round is never half-sent). Celery's
-    own send path, a separate app on the same Redis, Celery's own routing."""
+    before; when the block raises, none at all; past ``_MAX_BATCH`` commands, a full
+    pipeline goes out at once (a large round's workers start on its first tasks).
+    Celery's own send path, a separate app on the same Redis, Celery's own routing."""
     import redis
     from celery import Celery
 
+    from fedq.engine import redis_transport
     from fedq.engine.redis_transport import batched_publishes
 
     celery = Celery("batch-test", broker=redis_db)
@@ -161,6 +163,14 @@ def test_publishes_in_a_batch_go_out_together_at_its_end_and_not_at_all_on_error
         assert client.llen("batch-q") == 0
         celery.send_task("t", args=(1,), queue="batch-q")  # outside a block: at once
         assert client.llen("batch-q") == 1
+        client.delete("batch-q")
+
+        size = redis_transport._MAX_BATCH
+        with batched_publishes():
+            for i in range(size + 3):
+                celery.send_task("t", args=(i,), queue="batch-q")
+            assert client.llen("batch-q") == size  # the first full pipeline, sent
+        assert client.llen("batch-q") == size + 3
     finally:
         celery.close()
         client.close()

@@ -26,7 +26,7 @@ from typing import Any
 from kombu.transport import TRANSPORT_ALIASES, redis
 
 _batch = threading.local()  # .sessions: channel -> kombu PublishBatch, while batching
-_MAX_BATCH = 1000  # commands a pipeline holds before it is sent (kombu's default)
+_MAX_BATCH = 64  # commands a pipeline holds before it is sent (see batched_publishes)
 
 
 @contextmanager
@@ -38,10 +38,13 @@ def batched_publishes() -> Iterator[None]:
     sent one by one they cost a round trip each (4 of a tiny round's 16 ms of control
     work in a py-spy profile). Celery publishes them through whichever producer it
     takes from its pool, so this works below it, on this transport's channels, with
-    kombu's own ``PublishBatch`` (a non-transactional pipeline). Nothing is sent when
-    the block raises; a nested block joins the outer one. Other transports (AMQP)
-    publish at once, as before. Messages are sent after the block's own Redis
-    commands (a chord's counter is set first either way)."""
+    kombu's own ``PublishBatch`` (a non-transactional pipeline). A pipeline goes out
+    as soon as it holds ``_MAX_BATCH`` commands: with all 1,000 of a large round's
+    tasks held to the end, the workers started on none of them until the last was
+    built (the round took longer though sending took 0.88 -> 0.36 s); with 64, the
+    first tasks train while the rest are built. What is still held when the block
+    raises is never sent; a nested block joins the outer one. Other transports (AMQP)
+    publish at once, as before."""
     if getattr(_batch, "sessions", None) is not None:
         yield
         return
