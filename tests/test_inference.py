@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -429,6 +430,67 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     job = submit(backups=False)
     first = rows(job)[0]
     assert (first["status"], first["attempt"], first["backups"]) == ("running", 1, 0)
+
+
+def test_a_slow_class_does_not_copy_a_shard_a_fast_class_is_about_to_finish(
+        tmp_path: Path) -> None:
+    """Backup copies by measured speed (jobs.backup_choice), on the embedded default
+    answering as workers would, two classes: gpu_new at 4 items/s, cpu at 0.01 item/s
+    (from the seconds the answers report). A free gpu_new slot copies a cpu shard (the
+    copy is expected in 0.5 s, the shard in 200); a free cpu slot does not copy a
+    gpu_new shard sent a moment ago (200 s against 0.5), and a gpu_new shard gone quiet
+    past twice its time plus a second is copied after all."""
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    weights = _classifier_file(tmp_path)
+    store = open_store(settings.blob_url)
+    per_item = {"gpu_new": 0.25, "cpu": 100.0}
+
+    def answer(job: str, row: dict[str, Any], attempt: int) -> dict[str, Any]:
+        lines = [{"i": i, "label": 0, "probs": [0.1] * 10}
+                 for i in range(row["start"], row["stop"])]
+        ref = store.put(output_key(job, row["shard"], attempt), encode_rows(lines))
+        result = {"status": "ok", "job": job, "shard": row["shard"], "attempt": attempt,
+                  "worker": f"{row['queue']}@test", "queue": row["queue"], "key": ref.key,
+                  "sha256": ref.sha256, "size": ref.size, "items": len(lines),
+                  "seconds": per_item[row["queue"]] * len(lines)}
+        return jobs.absorb(settings, result, job, row["shard"], attempt)
+
+    def shards(job: str) -> list[dict[str, Any]]:
+        view = jobs.find(settings, job)
+        assert view is not None
+        return view.shard_rows
+
+    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": 8}, op="classify",
+                                shard_size=2, in_flight=1, queues=["gpu_new", "cpu"]))
+    job = jobs.submit(settings, spec, tmp_path)
+    s0, s1 = shards(job)[:2]
+    assert (s0["queue"], s1["queue"]) == ("gpu_new", "cpu")
+    assert answer(job, s1, 1)["status"] == "done"  # cpu: 0.01 item/s; s2 goes to cpu
+    assert answer(job, s0, 1)["status"] == "done"  # gpu_new: 4 items/s; s3 to gpu_new
+    s2, s3 = shards(job)[2:]
+    assert (s2["queue"], s3["queue"], s2["status"], s3["status"]) == (
+        "cpu", "gpu_new", "running", "running")
+    assert answer(job, s2, 1)["status"] == "done"  # cpu is free; s3 ends in ~0.5 s
+    s3 = shards(job)[3]
+    assert (s3["queue"], s3["attempt"], s3["backups"]) == ("gpu_new", 1, 0), s3
+    time.sleep(2.5)  # s3 is now out past 2 x 0.5 s + 1 s: overdue, worth a copy
+    jobs.fill(settings, job)
+    s3 = shards(job)[3]
+    assert (s3["queue"], s3["attempt"], s3["backups"]) == ("cpu", 2, 1), s3
+    assert answer(job, {**s3, "queue": "gpu_new"}, 1)["status"] == "done"
+
+    # the other way round: gpu_new's free slot copies cpu's last shard at once
+    job = jobs.submit(settings, spec, tmp_path)
+    s0, s1 = shards(job)[:2]
+    assert answer(job, s1, 1)["status"] == "done"  # s2 to cpu
+    assert answer(job, s0, 1)["status"] == "done"  # s3 to gpu_new
+    s2, s3 = shards(job)[2:]
+    assert answer(job, s3, 1)["status"] == "done"  # gpu_new is free; s2 ends in ~200 s
+    s2 = shards(job)[2]
+    assert (s2["queue"], s2["attempt"], s2["backups"]) == ("gpu_new", 2, 1), s2
 
 
 @pytest.mark.slow

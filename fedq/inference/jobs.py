@@ -345,22 +345,75 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
     return out
 
 
+#: A shard is overdue (a straggler, perhaps lost) once it has been out this many times
+#: its expected time, plus STRAGGLER_SLACK_S for sending and loading the model.
+STRAGGLER_FACTOR, STRAGGLER_SLACK_S = 2.0, 1.0
+
+
+def queue_rates(s: Session, job_id: str) -> dict[str, float]:
+    """Items a second per queue, from the job's done shards (their workers' seconds).
+    A shard that had a copy is left out: its row names the last copy's queue, which
+    need not be the one that answered."""
+    items: dict[str, float] = defaultdict(float)
+    seconds: dict[str, float] = defaultdict(float)
+    for queue, start, stop, secs in s.execute(select(
+            InferenceShard.queue, InferenceShard.start, InferenceShard.stop,
+            InferenceShard.seconds).where(InferenceShard.job_id == job_id,
+                                          InferenceShard.status == DONE,
+                                          InferenceShard.copies == 0)):
+        if queue and secs and secs > 0:
+            items[queue] += stop - start
+            seconds[queue] += secs
+    return {q: items[q] / seconds[q] for q in items}
+
+
+def backup_choice(alone: list[InferenceShard], queue: str, rates: dict[str, float],
+                  now: float) -> InferenceShard | None:
+    """Which running shard (with no copy yet; ``alone``, the longest out first) a free
+    slot of ``queue`` copies, given each queue's measured speed (:func:`queue_rates`;
+    ``now`` in epoch seconds). The longest out first, as MapReduce does: within a
+    hardware class that is the best sign of a slow or lost machine, which a class's
+    rate cannot show. A shard of another class is passed over when a copy here is
+    expected to end later than the shard itself (sent plus its items at its class's
+    rate) and the shard is not overdue (out :data:`STRAGGLER_FACTOR` times that plus
+    :data:`STRAGGLER_SLACK_S`): a slow class's free slot then does not spend its
+    owner's machine on a shard a fast class is about to finish. Without a rate for
+    either class (nothing done there yet), any shard may be copied."""
+    for row in alone:
+        mine, theirs = rates.get(queue), rates.get(row.queue or "")
+        if row.queue == queue or mine is None or theirs is None or row.sent_at is None:
+            return row
+        items = row.stop - row.start
+        took = items / theirs
+        out = now - aware(row.sent_at).timestamp()
+        if out > STRAGGLER_FACTOR * took + STRAGGLER_SLACK_S or items / mine < took - out:
+            return row
+    return None
+
+
 def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str, int]
              ) -> list[tuple[str, str, dict[str, Any], int]]:
     """Backup copies for the job's end (MapReduce's backup tasks, Dean and Ghemawat
     2004, section 3.6): with no shard waiting, each free slot of ``queues`` runs a
-    second copy of the shard out longest that has none, so the job does not end
-    waiting on a slow or lost machine. Whichever copy answers first counts (a shard is
-    done once); the other is revoked and its answer dropped. A copy is not a failure:
-    ``backups`` keeps it out of ``max_redispatch``'s count."""
+    second copy of a shard out that has none (:func:`backup_choice`: the longest out,
+    passing over another class's shard that a copy here would not beat), so the job
+    does not end waiting on a slow or lost machine. Whichever copy answers first
+    counts (a shard is done once); the other is revoked and its answer dropped. A copy
+    is not a failure: ``backups`` keeps it out of ``max_redispatch``'s count."""
     spec = job.spec
     alone = list(s.scalars(select(InferenceShard).where(
         InferenceShard.job_id == job.id, InferenceShard.status == RUNNING,
         InferenceShard.backups == 0).order_by(InferenceShard.sent_at, InferenceShard.shard)))
+    if not alone:
+        return []
+    rates, now = queue_rates(s, job.id), time.time()
     out = []
     for queue in queues:
         while alone and running[queue] < spec["in_flight"]:
-            row = alone.pop(0)
+            row = backup_choice(alone, queue, rates, now)
+            if row is None:
+                break
+            alone.remove(row)
             row.backups += 1
             row.copies += 1
             out.append(_take(job, row, queue))
