@@ -194,8 +194,9 @@ class SentEvents:
 def sending() -> Iterator[SentEvents]:
     """Send many tasks at once: give each the yielded :class:`SentEvents` as its
     ``event_dispatcher``. On a Redis broker the tasks and then their task-sent events
-    go out in one pipeline when the block ends (``redis_transport.batched_publishes``);
-    nothing is sent when it raises."""
+    go out in pipelines of 64 commands, the last when the block ends
+    (``redis_transport.batched_publishes``); what is still held when it raises is
+    never sent."""
     events = SentEvents()
     with redis_transport.batched_publishes():
         yield events
