@@ -160,7 +160,8 @@ def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> str
     last: object = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            return f"exited {proc.returncode}: {log.read_text()[:300]} ... {log.read_text()[-300:]}"
+            text = log.read_text()
+            return f"exited {proc.returncode}: {text[:300]} ... {text[-300:]}"
         try:
             try:
                 client.create_bucket(Bucket="fedq")
