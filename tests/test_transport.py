@@ -185,7 +185,7 @@ def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
     from fedq.coordinator import buffered, rounds
     from fedq.coordinator.planning import Assignment
     from fedq.engine import redis_transport
-    from fedq.engine.app import app
+    from fedq.engine.app import SentEvents, app
     from fedq.inference import jobs as inference_jobs
     from fedq.refs import BlobRef
     from fedq.spec import JobSpec
@@ -197,8 +197,9 @@ def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
     seen: list[tuple[str, bool]] = []
     monkeypatch.setattr(rounds, "chord",
                         lambda header: lambda body: seen.append(("round", batching())))
-    monkeypatch.setattr(app, "send_task",
-                        lambda name, **kw: seen.append((name, batching())))
+    # and each task hands its task-sent event to the batch's SentEvents (one message)
+    monkeypatch.setattr(app, "send_task", lambda name, **kw: seen.append(
+        (name, batching() and isinstance(kw.get("event_dispatcher"), SentEvents))))
     spec = JobSpec.model_validate({**DIGITS, "name": "batch"})
     model = BlobRef("jobs/j1/r00000/global.safetensors", "0" * 64, 10)
     rounds.dispatch("j1", 1, spec, model, [Assignment(0, "cpu")], attempt=1, gen=1)
