@@ -642,8 +642,9 @@ def table(result: dict[str, Any]) -> list[str]:
                                                 else "GPT, one prompt", g or {}))
            if len(r.get("floors", {})) == 2]
     if amp:
-        lines += ["", "AMP in the in-process floors (the mode the worker picks for this GPU "
-                  "against float32, same model and inputs):", "",
+        lines += ["", "AMP in the in-process floors (the GPU class's mode against float32, "
+                  "same model and inputs; a worker runs the faster of the two, measured on "
+                  "its first batch):", "",
                   "| model | mode | items/s | float32 items/s | AMP's gain |",
                   "|---|---|---|---|---|"]
         for what, floors in amp:

@@ -215,7 +215,8 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     model's, they differ from it only when AMP is on, and the result says which."""
     import fedq.inference.run as run
 
-    monkeypatch.setattr(run, "device_amp", lambda device: amp)
+    # the mode chosen (the class's AMP or float32: measured in the test after this one)
+    monkeypatch.setattr(run, "chosen_amp", lambda sha, op, model, probe, device: amp)
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
@@ -231,6 +232,78 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     want = _reference_classify(weights)[:64]
     worst = max(abs(a - b) for row, w in zip(rows, want) for a, b in zip(row["probs"], w))
     assert (worst == 0.0) if amp == "off" else (0.0 < worst <= 0.05), worst
+
+
+class _SlowUnder(torch.nn.Module):
+    """A real model that takes 20 ms longer a forward pass in one precision: under the
+    CPU's autocast (``amp=True``) or without it."""
+
+    def __init__(self, inner: torch.nn.Module, amp: bool) -> None:
+        super().__init__()
+        self.inner, self.amp, self.calls = inner, amp, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if torch.is_autocast_enabled("cpu") == self.amp:
+            time.sleep(0.02)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("slow_under", ["bf16", "float32"])
+def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
+        tmp_path: Path, slow_under: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the GPU's class has mixed precision, a worker times the model's first batch
+    under it and in float32, once per weights and operation, and runs the shard (and a
+    served batch) in the faster: small models lose under AMP (docs/inference.md). The
+    class's answer is faked (no GPU here); the CPU's autocast and the timing are real,
+    with a model 20 ms slower in one of the two."""
+    import fedq.inference.run as run
+    from fedq.weights import loads
+
+    monkeypatch.setattr(run, "device_amp", lambda device: "bf16")
+    monkeypatch.setattr(run, "_AMP", {})
+    store = open_store(str(tmp_path / "blobs"))
+    weights = _classifier_file(tmp_path)
+    ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
+    arch = {"name": "small_cnn", "dataset": "digits"}
+    model = _SlowUnder(run.load_model(arch, loads(weights.read_bytes()), torch.device("cpu")),
+                       amp=slow_under == "bf16")
+    monkeypatch.setitem(run._BUILT, ref.sha256, model)
+    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+            "op": "classify", "start": 0, "stop": 64, "batch_size": 32, "split": "test",
+            "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size}, "arch": arch}
+    first = run.run_shard(task, store, "w1")
+    assert first["status"] == "ok", first
+    assert first["device"] == ("cpu" if slow_under == "bf16" else "cpu+bf16")
+    probes = 2 * (1 + run.AMP_PROBE_RUNS)
+    assert model.calls == probes + 2  # the two batches of 32
+    again = run.run_shard({**task, "shard": 1, "start": 64, "stop": 96}, store, "w1")
+    assert again["device"] == first["device"] and model.calls == probes + 3  # measured once
+
+    run._AMP.clear()
+    ds = load_dataset("digits")
+    batch = {"format": 3, "op": "classify", "items": ds.x_test[:4].flatten(1).tolist(),
+             "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size}, "arch": arch}
+    served = run.serve_batch(batch, store, "w1")
+    assert served["status"] == "ok", served
+    assert run._AMP == {(ref.sha256, "classify"): "off" if slow_under == "bf16" else "bf16"}
+
+
+def test_the_amp_probe_is_a_first_batch_of_each_gpt_operation(tmp_path: Path) -> None:
+    """What chosen_amp times for a GPT: the first batch's prompts (or served
+    completions), padded into one forward pass, cut to the model's context."""
+    import fedq.inference.run as run
+    from fedq.weights import loads
+
+    arch = {"name": "gpt", "dataset": "shakespeare", "args": TINY_GPT,
+            "dataset_args": SMALL_TEXT}
+    model = run.load_model(arch, loads(_gpt_file(tmp_path).read_bytes()), torch.device("cpu"))
+    cpu, long = torch.device("cpu"), "word " * 40  # longer than the context of 32
+    assert run.amp_probe(model, "score", [long] + PROMPTS, 3, cpu)().shape == (3, 32, 256)
+    widest = max(len(text_data.prompt_ids(p)) for p in PROMPTS[:2])
+    assert run.amp_probe(model, "embed", PROMPTS, 2, cpu)().shape[:2] == (2, widest)
+    served = [{"prompt": "", "max_tokens": 4}, {"prompt": "abc", "max_tokens": 4}]
+    assert run.amp_probe(model, "generate", served, 2, cpu)().shape[:2] == (2, 3)
 
 
 def test_a_served_batch_of_completions_runs_as_one_generation(tmp_path: Path) -> None:

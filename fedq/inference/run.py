@@ -39,6 +39,8 @@ from fedq.worker.loop import amp_autocast, device_amp
 log = logging.getLogger(__name__)
 
 _BUILT: dict[str, torch.nn.Module] = {}  # weights sha256 -> the model, loaded (one kept)
+_AMP: dict[tuple[str, str], str] = {}  # (weights sha256, op) -> the AMP mode measured faster
+AMP_PROBE_RUNS = 5  # timed forward passes per mode, after one to warm it; the fastest counts
 
 
 def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
@@ -64,6 +66,64 @@ def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
     _BUILT.clear()
     _BUILT[sha] = load_model(arch.model_dump(), weights, device)
     return _BUILT[sha], downloaded
+
+
+def chosen_amp(sha: str, op: str, model: torch.nn.Module, probe: Callable[[], object],
+               device: torch.device) -> str:
+    """The faster, for this model and operation on ``device``, of its class's mixed
+    precision (bf16 from sm_80, fp16 on 7.x; ``device_amp``) and float32, measured once
+    per worker process and weights: ``probe()`` (the first batch's forward pass) runs
+    once to warm each mode up, then :data:`AMP_PROBE_RUNS` times, and the fastest run
+    counts. A small model can lose under AMP (on an H200, bf16 ran the 10.8M GPT at
+    0.69x and the small CNN at 0.82x of float32: docs/inference.md), a large one gains.
+    No measuring where the class has no AMP or FEDQ_AMP=off."""
+    amp = device_amp(device)
+    if amp == "off":
+        return "off"
+    key = (sha, op)
+    if key not in _AMP:
+        best: dict[str, float] = {}
+        for mode in (amp, "off"):
+            with torch.no_grad(), amp_autocast(mode, device):
+                probe()
+                runs = []
+                for _ in range(AMP_PROBE_RUNS):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    probe()
+                    _sync(device)
+                    runs.append(time.perf_counter() - t0)
+            best[mode] = min(runs)
+        _AMP.clear()
+        _AMP[key] = amp if best[amp] < best["off"] else "off"
+        log.info("AMP for %s on %s: %s %.2f ms, float32 %.2f ms a batch; %s chosen", op,
+                 device, amp, best[amp] * 1e3, best["off"] * 1e3,
+                 "float32" if _AMP[key] == "off" else amp)
+    return _AMP[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
+              device: torch.device) -> Callable[[], object]:
+    """The first batch's forward pass of ``op`` over ``items`` (images as a tensor, or
+    prompts or served completions): what ``chosen_amp`` times."""
+    if op == "classify":
+        x = items[:batch_size].to(device)
+        return lambda: model(x)
+    prompts = [p["prompt"] if isinstance(p, dict) else p for p in list(items)[:batch_size]]
+    block = cast(int, model.block_size)
+    ids = [text_data.prompt_ids(p)[:block] for p in prompts] or [text_data.prompt_ids("")]
+    x = torch.zeros(len(ids), max(1, max(len(t) for t in ids)), dtype=torch.long)
+    for r, t in enumerate(ids):
+        x[r, :len(t)] = t
+    x = x.to(device)
+    if op == "embed":
+        return lambda: model.features(x)  # type: ignore[operator]
+    return lambda: model(x)
 
 
 def _batches(n: int, size: int) -> Iterator[slice]:
@@ -261,7 +321,9 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
         began = time.perf_counter()
-        amp = device_amp(device)  # by the GPU's class, as training (bf16 | fp16 | off)
+        # the GPU class's AMP mode or float32, whichever this model ran faster here
+        amp = chosen_amp(task.model.sha256, task.op, model,
+                         amp_probe(model, task.op, items, task.batch_size, device), device)
         with amp_autocast(amp, device):
             rows = run_items(model, task.op, items, task.start, task.batch_size, device,
                              task.sampling)
@@ -293,9 +355,12 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         device = pick_device()
         task = ShardTask.model_construct(model=msg.model, arch=msg.arch)
         model, _ = _model(task.model, task.arch, store, device)
+        items = _serve_inputs(msg)
         began = time.perf_counter()
-        with amp_autocast(device_amp(device), device):
-            rows = _serve_items(model, msg, device, progress)
+        amp = chosen_amp(msg.model.sha256, msg.op, model,
+                         amp_probe(model, msg.op, items, len(msg.items), device), device)
+        with amp_autocast(amp, device):
+            rows = _serve_items(model, msg, items, device, progress)
         slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
         if slowdown > 1:
             time.sleep((slowdown - 1) * (time.perf_counter() - began))
@@ -307,15 +372,19 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
                 "worker": worker, "seconds": time.perf_counter() - start}
 
 
-def _serve_items(model: torch.nn.Module, msg: Any, device: torch.device,
+def _serve_inputs(msg: Any) -> Any:
+    """A served batch's items as its operation takes them: images as one tensor."""
+    if msg.op != "classify":
+        return msg.items
+    ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
+    return torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
+
+
+def _serve_items(model: torch.nn.Module, msg: Any, items: Any, device: torch.device,
                  progress: Callable[[list[str]], None] | None) -> list[dict[str, Any]]:
     """A batch's outputs, in order (``serve_batch`` runs it under its AMP mode)."""
     if msg.op == "classify":
-        ds = load_dataset(msg.arch.dataset, None, msg.arch.dataset_args)
-        x = torch.tensor(msg.items, dtype=torch.float32).reshape(-1, *ds.input_shape)
-        rows = classify(model, x, 0, len(msg.items), device)
-    elif msg.op == "embed":
-        rows = embed(model, msg.items, 0, len(msg.items), device)
-    else:
-        rows = complete(model, msg.items, device, progress)
-    return rows
+        return classify(model, items, 0, len(msg.items), device)
+    if msg.op == "embed":
+        return embed(model, items, 0, len(msg.items), device)
+    return complete(model, items, device, progress)
