@@ -23,9 +23,9 @@ FEDQ_DATA_CACHE            where the text corpora are kept once fetched (default
 FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
 FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
 FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
-FEDQ_AMP                   ``auto`` (default): mixed precision by the GPU's class (bf16
-                           from sm_80, fp16 on 7.x) for training; for inference the faster
-                           of that and float32, timed on a model's first batch; ``off``:
+FEDQ_AMP                   ``auto`` (default): the faster, timed on a model's first batch,
+                           of float32 and the GPU class's mixed precision (bf16 from
+                           sm_80, fp16 on 7.x; fedq.worker.loop.measured_amp); ``off``:
                            float32 on every GPU (docs/inference.md measured bf16 at
                            0.69-0.82x of float32 for small models)
 FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many times slower

@@ -258,10 +258,11 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
     class's answer is faked (no GPU here); the CPU's autocast and the timing are real,
     with a model 20 ms slower in one of the two."""
     import fedq.inference.run as run
+    import fedq.worker.loop as loop
     from fedq.weights import loads
 
     monkeypatch.setattr(run, "device_amp", lambda device: "bf16")
-    monkeypatch.setattr(run, "_AMP", {})
+    monkeypatch.setattr(loop, "_AMP", {})
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
@@ -275,18 +276,19 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
     first = run.run_shard(task, store, "w1")
     assert first["status"] == "ok", first
     assert first["device"] == ("cpu" if slow_under == "bf16" else "cpu+bf16")
-    probes = 2 * (1 + run.AMP_PROBE_RUNS)
+    probes = 2 * (1 + loop.AMP_PROBE_RUNS)
     assert model.calls == probes + 2  # the two batches of 32
     again = run.run_shard({**task, "shard": 1, "start": 64, "stop": 96}, store, "w1")
     assert again["device"] == first["device"] and model.calls == probes + 3  # measured once
 
-    run._AMP.clear()
+    loop._AMP.clear()
     ds = load_dataset("digits")
     batch = {"format": 3, "op": "classify", "items": ds.x_test[:4].flatten(1).tolist(),
              "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size}, "arch": arch}
     served = run.serve_batch(batch, store, "w1")
     assert served["status"] == "ok", served
-    assert run._AMP == {(ref.sha256, "classify"): "off" if slow_under == "bf16" else "bf16"}
+    assert loop._AMP == {("infer", ref.sha256, "classify"):
+                         "off" if slow_under == "bf16" else "bf16"}
 
 
 def test_the_amp_probe_is_a_first_batch_of_each_gpt_operation(tmp_path: Path) -> None:

@@ -34,13 +34,11 @@ from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.weights import loads
-from fedq.worker.loop import amp_autocast, device_amp
+from fedq.worker.loop import amp_autocast, device_amp, measured_amp
 
 log = logging.getLogger(__name__)
 
 _BUILT: dict[str, torch.nn.Module] = {}  # weights sha256 -> the model, loaded (one kept)
-_AMP: dict[tuple[str, str], str] = {}  # (weights sha256, op) -> the AMP mode measured faster
-AMP_PROBE_RUNS = 5  # timed forward passes per mode, after one to warm it; the fastest counts
 
 
 def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
@@ -70,41 +68,12 @@ def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
 
 def chosen_amp(sha: str, op: str, model: torch.nn.Module, probe: Callable[[], object],
                device: torch.device) -> str:
-    """The faster, for this model and operation on ``device``, of its class's mixed
-    precision (bf16 from sm_80, fp16 on 7.x; ``device_amp``) and float32, measured once
-    per worker process and weights: ``probe()`` (the first batch's forward pass) runs
-    once to warm each mode up, then :data:`AMP_PROBE_RUNS` times, and the fastest run
-    counts. A small model can lose under AMP (on an H200, bf16 ran the 10.8M GPT at
-    0.69x and the small CNN at 0.82x of float32: docs/inference.md), a large one gains.
-    No measuring where the class has no AMP or FEDQ_AMP=off."""
-    amp = device_amp(device)
-    if amp == "off":
-        return "off"
-    key = (sha, op)
-    if key not in _AMP:
-        best: dict[str, float] = {}
-        for mode in (amp, "off"):
-            with torch.no_grad(), amp_autocast(mode, device):
-                probe()
-                runs = []
-                for _ in range(AMP_PROBE_RUNS):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    probe()
-                    _sync(device)
-                    runs.append(time.perf_counter() - t0)
-            best[mode] = min(runs)
-        _AMP.clear()
-        _AMP[key] = amp if best[amp] < best["off"] else "off"
-        log.info("AMP for %s on %s: %s %.2f ms, float32 %.2f ms a batch; %s chosen", op,
-                 device, amp, best[amp] * 1e3, best["off"] * 1e3,
-                 "float32" if _AMP[key] == "off" else amp)
-    return _AMP[key]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """The faster, for this model and operation on ``device``, of its GPU class's mixed
+    precision and float32 (``fedq.worker.loop.measured_amp``: timed once per worker
+    process, weights and operation on ``probe()``, the first batch's forward pass). A
+    small model can lose under AMP: on an H200, bf16 ran the 10.8M GPT at 0.69x and the
+    small CNN at 0.82x of float32 (docs/inference.md)."""
+    return measured_amp(device_amp(device), ("infer", sha, op), probe, device)
 
 
 def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
@@ -113,7 +82,7 @@ def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
     prompts or served completions): what ``chosen_amp`` times."""
     if op == "classify":
         x = items[:batch_size].to(device)
-        return lambda: model(x)
+        return torch.no_grad()(lambda: model(x))
     prompts = [p["prompt"] if isinstance(p, dict) else p for p in list(items)[:batch_size]]
     block = cast(int, model.block_size)
     ids = [text_data.prompt_ids(p)[:block] for p in prompts] or [text_data.prompt_ids("")]
@@ -122,8 +91,8 @@ def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
         x[r, :len(t)] = t
     x = x.to(device)
     if op == "embed":
-        return lambda: model.features(x)  # type: ignore[operator]
-    return lambda: model(x)
+        return torch.no_grad()(lambda: model.features(x))  # type: ignore[operator]
+    return torch.no_grad()(lambda: model(x))
 
 
 def _batches(n: int, size: int) -> Iterator[slice]:

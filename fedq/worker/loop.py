@@ -10,6 +10,7 @@ report what was done. Classifiers and language models share it: a model's output
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -24,6 +25,8 @@ from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.worker import inner
 from fedq.worker.hardware import amp_mode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,57 @@ def device_amp(device: torch.device) -> str:
     return amp_mode(torch.cuda.get_device_capability(device), get_settings().amp)
 
 
+_AMP: dict[tuple[object, ...], str] = {}  # what was measured -> the faster mode (8 kept)
+AMP_PROBE_RUNS = 5  # timed runs of a probe per mode, after one to warm it; the fastest counts
+
+
+def measured_amp(amp: str, key: tuple[object, ...], probe: Callable[[], object],
+                 device: torch.device) -> str:
+    """``amp`` (the GPU class's mode, ``device_amp``) or ``off`` (float32), whichever ran
+    ``probe`` (a first batch's pass) faster here: it runs once in each to warm up, then
+    :data:`AMP_PROBE_RUNS` times, and the fastest run counts. Measured once per ``key``
+    in a worker process and logged. Small models lose under AMP (on an H200, bf16 ran
+    fedq's CNN at 0.82x and a 10.8M GPT at 0.69x of float32: docs/inference.md), large
+    ones gain. Nothing is measured where the class has no mode or FEDQ_AMP=off."""
+    if amp == "off":
+        return "off"
+    if key not in _AMP:
+        best: dict[str, float] = {}
+        for mode in (amp, "off"):
+            with amp_autocast(mode, device):
+                probe()
+                runs = []
+                for _ in range(AMP_PROBE_RUNS):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    probe()
+                    _sync(device)
+                    runs.append(time.perf_counter() - t0)
+            best[mode] = min(runs)
+        while len(_AMP) >= 8:
+            del _AMP[next(iter(_AMP))]
+        _AMP[key] = amp if best[amp] < best["off"] else "off"
+        log.info("AMP %s on %s: %s %.2f ms, float32 %.2f ms a batch; %s chosen", key[0],
+                 device, amp, best[amp] * 1e3, best["off"] * 1e3,
+                 "float32" if _AMP[key] == "off" else amp)
+    return _AMP[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_probe(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> Callable[[], None]:
+    """One training step's forward and backward pass on a batch, for ``measured_amp``:
+    in eval mode (no dropout draws, no batch-norm statistics moved) and the gradients
+    dropped, so the training that follows is as if it had not run."""
+    def probe() -> None:
+        task_loss(model(xb), yb).backward()
+        model.zero_grad(set_to_none=True)
+    return probe
+
+
 def amp_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Run ``device``'s ops in mixed precision ``amp`` (bf16 | fp16), or as they are."""
     if amp == "off":
@@ -170,6 +224,13 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     if state_path is not None:
         first_step = inner.load(opt, state_path) or first_step
     amp = device_amp(device)
+    if amp != "off":  # the class's mode or float32, whichever trains this model faster here
+        model.eval()
+        xb, yb = x[:batch_size].to(device), y[:batch_size].to(device)
+        amp = measured_amp(amp, ("train", type(model).__name__, str(device), tuple(xb.shape),
+                                 tuple(tuple(p.shape) for p in model.parameters())),
+                           _train_probe(model, xb, yb), device)
+        model.train()
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     autocast = amp_autocast(amp, device)
     anchor = ([p.detach().clone() for p in model.parameters()] if prox_mu > 0 else [])
