@@ -14,8 +14,9 @@ from fedq.spec import OptimizerSpec
 
 
 class _Net(torch.nn.Module):
-    """Batch norm and dropout, which a careless measurement would disturb, and 20 ms
-    more a forward pass in one precision: under the CPU's autocast or without it."""
+    """Batch norm and dropout, which a careless measurement would disturb, and 150 ms
+    more a forward pass in one precision: under the CPU's autocast or without it (the
+    CPU's bf16 is slow and noisy here while other tests run)."""
 
     def __init__(self, slow_under_amp: bool) -> None:
         super().__init__()
@@ -28,7 +29,7 @@ class _Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if torch.is_autocast_enabled("cpu") == self.slow_under_amp:
-            time.sleep(0.02)
+            time.sleep(0.15)
         return self.net(x)
 
 
