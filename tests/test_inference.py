@@ -216,7 +216,7 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     import fedq.inference.run as run
 
     # the mode chosen (the class's AMP or float32: measured in the test after this one)
-    monkeypatch.setattr(run, "chosen_amp", lambda sha, op, model, probe, device: amp)
+    monkeypatch.setattr(run, "chosen_amp", lambda sha, op, model, items, size, device: amp)
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
@@ -264,6 +264,10 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
 
     monkeypatch.setattr(run, "device_amp", lambda device: "bf16")
     monkeypatch.setattr(loop, "_AMP", {})
+    built: list[str] = []  # the probes built: once, where measured
+    probe = run.amp_probe
+    monkeypatch.setattr(run, "amp_probe", lambda model, op, *rest: (built.append(op),
+                                                                   probe(model, op, *rest))[1])
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
@@ -281,6 +285,7 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
     assert model.calls == probes + 2  # the two batches of 32
     again = run.run_shard({**task, "shard": 1, "start": 64, "stop": 96}, store, "w1")
     assert again["device"] == first["device"] and model.calls == probes + 3  # measured once
+    assert built == ["classify"]
 
     loop._AMP.clear()
     ds = load_dataset("digits")

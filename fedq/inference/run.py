@@ -66,14 +66,15 @@ def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
     return _BUILT[sha], downloaded
 
 
-def chosen_amp(sha: str, op: str, model: torch.nn.Module, probe: Callable[[], object],
+def chosen_amp(sha: str, op: str, model: torch.nn.Module, items: Any, batch_size: int,
                device: torch.device) -> str:
     """The faster, for this model and operation on ``device``, of its GPU class's mixed
     precision and float32 (``fedq.worker.loop.measured_amp``: timed once per worker
-    process, weights and operation on ``probe()``, the first batch's forward pass). A
-    small model can lose under AMP: on an H200, bf16 ran the 10.8M GPT at 0.69x and the
-    small CNN at 0.82x of float32 (docs/inference.md)."""
-    return measured_amp(device_amp(device), ("infer", sha, op), probe, device)
+    process, weights and operation on ``amp_probe``, the first batch's forward pass,
+    built only then). A small model can lose under AMP: on an H200, bf16 ran the 10.8M
+    GPT at 0.69x and the small CNN at 0.82x of float32 (docs/inference.md)."""
+    return measured_amp(device_amp(device), ("infer", sha, op),
+                        lambda: amp_probe(model, op, items, batch_size, device), device)
 
 
 def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
@@ -291,8 +292,7 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         items = _items(task, store)
         began = time.perf_counter()
         # the GPU class's AMP mode or float32, whichever this model ran faster here
-        amp = chosen_amp(task.model.sha256, task.op, model,
-                         amp_probe(model, task.op, items, task.batch_size, device), device)
+        amp = chosen_amp(task.model.sha256, task.op, model, items, task.batch_size, device)
         with amp_autocast(amp, device):
             rows = run_items(model, task.op, items, task.start, task.batch_size, device,
                              task.sampling)
@@ -326,8 +326,7 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         model, _ = _model(task.model, task.arch, store, device)
         items = _serve_inputs(msg)
         began = time.perf_counter()
-        amp = chosen_amp(msg.model.sha256, msg.op, model,
-                         amp_probe(model, msg.op, items, len(msg.items), device), device)
+        amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device)
         with amp_autocast(amp, device):
             rows = _serve_items(model, msg, items, device, progress)
         slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated

@@ -130,17 +130,19 @@ _AMP: dict[tuple[object, ...], str] = {}  # what was measured -> the faster mode
 AMP_PROBE_RUNS = 5  # timed runs of a probe per mode, after one to warm it; the fastest counts
 
 
-def measured_amp(amp: str, key: tuple[object, ...], probe: Callable[[], object],
-                 device: torch.device) -> str:
+def measured_amp(amp: str, key: tuple[object, ...],
+                 make_probe: Callable[[], Callable[[], object]], device: torch.device) -> str:
     """``amp`` (the GPU class's mode, ``device_amp``) or ``off`` (float32), whichever ran
-    ``probe`` (a first batch's pass) faster here: it runs once in each to warm up, then
-    :data:`AMP_PROBE_RUNS` times, and the fastest run counts. Measured once per ``key``
-    in a worker process and logged. Small models lose under AMP (on an H200, bf16 ran
-    fedq's CNN at 0.82x and a 10.8M GPT at 0.69x of float32: docs/inference.md), large
-    ones gain. Nothing is measured where the class has no mode or FEDQ_AMP=off."""
+    the probe (a first batch's pass, built by ``make_probe``) faster here: it runs once
+    in each to warm up, then :data:`AMP_PROBE_RUNS` times, and the fastest run counts.
+    Measured once per ``key`` in a worker process and logged; the probe is built only
+    then. Small models lose under AMP (on an H200, bf16 ran fedq's CNN at 0.82x and a
+    10.8M GPT at 0.69x of float32: docs/inference.md), large ones gain. Nothing is
+    measured (nor built) where the class has no mode or FEDQ_AMP=off."""
     if amp == "off":
         return "off"
     if key not in _AMP:
+        probe = make_probe()
         best: dict[str, float] = {}
         for mode in (amp, "off"):
             with amp_autocast(mode, device):
@@ -167,10 +169,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _train_probe(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> Callable[[], None]:
-    """One training step's forward and backward pass on a batch, for ``measured_amp``:
-    in eval mode (no dropout draws, no batch-norm statistics moved) and the gradients
-    dropped, so the training that follows is as if it had not run."""
+def _train_probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                 device: torch.device) -> Callable[[], None]:
+    """One training step's forward and backward pass on the first batch, for
+    ``measured_amp``: in eval mode (no dropout draws, no batch-norm statistics moved:
+    the caller's) and the gradients dropped, so the training that follows is as if it
+    had not run."""
+    xb, yb = x[:batch_size].to(device), y[:batch_size].to(device)
+
     def probe() -> None:
         task_loss(model(xb), yb).backward()
         model.zero_grad(set_to_none=True)
@@ -226,10 +232,10 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     amp = device_amp(device)
     if amp != "off":  # the class's mode or float32, whichever trains this model faster here
         model.eval()
-        xb, yb = x[:batch_size].to(device), y[:batch_size].to(device)
-        amp = measured_amp(amp, ("train", type(model).__name__, str(device), tuple(xb.shape),
-                                 tuple(tuple(p.shape) for p in model.parameters())),
-                           _train_probe(model, xb, yb), device)
+        key = ("train", type(model).__name__, str(device), (min(n, batch_size), *x.shape[1:]),
+               tuple(tuple(p.shape) for p in model.parameters()))
+        amp = measured_amp(amp, key, lambda: _train_probe(model, x, y, batch_size, device),
+                           device)
         model.train()
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     autocast = amp_autocast(amp, device)
