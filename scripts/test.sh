@@ -13,7 +13,7 @@
 # and the 62 beside them in 18 min 12 s, side by side, then the quiet 2 in 30 s; on
 # 2026-11-29, a slower day (torch imported in 3.4 s, not 1.7), 32 min 3 s, 31 min 19 s
 # and 53 s; a busy CI machine once took 57 minutes; on 2026-11-29 at 12:46 UTC, alone
-# on a quiet machine, 16 min 51 s: 616 in 15 min 51 s, 65 in 16 min 12 s, then 2 in 28 s;
+# on a quiet machine, 16 min 48 s: 616 in 15 min 51 s, 65 in 16 min 12 s, then 2 in 28 s;
 # the goal is 15). With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail

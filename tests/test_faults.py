@@ -243,6 +243,40 @@ def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
             cluster.stop()
 
 
+def test_a_round_the_broker_refuses_starts_again_once_it_answers(tmp_path: Path,
+                                                                 pg_url: str) -> None:
+    """The broker refuses a round's tasks (a real Redis error: an ACL that denies the
+    ``cpu`` queue's key, as a Redis out of memory would refuse them): the round
+    row is withdrawn, and once the broker answers the watchdog starts the round again
+    in seconds, not at its 600 s deadline."""
+    import redis
+
+    with private_redis() as (url, _):
+        admin = redis.Redis.from_url(url)
+        # every key but ``cpu`` (Redis' ACL globs: ^ negates a character class)
+        admin.execute_command("ACL", "SETUSER", "default", "resetkeys", "~[^c]*", "~c[^p]*",
+                              "~cp[^u]*", "~cpu?*", "~c", "~cp")
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        try:
+            job = cluster.submit({**DIGITS, "num_clients": 2, "clients_per_round": 2,
+                                  "rounds": 2, "round_timeout_s": 600})
+            control = cluster.add("control", ["control"])
+            cluster.start_beat()
+            wait_until(lambda: "could not be sent" in control.log_path.read_text(
+                errors="replace"), 120, what="the control worker to be refused")
+            assert "no permissions" in control.log_path.read_text(errors="replace")
+            admin.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*")
+            cluster.add("w1", ["cpu"])
+            view = cluster.wait(job, timeout=150)
+            assert view.status == "completed", view.error
+            assert [(r.number, r.attempt) for r in cluster.rounds(job)] == [(1, 1), (2, 1)]
+            record_outcome("the broker refused a round's tasks (a Redis ACL denied the queue)",
+                           "the control worker's send of round 1", "completed",
+                           len(cluster.rounds(job)), 0)
+        finally:
+            cluster.stop()
+
+
 @pytest.mark.slow
 def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
         redis_cluster: Cluster) -> None:

@@ -2,7 +2,10 @@
 
 ``start_round`` writes the round row (unique per job and number: a duplicate delivery
 writes nothing and dispatches nothing), then dispatches a chord of training tasks
-whose body is ``finalize_round`` (fedq/coordinator/finalize.py). ``redispatch`` sends a round's
+whose body is ``finalize_round`` (fedq/coordinator/finalize.py). When the broker
+refuses the tasks (down, out of memory, a permission), the row is withdrawn again, so
+that the watchdog starts the round afresh once the broker answers (its ``start``
+repair, a few seconds), not at the round's deadline. ``redispatch`` sends a round's
 missing clients again, once per attempt, however many watchdogs ask.
 """
 
@@ -14,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery import chord
-from sqlalchemy import update
+from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
@@ -27,6 +30,7 @@ from fedq.db.models import utcnow
 from fedq.engine.app import app, sending
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.phases import phase
+from fedq.redaction import redact_text
 from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
@@ -84,8 +88,27 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             return {"status": "skipped", "reason": "round already started"}
         gen = rnd.id
     with phase("next: send tasks"):
-        dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
+        try:
+            dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
+        except Exception as exc:  # noqa: BLE001 - the watchdog starts the round again
+            withdraw(settings, gen)
+            why = redact_text(f"{type(exc).__name__}: {exc}")[:300]
+            log.warning("job %s round %d: its tasks could not be sent (%s); the round is "
+                        "withdrawn and the watchdog starts it again", job_id, round_number, why)
+            return {"status": "unsent", "round": round_number, "error": why}
     return {"status": "started", "round": round_number, "clients": len(plan)}
+
+
+def withdraw(settings: Settings, gen: int) -> None:
+    """Delete the row of a round whose chord the broker refused (nothing of it is in SQL
+    yet but the row). Tasks of a pipeline that went out before the refusal (64 a
+    pipeline: fedq.engine.redis_transport) carry the withdrawn row's id in their task
+    ids: their results are never read, and an update one stores under the key of the
+    round started again (the same attempt's) can only replace it with bytes that fail
+    the new result's sha256, which are refused."""
+    with session_scope(settings.database_url) as s:
+        s.execute(delete(Round).where(Round.id == gen, Round.status == RoundStatus.TRAINING,
+                                      Round.attempt == 1))
 
 
 def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt: int,
