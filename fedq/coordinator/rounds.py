@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery import chord
+from kombu.exceptions import OperationalError
 from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 
@@ -90,13 +91,21 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
     with phase("next: send tasks"):
         try:
             dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
-        except Exception as exc:  # noqa: BLE001 - the watchdog starts the round again
+        except broker_errors() as exc:  # the watchdog starts the round again
             withdraw(settings, gen)
             why = redact_text(f"{type(exc).__name__}: {exc}")[:300]
             log.warning("job %s round %d: its tasks could not be sent (%s); the round is "
                         "withdrawn and the watchdog starts it again", job_id, round_number, why)
             return {"status": "unsent", "round": round_number, "error": why}
     return {"status": "started", "round": round_number, "clients": len(plan)}
+
+
+def broker_errors() -> tuple[type[BaseException], ...]:
+    """What a broker that refuses a send raises: kombu's OperationalError (Celery's
+    wrapping) and the transport's own connection and channel errors (a Redis pipeline
+    flushed by ``sending``). Anything else is a fault of fedq's and raises as before."""
+    with app.connection_for_write() as conn:  # not connected: its transport's classes
+        return (OperationalError, *conn.connection_errors, *conn.channel_errors)
 
 
 def withdraw(settings: Settings, gen: int) -> None:
