@@ -13,13 +13,16 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import redis
 import torch
 import torch.nn.functional as F
 import yaml
+from sqlalchemy import select
 
 from fedq.blobs import BlobRef, open_store
 from fedq.data import load_dataset
 from fedq.data import text as text_data
+from fedq.db import WatchdogAction, session_scope
 from fedq.errors import SpecError
 from fedq.inference import jobs
 from fedq.inference.messages import check_output, output_key, parse_task
@@ -29,7 +32,7 @@ from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster, base_env, record_outcome
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, state_of
-from fedq.wire import FormatError
+from fedq.wire import FormatError, read_claim
 
 SMALL_TEXT = {"block_size": 32, "max_works": 3, "eval_windows": 64}
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32}
@@ -704,10 +707,14 @@ def _gpt(weights: Path) -> torch.nn.Module:
 @pytest.mark.slow
 def test_generate_on_redis_survives_a_worker_sigkill(
         redis_cluster: Cluster, tmp_path: Path) -> None:
+    """The killed worker's shard goes out again once its heartbeat has stopped for
+    FEDQ_WORKER_LOST_S (4 s here), not at its 600 s timeout, and with no backup copy
+    (``backups: false``) to cover for it."""
     cluster = redis_cluster
     # w1 alone until it is killed, then w2 finishes the job; w1 slowed 20x (a shard of
     # this tiny GPT takes ~0.07 s on 2 cores: the whole job once ended before the test
-    # saw w1 hold a shard)
+    # saw w1 hold a shard); its heartbeat beats on while it is slow
+    cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="4")
     cluster.start(control=["control"])
     cluster.add("w1", ["cpu"], FEDQ_SLOWDOWN="20")
     cluster.start_beat()
@@ -719,9 +726,8 @@ def test_generate_on_redis_survives_a_worker_sigkill(
                                   "args": TINY_GPT, "dataset_args": SMALL_TEXT},
                  inputs={"prompts": prompts.name}, op="generate",
                  generate={"max_tokens": 150, "temperature": 0.9, "top_k": 20, "seed": 11},
-                 shard_size=4, batch_size=4, shard_timeout_s=20, max_redispatch=3)
-    # (20 s: each timeout while w1 is merely slow counts as a re-send; on a loaded
-    # machine w1 took 12 s for a shard, and with 3 s timeouts the job failed)
+                 shard_size=4, batch_size=4, shard_timeout_s=600, max_redispatch=3,
+                 backups=False)
     job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
 
     def done_by(worker: str) -> bool:
@@ -731,11 +737,17 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     wait_until(lambda: done_by("w1@test"), 120, what="w1 to finish a shard")
     w1 = cluster.by_name("w1")
 
-    def holds_a_shard() -> bool:  # its log: a shard received and not yet answered
+    def holds_a_shard() -> bool:  # its log: a shard received and not yet answered,
+        # and its claim stored (else the kill leaves nothing to see: only the timeout)
         log = w1.log_path.read_text(errors="replace")
         received = re.findall(r"Task fedq\.infer_shard\[([^\]]+)\] received", log)
         answered = set(re.findall(r"Task fedq\.infer_shard\[([^\]]+)\] succeeded", log))
-        return any(t not in answered for t in received)
+        conn = redis.Redis.from_url(cluster.env["FEDQ_RESULT_BACKEND"])
+        try:
+            metas = [conn.get(f"celery-task-meta-{t}") for t in received if t not in answered]
+        finally:
+            conn.close()
+        return any(raw and read_claim(json.loads(raw)) is not None for raw in metas)
 
     wait_until(holds_a_shard, 120, interval=0.01, what="w1 to hold a shard")
     w1.kill()  # SIGKILL while it holds a shard: the watchdog must send it again
@@ -747,6 +759,10 @@ def test_generate_on_redis_survives_a_worker_sigkill(
                                         for r in view.shard_rows)
 
     wait_until(resent_and_done, 120, what="the killed worker's shard to be re-sent and done")
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        resent = list(s.scalars(select(WatchdogAction.action).where(
+            WatchdogAction.job_id == job, WatchdogAction.action.startswith("resend"))))
+    assert resent == ["resend (lost w1@test)"], resent
     watched = cluster.fedq("watch", job, timeout=240)
     assert "completed" in watched.stdout, watched.stdout + watched.stderr
     out = tmp_path / "out.jsonl"

@@ -1,11 +1,13 @@
 """Who holds a training task, and whether it still lives: a dead worker costs seconds.
 
-A training task claims itself when it starts and beats while it runs
-(fedq/worker/heartbeat.py: ``STARTED`` with the worker's name and a counter, in the
-result backend under the task id the coordinator chose). Each watchdog pass reads the
-claims of the tasks a round or a buffered job still waits for (:func:`observe`) and
-copies them to the ``claims`` table with the time *it* saw the counter move: no
-worker's clock is trusted, and a worker can only say what it holds, never when.
+A training task, and an inference shard, claims itself when it starts and beats while
+it runs (fedq/worker/heartbeat.py: ``STARTED`` with the worker's name and a counter, in
+the result backend under the task id the coordinator chose; a lost worker's shard is
+sent again the same way: fedq/coordinator/watchdog.py ``_rescue_shards``). Each
+watchdog pass reads the claims of the tasks a round, a buffered job or an inference job
+still waits for (:func:`observe`) and copies them to the ``claims`` table with the
+time *it* saw the counter move: no worker's clock is trusted, and a worker can only say
+what it holds, never when.
 
 A claim whose counter has not moved for ``FEDQ_WORKER_LOST_S`` is lost
 (:func:`fedq.coordinator.policy.lost_clients`): the worker died, hangs, was paused or
@@ -34,7 +36,7 @@ from sqlalchemy import delete, select
 
 from fedq.coordinator import roster
 from fedq.db import Claim, Job, session_scope
-from fedq.db.models import aware, utcnow
+from fedq.db.models import InferenceJob, aware, utcnow
 from fedq.engine.app import app
 from fedq.settings import Settings
 from fedq.status import JobStatus
@@ -97,9 +99,10 @@ def mark_resent(settings: Settings, task_ids: list[str]) -> None:
 
 
 def forget_stopped(settings: Settings) -> None:
-    """Drop the claims of jobs that no longer run."""
+    """Drop the claims of jobs (training or inference) that no longer run."""
     with session_scope(settings.database_url) as s:
-        running = select(Job.id).where(Job.status == JobStatus.RUNNING)
+        running = select(Job.id).where(Job.status == JobStatus.RUNNING).union(
+            select(InferenceJob.id).where(InferenceJob.status == JobStatus.RUNNING))
         s.execute(delete(Claim).where(Claim.job_id.not_in(running)))
 
 

@@ -16,6 +16,8 @@ For each running job it looks at the round after the last committed one and asks
 
 A buffered job (fedq/coordinator/buffered.py) has its own repairs:
 :func:`fedq.coordinator.buffered.repair` (a lost worker's task is re-sent there too).
+So has an inference job (:func:`fedq.inference.jobs.repair`); a shard whose worker is
+lost is sent again here first (:func:`_rescue_shards`).
 
 Every repair is idempotent (unique round rows, conditional UPDATEs), so two watchdogs
 running at once, or a watchdog racing a chord, do no harm.
@@ -167,6 +169,28 @@ def _rescue(settings: Settings, item: NextRound, waiting: dict[str, Any]
              "result": f"clients {again}, attempt {attempt + 1}"}]
 
 
+def _rescue_shards(settings: Settings) -> list[dict[str, Any]]:
+    """Send again, now, the inference shards whose worker is lost: every copy of the
+    shard has a claim whose heartbeat has not moved for ``FEDQ_WORKER_LOST_S``. It
+    counts as one failure of the shard (``max_redispatch``), as its timeout would."""
+    from fedq.inference import jobs as inference
+
+    actions: list[dict[str, Any]] = []
+    for job_id, tasks, latest in inference.running_tasks(settings):
+        holders = liveness.observe(settings, job_id, tasks)
+        lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], latest,
+                            settings.worker_lost_s)
+        for shard in lost:
+            mine = [h for h in holders if h.client == shard]
+            hosts = ", ".join(sorted({h.host for h in mine}))
+            out = inference.settle(settings, job_id, shard, latest[shard], inference.Verdict(
+                "error", f"heartbeat lost ({hosts}) for {settings.worker_lost_s:g} s"))
+            liveness.mark_resent(settings, [h.task_id for h in mine])
+            actions.append({"job": job_id, "shard": shard, "action": f"resend (lost {hosts})",
+                            "result": out["status"]})
+    return actions
+
+
 def _close_lost_sites(settings: Settings, job_id: str, lost: list[tuple[str, int]]) -> None:
     """With ``sites``: the lost hosts' sites are closed, so the next rounds take their
     clients last (roster.mark_lost; this round keeps its clients and re-sends them)."""
@@ -200,6 +224,7 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
     try:  # batch inference jobs (fedq/inference/jobs.py)
         from fedq.inference.jobs import repair as repair_inference
 
+        actions += _rescue_shards(settings)
         actions += repair_inference(settings, registry_if_required(settings))
     except Exception as exc:  # noqa: BLE001 - never stops the training repairs
         log.exception("fedq watchdog: repairing inference jobs failed")

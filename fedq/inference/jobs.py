@@ -572,6 +572,26 @@ def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:
 
 # -- repair, cancel, resume ---------------------------------------------------------
 
+def running_tasks(settings: Settings) -> list[tuple[str, dict[str, int], dict[int, int]]]:
+    """Each running job's shards out now: (job, task id -> shard for every copy still
+    out, shard -> its latest attempt). The watchdog reads their claims' heartbeats
+    (fedq/coordinator/liveness.py) and sends a dead worker's shard again
+    (:func:`settle` with an error) without waiting for ``shard_timeout_s``."""
+    with session_scope(settings.database_url) as s:
+        rows = s.execute(select(InferenceShard.job_id, InferenceShard.shard,
+                                InferenceShard.attempt, InferenceShard.backups)
+                         .join(InferenceJob, InferenceJob.id == InferenceShard.job_id)
+                         .where(InferenceJob.status == JobStatus.RUNNING,
+                                InferenceShard.status == RUNNING)).all()
+    out: dict[str, tuple[dict[str, int], dict[int, int]]] = {}
+    for job_id, shard, attempt, backups in rows:
+        tasks, latest = out.setdefault(job_id, ({}, {}))
+        latest[shard] = attempt
+        for a in range(max(1, attempt - backups), attempt + 1):
+            tasks[task_id(job_id, shard, a)] = shard
+    return [(job_id, tasks, latest) for job_id, (tasks, latest) in sorted(out.items())]
+
+
 def repair(settings: Settings, registry: identity.Registry | None = None
            ) -> list[dict[str, Any]]:
     """The watchdog's pass over running inference jobs: a shard out longer than

@@ -19,10 +19,10 @@ from fedq.engine.names import (
     TRAIN_SOFT_TIME_LIMIT,
     TRAIN_TIME_LIMIT,
 )
-from fedq.engine.revoke import revoked
 from fedq.process import PROCESS
 from fedq.settings import get_settings
 from fedq.worker import owner
+from fedq.worker.heartbeat import claim, claim_unless_revoked
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,10 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
             log.warning("%s", exc)
             return me.sign_result({**base, "status": "error", "error": str(exc)}, task_id)
     # a shard revoked before this worker started (its job cancelled or failed) waited
-    # in the queue: answered untrained (fedq/engine/revoke.py)
-    if (why := revoked(self.backend, task_id)) is not None:
+    # in the queue: answered untrained (fedq/engine/revoke.py); else its claim is
+    # stored in the same round trip, and beats while the shard runs, so a dead worker's
+    # shard is sent again in seconds (fedq/coordinator/watchdog.py), not at its timeout
+    if (why := claim_unless_revoked(self.backend, task_id, worker)) is not None:
         log.warning("not run: task %s was revoked (%s)", task_id, why)
         result = {**base, "status": "error", "error": f"revoked before it started: {why}"}
     elif (reason := owner.away()) is not None:  # the owner is back: not started
@@ -59,7 +61,9 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
     else:
         delivered = (self.request.delivery_info or {}).get("routing_key")
         store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-        result = run_shard(ref, store, worker, delivered, me.name if me else None)
+        with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s,
+                   written=True):
+            result = run_shard(ref, store, worker, delivered, me.name if me else None)
     return result if me is None else me.sign_result(result, task_id)
 
 
