@@ -277,6 +277,60 @@ def test_a_round_the_broker_refuses_starts_again_once_it_answers(tmp_path: Path,
             cluster.stop()
 
 
+def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Path,
+                                                                   pg_url: str) -> None:
+    """A worker is SIGKILLed mid-task and the broker refuses the control worker's
+    re-dispatch of its client (a Redis ACL on the control worker's own user denies the
+    ``cpu`` queue's key): each refused attempt is undone, the watchdog tries again every
+    pass, and once the broker answers the client goes out as attempt 2, not at the
+    600 s deadline and without spending ``max_redispatch`` (3) on the refusals."""
+    import redis
+
+    with private_redis() as (url, _):
+        admin = redis.Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "ctl", "on", ">ctl-pw", "~*", "&*", "+@all")
+        as_ctl = url.replace("redis://", "redis://ctl:ctl-pw@")
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="3")
+        try:
+            cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
+            cluster.add("control", ["control"], FEDQ_BROKER_URL=as_ctl,
+                        FEDQ_RESULT_BACKEND=as_ctl)
+            cluster.start_beat()
+            spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
+            job = cluster.submit({**spec, "rounds": 2})
+            cluster.wait_for_round(job, 1)
+            # every key but ``cpu`` for the control worker (^ negates a character class)
+            admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~[^c]*", "~c[^p]*",
+                                  "~cp[^u]*", "~cpu?*", "~c", "~cp")
+            client, _, _ = _kill_mid_round(cluster, job, 1, "w1")
+
+            def refusals() -> int:
+                with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+                    return len(list(s.scalars(select(WatchdogAction.id).where(
+                        WatchdogAction.job_id == job,
+                        WatchdogAction.action == "error (repair)"))))
+
+            wait_until(lambda: refusals() >= 4, 120,
+                       what=lambda: "four refused re-dispatches\n" +
+                       cluster.by_name("control").tail())
+            assert "no permissions" in cluster.by_name("control").log_path.read_text(
+                errors="replace")
+            admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~*")
+            view = cluster.wait(job, timeout=150)
+            assert view.status == "completed", view.error
+            assert [(r.number, r.attempt) for r in cluster.rounds(job)] == [(1, 2), (2, 1)]
+            row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(1, client)]
+            assert (row.status, row.attempt) == ("ok", 2), row.error
+            record_outcome("the broker refused the re-dispatch of a SIGKILLed worker's client "
+                           "(a Redis ACL denied the queue to the control worker), 4 times",
+                           "a training worker mid-task, then the control worker's sends",
+                           "completed: the client went out once the broker answered, as "
+                           "attempt 2", len(cluster.rounds(job)), 0)
+        finally:
+            cluster.stop()
+
+
 @pytest.mark.slow
 def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
         redis_cluster: Cluster) -> None:

@@ -6,7 +6,8 @@ whose body is ``finalize_round`` (fedq/coordinator/finalize.py). When the broker
 refuses the tasks (down, out of memory, a permission), the row is withdrawn again, so
 that the watchdog starts the round afresh once the broker answers (its ``start``
 repair, a few seconds), not at the round's deadline. ``redispatch`` sends a round's
-missing clients again, once per attempt, however many watchdogs ask.
+missing clients again, once per attempt, however many watchdogs ask; an attempt the
+broker refuses is undone, so the watchdog's next pass tries it again.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from datetime import timedelta
 from typing import Any
 
 from celery import chord
-from kombu.exceptions import OperationalError
-from sqlalchemy import delete, update
+from kombu.exceptions import BatchPublishError, OperationalError
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
 from fedq.blobs import BlobRef
@@ -102,10 +103,12 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
 
 def broker_errors() -> tuple[type[BaseException], ...]:
     """What a broker that refuses a send raises: kombu's OperationalError (Celery's
-    wrapping) and the transport's own connection and channel errors (a Redis pipeline
-    flushed by ``sending``). Anything else is a fault of fedq's and raises as before."""
+    wrapping), its BatchPublishError (a Redis pipeline flushed by ``sending`` that
+    failed: a refused ``LPUSH``) and the transport's own connection and channel errors.
+    Anything else is a fault of fedq's and raises as before."""
     with app.connection_for_write() as conn:  # not connected: its transport's classes
-        return (OperationalError, *conn.connection_errors, *conn.channel_errors)
+        return (OperationalError, BatchPublishError, *conn.connection_errors,
+                *conn.channel_errors)
 
 
 def withdraw(settings: Settings, gen: int) -> None:
@@ -132,6 +135,8 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
         if job is None or job.status != JobStatus.RUNNING:
             return False
         spec = JobSpec.stored(job.spec)
+        deadline = s.scalar(select(Round.deadline).where(
+            Round.job_id == job_id, Round.number == round_number))
         won = s.execute(
             update(Round)
             .where(Round.job_id == job_id, Round.number == round_number,
@@ -141,6 +146,7 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
         if won.rowcount != 1:  # type: ignore[attr-defined]
             return False
         rnd = s.query(Round).filter_by(job_id=job_id, number=round_number).one()
+        before = (rnd.planned, deadline)
         queue_of = dict(zip(rnd.planned["clients"], rnd.planned["queues"], strict=True))
         if "sent" in rnd.planned:  # each client's last attempt (policy.RoundState.sent)
             again = set(clients)
@@ -152,8 +158,19 @@ def redispatch(settings: Settings, job_id: str, round_number: int, from_attempt:
         model, step = BlobRef(job.global_key, job.global_sha256, job.global_size), step_of(job)
         gen = rnd.id
     plan = [Assignment(c, queue_of[c]) for c in clients]
-    dispatch(job_id, round_number, spec, model, plan, attempt=from_attempt + 1, gen=gen,
-             step=step)
+    try:
+        dispatch(job_id, round_number, spec, model, plan, attempt=from_attempt + 1, gen=gen,
+                 step=step)
+    except broker_errors():  # as if never tried: the next watchdog pass tries again
+        planned, deadline = before
+        with session_scope(settings.database_url) as s:
+            s.execute(update(Round).where(Round.id == gen, Round.status == RoundStatus.TRAINING,
+                                          Round.attempt == from_attempt + 1)
+                      .values(attempt=from_attempt, planned=planned, deadline=deadline))
+        log.warning("job %s round %d: clients %s could not be sent again; attempt %d is "
+                    "undone and the watchdog tries again", job_id, round_number,
+                    list(clients), from_attempt + 1)
+        raise
     log.warning("job %s round %d: re-dispatched clients %s (attempt %d)", job_id,
                 round_number, list(clients), from_attempt + 1)
     return True
