@@ -14,7 +14,9 @@
 # 2026-11-29, a slower day (torch imported in 3.4 s, not 1.7), 32 min 3 s, 31 min 19 s
 # and 53 s; a busy CI machine once took 57 minutes; on 2026-11-29 at 12:46 UTC, alone
 # on a quiet machine, 16 min 48 s: 616 in 15 min 51 s, 65 in 16 min 12 s, then 2 in 28 s;
-# the goal is 15). With arguments, one
+# 16:04-16:35 UTC the same day, a slower machine (torch imported in 2.3 s), 30 min with
+# ruff and mypy: 616 in 27 min 24 s, 66 in 26 min 54 s, 2 in 42 s; the goal is 15).
+# With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
