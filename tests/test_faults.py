@@ -15,12 +15,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
 
 from fedq.db import ClientUpdate, WatchdogAction, session_scope
 from fedq.db.models import aware
+from fedq.inference import jobs
 from fedq.testing.cluster import DIGITS, Cluster, record_outcome
 from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
@@ -277,6 +279,29 @@ def test_a_round_the_broker_refuses_starts_again_once_it_answers(tmp_path: Path,
             cluster.stop()
 
 
+def _deny_cpu(admin: Any) -> None:
+    """Every key but ``cpu`` (the cpu queue's list) for the Redis user ``ctl`` (^
+    negates a character class)."""
+    admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~[^c]*", "~c[^p]*",
+                          "~cp[^u]*", "~cpu?*", "~c", "~cp")
+
+
+def _allow_all(admin: Any) -> None:
+    admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~*")
+
+
+def _control_as_ctl(cluster: Cluster, url: str, admin: Any) -> None:
+    """The control worker as its own Redis user ``ctl`` (all keys for now)."""
+    admin.execute_command("ACL", "SETUSER", "ctl", "on", ">ctl-pw", "~*", "&*", "+@all")
+    as_ctl = url.replace("redis://", "redis://ctl:ctl-pw@")
+    cluster.add("control", ["control"], FEDQ_BROKER_URL=as_ctl, FEDQ_RESULT_BACKEND=as_ctl)
+
+
+def _refusals(cluster: Cluster) -> int:
+    return cluster.by_name("control").log_path.read_text(errors="replace").count(
+        "no permissions")
+
+
 def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Path,
                                                                    pg_url: str) -> None:
     """A worker is SIGKILLed mid-task and the broker refuses the control worker's
@@ -300,9 +325,7 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
             spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
             job = cluster.submit({**spec, "rounds": 2})
             cluster.wait_for_round(job, 1)
-            # every key but ``cpu`` for the control worker (^ negates a character class)
-            admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~[^c]*", "~c[^p]*",
-                                  "~cp[^u]*", "~cpu?*", "~c", "~cp")
+            _deny_cpu(admin)
             client, _, _ = _kill_mid_round(cluster, job, 1, "w1")
 
             def refusals() -> int:
@@ -316,7 +339,7 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
                        cluster.by_name("control").tail())
             assert "no permissions" in cluster.by_name("control").log_path.read_text(
                 errors="replace")
-            admin.execute_command("ACL", "SETUSER", "ctl", "resetkeys", "~*")
+            _allow_all(admin)
             view = cluster.wait(job, timeout=150)
             assert view.status == "completed", view.error
             assert [(r.number, r.attempt) for r in cluster.rounds(job)] == [(1, 2), (2, 1)]
@@ -327,6 +350,96 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
                            "a training worker mid-task, then the control worker's sends",
                            "completed: the client went out once the broker answered, as "
                            "attempt 2", len(cluster.rounds(job)), 0)
+        finally:
+            cluster.stop()
+
+
+def test_buffered_tasks_the_broker_refuses_go_out_at_the_next_pass(tmp_path: Path,
+                                                                   pg_url: str) -> None:
+    """A buffered job whose replacement tasks the broker refuses (a Redis ACL denies the
+    ``cpu`` queue to the control worker's own user): each refused task is made due at
+    once and the watchdog sends it at its next pass, so once the broker answers the job
+    goes on, not at the tasks' 600 s deadline."""
+    import redis
+
+    with private_redis() as (url, _):
+        admin = redis.Redis.from_url(url)
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        try:
+            cluster.start(w1=["cpu"], w2=["cpu"])
+            _control_as_ctl(cluster, url, admin)
+            cluster.start_beat()
+            job = cluster.submit({**DIGITS, "num_clients": 8, "clients_per_round": 2,
+                                  "rounds": 4, "round_timeout_s": 600, "max_redispatch": 2,
+                                  "aggregation": {"mode": "buffered", "buffer": 2}})
+            cluster.wait_for_round(job, 1)
+            _deny_cpu(admin)
+            wait_until(lambda: _refusals(cluster) >= 3, 120,
+                       what=lambda: "three refused sends\n" + cluster.by_name("control").tail())
+            _allow_all(admin)
+            view = cluster.wait(job, timeout=120)
+            assert view.status == "completed", view.error
+            assert [r.number for r in cluster.rounds(job)] == [1, 2, 3, 4]
+            assert "could not be sent" in cluster.by_name("control").log_path.read_text(
+                errors="replace")
+            record_outcome("the broker refused a buffered job's replacement tasks (a Redis "
+                           "ACL denied the queue to the control worker), 3 times or more",
+                           "the control worker's sends",
+                           "completed: each refused task went out at the watchdog's next "
+                           "pass once the broker answered", len(cluster.rounds(job)), 0)
+        finally:
+            cluster.stop()
+
+
+def test_inference_shards_the_broker_refuses_wait_queued_and_go_out_again(
+        tmp_path: Path, pg_url: str) -> None:
+    """An inference job whose next shards the broker refuses to the control worker: each
+    refused shard goes back to the queue, the refusal is not counted against
+    ``max_redispatch`` (1 here), and the watchdog's fill sends it once the broker
+    answers, not at its 600 s ``shard_timeout_s``; the outputs are all there, in order."""
+    import redis
+
+    from tests.test_inference import _classifier_file, _read_out, _spec
+
+    with private_redis() as (url, _):
+        admin = redis.Redis.from_url(url)
+        cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        try:
+            cluster.start(w1=["cpu"])
+            _control_as_ctl(cluster, url, admin)
+            cluster.start_beat()
+            _deny_cpu(admin)  # the first shard goes out from `fedq infer`'s process
+            weights = _classifier_file(tmp_path)
+            spec = _spec(tmp_path, model={"weights": weights.name, "name": "small_cnn",
+                                          "dataset": "digits"},
+                         inputs={"dataset": "digits", "limit": 32}, op="classify",
+                         shard_size=8, batch_size=8, in_flight=1, shard_timeout_s=600,
+                         max_redispatch=1, backups=False)
+            job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
+            wait_until(lambda: _refusals(cluster) >= 3, 120,
+                       what=lambda: "three refused sends\n" + cluster.by_name("control").tail())
+
+            def none_out() -> bool:  # (a fill in progress holds one out for a moment)
+                view = jobs.find(cluster.settings, job)
+                assert view is not None and view.status == "running", view
+                return "running" not in [r["status"] for r in view.shard_rows]
+
+            wait_until(none_out, 20, interval=0.05, what="the refused shards to be queued")
+            _allow_all(admin)
+            watched = cluster.fedq("watch", job, timeout=120)
+            assert "completed" in watched.stdout, watched.stdout + watched.stderr
+            out = tmp_path / "out.jsonl"
+            cluster.fedq("results", job, "--out", str(out))
+            assert [r["i"] for r in _read_out(out)] == list(range(32))
+            with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+                fills = list(s.scalars(select(WatchdogAction.result).where(
+                    WatchdogAction.job_id == job, WatchdogAction.action == "fill")))
+            assert any("refused" in (r or "") for r in fills), fills
+            record_outcome("the broker refused an inference job's next shards (a Redis ACL "
+                           "denied the queue to the control worker), 3 times or more",
+                           "the control worker's sends",
+                           "completed: each refused shard waited queued and went out once "
+                           "the broker answered; 32 outputs in order", 1, 0)
         finally:
             cluster.stop()
 

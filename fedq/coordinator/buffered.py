@@ -69,7 +69,7 @@ from fedq.coordinator.steps import step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
-from fedq.engine.app import app, sending
+from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.engine.revoke import revoke_quietly
 from fedq.process import PROCESS
@@ -148,18 +148,44 @@ def pick_client(spec: JobSpec, task: int, busy: set[int],
                 free[0] if free else order[0])
 
 
-def _send(job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
+def _send(settings: Settings, job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
+    """Send ``tasks`` (recorded as training); when the broker refuses them, each is made
+    due at once (:func:`_unsend`) instead of at its deadline."""
+    if not tasks:
+        return
     spec_json = spec.to_json()
-    with sending() as events:  # one Redis round trip for all, events included
+    try:
+        with sending() as events:  # one Redis round trip for all, events included
+            for t in tasks:
+                sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
+                app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
+                                                             spec.round_timeout_s),),
+                              queue=t.queue, task_id=sent.task_id, argsrepr=sent.shown,
+                              kwargsrepr="{}", event_dispatcher=events,
+                              link=app.signature(ABSORB_UPDATE_TASK,
+                                                 args=(job_id, t.index, t.attempt),
+                                                 queue=CONTROL_QUEUE))
+    except broker_errors() as exc:
+        _unsend(settings, job_id, spec, tasks)
+        log.warning("job %s: task(s) %s could not be sent (%s); the watchdog sends them "
+                    "at its next pass", job_id, [t.index for t in tasks],
+                    refusal(exc))
+
+
+def _unsend(settings: Settings, job_id: str, spec: JobSpec, tasks: Sequence[Dispatch]) -> None:
+    """Tasks the broker refused: each still training as that attempt is dated back
+    past its deadline, so the watchdog's next pass takes it as overdue (:func:`_overdue`:
+    sent again as the next attempt, or its slot given to another client after
+    ``max_redispatch``). A refusal is paid as one of those re-sends; in exchange the
+    next send always has a new task id, never one a pipeline that did reach the broker
+    before the refusal may have used."""
+    due = utcnow() - timedelta(seconds=spec.round_timeout_s + 1)
+    with session_scope(settings.database_url) as s:
         for t in tasks:
-            sent = Sent(job_id, t.version, t.client, t.attempt, 0, t.queue, task=t.index)
-            app.send_task(TRAIN_TASK, args=(sent.message(spec_json, t.model, t.step,
-                                                         spec.round_timeout_s),),
-                          queue=t.queue, task_id=sent.task_id, argsrepr=sent.shown,
-                          kwargsrepr="{}", event_dispatcher=events,
-                          link=app.signature(ABSORB_UPDATE_TASK,
-                                             args=(job_id, t.index, t.attempt),
-                                             queue=CONTROL_QUEUE))
+            s.execute(update(ClientUpdate).where(
+                ClientUpdate.job_id == job_id, ClientUpdate.task_index == t.index,
+                ClientUpdate.attempt == t.attempt,
+                ClientUpdate.status == UpdateStatus.TRAINING).values(created_at=due))
 
 
 def _ensure_version(s: Session, job: Job, spec: JobSpec, version: int) -> Round:
@@ -191,7 +217,7 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         full = _filling(s, job, spec) > spec.rounds
         tasks = [] if full else _new_tasks(s, job, spec, sorted(wanted.elements()))
         _ensure_version(s, job, spec, job.committed_round + 1)
-    _send(job_id, spec, tasks)
+    _send(settings, job_id, spec, tasks)
     return {"status": "started", "version": job.committed_round + 1, "tasks": len(tasks)}
 
 
@@ -299,7 +325,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
                                    else None)
         record_tasks(s, [row])
         status = row.status
-    _send(job_id, spec, tasks)
+    _send(settings, job_id, spec, tasks)
     if revoke:
         revoke_quietly(revoke, "its job failed", BUFFERED_TASKS)
     out: dict[str, Any] = {"status": status, "version": version}
@@ -551,6 +577,6 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
         revoke_quietly([task_id(job_id, index, attempt)],
                        f"the workers of {closed} are lost or stopped: its slot went elsewhere",
                        BUFFERED_TASKS)
-    _send(job_id, spec, tasks)
+    _send(settings, job_id, spec, tasks)
     log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
     return {"job": job_id, "task": index, "action": action}

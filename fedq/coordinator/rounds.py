@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 from celery import chord
-from kombu.exceptions import BatchPublishError, OperationalError
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 
@@ -29,10 +28,9 @@ from fedq.coordinator.roster import live_view, open_sites
 from fedq.coordinator.steps import step_of
 from fedq.db import Job, Round, session_scope
 from fedq.db.models import utcnow
-from fedq.engine.app import app, sending
+from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.phases import phase
-from fedq.redaction import redact_text
 from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
@@ -94,21 +92,11 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
             dispatch(job_id, round_number, spec, model, plan, attempt=1, gen=gen, step=step)
         except broker_errors() as exc:  # the watchdog starts the round again
             withdraw(settings, gen)
-            why = redact_text(f"{type(exc).__name__}: {exc}")[:300]
+            why = refusal(exc)
             log.warning("job %s round %d: its tasks could not be sent (%s); the round is "
                         "withdrawn and the watchdog starts it again", job_id, round_number, why)
             return {"status": "unsent", "round": round_number, "error": why}
     return {"status": "started", "round": round_number, "clients": len(plan)}
-
-
-def broker_errors() -> tuple[type[BaseException], ...]:
-    """What a broker that refuses a send raises: kombu's OperationalError (Celery's
-    wrapping), its BatchPublishError (a Redis pipeline flushed by ``sending`` that
-    failed: a refused ``LPUSH``) and the transport's own connection and channel errors.
-    Anything else is a fault of fedq's and raises as before."""
-    with app.connection_for_write() as conn:  # not connected: its transport's classes
-        return (OperationalError, BatchPublishError, *conn.connection_errors,
-                *conn.channel_errors)
 
 
 def withdraw(settings: Settings, gen: int) -> None:

@@ -18,6 +18,7 @@ from celery.app import amqp
 from celery.utils.nodenames import anon_nodename
 from celery.utils.time import utcoffset
 from kombu import Exchange, Queue
+from kombu.exceptions import BatchPublishError, OperationalError
 
 from fedq.engine import (
     logs,  # noqa: F401  (connects FEDQ_LOG_FORMAT=json to Celery's logging)
@@ -37,6 +38,7 @@ from fedq.engine.names import (
     WATCHDOG_TASK,
     WORKER_STATE_TASK,
 )
+from fedq.redaction import redact_text
 from fedq.settings import Settings, get_settings
 
 
@@ -209,3 +211,23 @@ def _result_backend(url: str) -> str:
     if url.startswith(("redis://", "rediss://")):
         return f"fedq.engine.backend:RedisBackend+{url}"
     return url
+
+
+def broker_errors() -> tuple[type[BaseException], ...]:
+    """What a broker that refuses a send raises: kombu's OperationalError (Celery's
+    wrapping), its BatchPublishError (a Redis pipeline flushed by ``sending`` that
+    failed: a refused ``LPUSH``) and the transport's own connection and channel errors.
+    Anything else is a fault of fedq's and raises as before."""
+    with app.connection_for_write() as conn:  # not connected: its transport's classes
+        return (OperationalError, BatchPublishError, *conn.connection_errors,
+                *conn.channel_errors)
+
+
+def refusal(exc: BaseException) -> str:
+    """One line for a broker's refusal, with its cause (a ``BatchPublishError`` says
+    only that the batch failed; the Redis error under it says why), redacted."""
+    why = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None:
+        why += f" ({type(cause).__name__}: {cause})"
+    return redact_text(why)[:300]

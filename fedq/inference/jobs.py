@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -40,7 +40,7 @@ from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema
-from fedq.engine.app import app, sending
+from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
@@ -311,8 +311,16 @@ def _message(job: InferenceJob, row: InferenceShard) -> dict[str, Any]:
     return msg
 
 
-def _take(job: InferenceJob, row: InferenceShard, queue: str
-          ) -> tuple[str, str, dict[str, Any], int]:
+class Take(NamedTuple):
+    """A shard marked sent (:func:`_take`), to be sent by :func:`_send`."""
+    queue: str
+    task_id: str
+    message: dict[str, Any]
+    shard: int
+    backup: bool  # a backup copy: the shard's earlier copy is still out
+
+
+def _take(job: InferenceJob, row: InferenceShard, queue: str, backup: bool = False) -> Take:
     """Mark ``row`` sent to ``queue``: its task id and message, sealed for that id by
     the coordinator's key with FEDQ_IDENTITY=required (valid twice the shard's timeout:
     it is sent again after one)."""
@@ -321,11 +329,11 @@ def _take(job: InferenceJob, row: InferenceShard, queue: str
     tid = task_id(job.id, row.shard, row.attempt)
     msg = identity.seal(_message(job, row), tid, 2 * job.spec["shard_timeout_s"],
                         sealing_keys())
-    return (queue, tid, msg, row.shard)
+    return Take(queue, tid, msg, row.shard, backup)
 
 
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
-          ) -> list[tuple[str, str, dict[str, Any], int]]:
+          ) -> list[Take]:
     """Shards to send so that each queue has ``in_flight`` out (lowest first)."""
     spec = job.spec
     running: dict[str, int] = defaultdict(int)
@@ -392,7 +400,7 @@ def backup_choice(alone: list[InferenceShard], queue: str, rates: dict[str, floa
 
 
 def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str, int]
-             ) -> list[tuple[str, str, dict[str, Any], int]]:
+             ) -> list[Take]:
     """Backup copies for the job's end (MapReduce's backup tasks, Dean and Ghemawat
     2004, section 3.6): with no shard waiting, each free slot of ``queues`` runs a
     second copy of a shard out that has none (:func:`backup_choice`: the longest out,
@@ -416,31 +424,74 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
             alone.remove(row)
             row.backups += 1
             row.copies += 1
-            out.append(_take(job, row, queue))
+            out.append(_take(job, row, queue, backup=True))
             running[queue] += 1
     return out
 
 
-def _send(job_id: str, tasks: list[tuple[str, str, dict[str, Any], int]]) -> None:
-    with sending() as events:  # one Redis round trip for all, events included
-        for queue, tid, msg, shard in tasks:
-            app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
-                          argsrepr=f"job {job_id} shard {shard} attempt {msg['attempt']}",
-                          kwargsrepr="{}", event_dispatcher=events,
-                          link=app.signature(ABSORB_SHARD_TASK,
-                                             args=(job_id, shard, msg["attempt"]),
-                                             queue=CONTROL_QUEUE))
+def _send(settings: Settings, job_id: str, tasks: list[Take]
+          ) -> str | None:
+    """Send ``tasks`` (taken by :func:`_take`); None, or why the broker refused them.
+    A refused shard goes back to the queue (:func:`_unsend`) for the next fill: the
+    watchdog's pass, or the next answer of the job."""
+    if not tasks:
+        return None
+    try:
+        with sending() as events:  # one Redis round trip for all, events included
+            for queue, tid, msg, shard, _ in tasks:
+                app.send_task(INFER_TASK, args=(msg,), queue=queue, task_id=tid,
+                              argsrepr=f"job {job_id} shard {shard} attempt {msg['attempt']}",
+                              kwargsrepr="{}", event_dispatcher=events,
+                              link=app.signature(ABSORB_SHARD_TASK,
+                                                 args=(job_id, shard, msg["attempt"]),
+                                                 queue=CONTROL_QUEUE))
+    except broker_errors() as exc:
+        why = refusal(exc)
+        _unsend(settings, job_id, tasks)
+        log.warning("inference job %s: shard(s) %s could not be sent (%s); they wait for "
+                    "the next fill", job_id, [t.shard for t in tasks], why)
+        return why
+    return None
 
 
-def fill(settings: Settings, job_id: str) -> int:
-    """Send queued shards until each queue has its ``in_flight``; how many were sent."""
+def _unsend(settings: Settings, job_id: str,
+            tasks: list[Take]) -> None:
+    """Undo the sending of shards the broker refused: each that is still out as that
+    attempt goes back to the queue, and the attempt is ``spared`` (a refusal is not a
+    failure of the shard). Its next send is a new attempt, with a new task id, so a
+    task of a pipeline that did reach the broker before the refusal is never confused
+    with it; if that one answers, its answer is checked and counts like any other
+    attempt's. A refused backup copy stays as it is (its shard's first copy is out,
+    and a copy is not counted as a failure)."""
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         if job is None or job.status != JobStatus.RUNNING:
-            return 0
+            return
+        for take in tasks:
+            row = s.scalar(select(InferenceShard).where(InferenceShard.job_id == job_id,
+                                                        InferenceShard.shard == take.shard))
+            if take.backup or row is None or row.status != RUNNING or \
+                    row.attempt != take.message["attempt"]:
+                continue
+            row.status, row.spared = QUEUED, row.spared + 1
+            row.error = "the broker refused to send it"
+
+
+def fill(settings: Settings, job_id: str) -> int:
+    """Send queued shards until each queue has its ``in_flight``; how many were sent
+    (0 when the broker refused them: they stay queued)."""
+    sent, refused = _refill(settings, job_id)
+    return 0 if refused else sent
+
+
+def _refill(settings: Settings, job_id: str) -> tuple[int, str | None]:
+    """:func:`fill`: how many shards it took, and why the broker refused them, if so."""
+    with session_scope(settings.database_url) as s:
+        job = _lock(s, job_id)
+        if job is None or job.status != JobStatus.RUNNING:
+            return 0, None
         tasks = _fill(s, job)
-    _send(job_id, tasks)
-    return len(tasks)
+    return len(tasks), _send(settings, job_id, tasks)
 
 
 # -- absorb -----------------------------------------------------------------------
@@ -519,7 +570,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
         assert job is not None and row is not None
         if row.status == DONE or job.status != JobStatus.RUNNING:
             return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
-        tasks: list[tuple[str, str, dict[str, Any], int]] = []
+        tasks: list[Take] = []
         if verdict.status == "ok":
             r = verdict.result
             row.status, row.key, row.sha256, row.size = DONE, r.key, r.sha256, r.size
@@ -553,7 +604,7 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
                 row.status = QUEUED
                 tasks = _fill(s, job, [row.queue or job.spec["queues"][0]])
         status = row.status
-    _send(job_id, tasks)
+    _send(settings, job_id, tasks)
     if revoke:
         revoke_quietly(revoke, "its shard is done" if verdict.status == "ok"
                        else "its job failed", "inference task(s)")
@@ -620,9 +671,10 @@ def repair(settings: Settings, registry: identity.Registry | None = None
                 "error", "no answer within shard_timeout_s"))
             actions.append({"job": job_id, "shard": shard, "action": "resend (timeout)",
                             "result": out["status"]})
-        sent = fill(settings, job_id)
+        sent, refused = _refill(settings, job_id)
         if sent:
-            actions.append({"job": job_id, "action": "fill", "result": f"{sent} sent"})
+            actions.append({"job": job_id, "action": "fill", "result": f"{sent} sent"
+                            if refused is None else f"{sent} refused: {refused}"})
     return actions
 
 
