@@ -188,6 +188,7 @@ def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
     from fedq.engine.app import SentEvents, app
     from fedq.inference import jobs as inference_jobs
     from fedq.refs import BlobRef
+    from fedq.settings import Settings
     from fedq.spec import JobSpec
     from fedq.testing.cluster import DIGITS
 
@@ -203,6 +204,8 @@ def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
     spec = JobSpec.model_validate({**DIGITS, "name": "batch"})
     model = BlobRef("jobs/j1/r00000/global.safetensors", "0" * 64, 10)
     rounds.dispatch("j1", 1, spec, model, [Assignment(0, "cpu")], attempt=1, gen=1)
-    buffered._send("j1", spec, [buffered.Dispatch(1, 1, 0, "cpu", 1, model, None)])
-    inference_jobs._send("j2", [("cpu", "t1", {"attempt": 1}, 0)])
+    settings = Settings.model_construct()  # (not read: nothing is refused)
+    buffered._send(settings, "j1", spec, [buffered.Dispatch(1, 1, 0, "cpu", 1, model, None)])
+    inference_jobs._send(settings, "j2", [inference_jobs.Take("cpu", "t1", {"attempt": 1}, 0,
+                                                              False)])
     assert seen == [("round", True), ("fedq.train", True), ("fedq.infer_shard", True)], seen
