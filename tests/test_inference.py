@@ -8,6 +8,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -431,6 +432,53 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     bad_hash = answer(1, 1, encode_rows([{**r, "i": r["i"] + 4} for r in rows]),
                       sha256="0" * 64)
     assert bad_hash["status"] == "rejected" and "sha256" in bad_hash["error"]
+
+
+def test_status_shows_each_shard_out_with_its_worker_and_heartbeat(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedq status JOB` of an inference job: under its table, each shard out with the
+    worker that claimed it and its heartbeat's age (the watchdog's record,
+    fedq/coordinator/liveness.py), then what the watchdog did."""
+    from click.testing import CliRunner
+
+    from fedq.cli import main
+    from fedq.coordinator import liveness
+    from fedq.db.models import utcnow
+    from fedq.settings import get_settings
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    weights = _classifier_file(tmp_path)
+    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": 8}, op="classify",
+                                shard_size=4, in_flight=2))
+    job = jobs.submit(settings, spec, tmp_path)
+    claims = {jobs.task_id(job, 0, 1): {"status": "STARTED",
+                                        "result": {"hostname": "w1@a", "beat": 3}},
+              jobs.task_id(job, 1, 1): {"status": "STARTED",
+                                        "result": {"hostname": "w2@a", "beat": 0}}}
+    running, = [tasks for j, tasks, _ in jobs.running_tasks(settings) if j == job]
+    assert sorted(running) == sorted(claims)
+    # first seen 20 s ago, by the coordinator's clock (its heartbeat never moved since)
+    liveness.observe(settings, job, running, utcnow() - timedelta(seconds=20),
+                     meta=claims.__getitem__)
+    liveness.mark_resent(settings, [jobs.task_id(job, 1, 1)])
+    with session_scope(settings.database_url) as s:
+        s.add(WatchdogAction(job_id=job, action="resend (lost w2@a)", result="queued"))
+    for key, value in cluster.env.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    try:
+        shown = CliRunner().invoke(main, ["status", job])
+    finally:
+        get_settings.cache_clear()
+    assert shown.exit_code == 0, shown.output
+    assert "shard 0 on w1@a: heartbeat lost 20 s ago, re-dispatch due" in shown.output, \
+        shown.output
+    assert "shard 1 on w2@a: heartbeat lost 20 s ago, re-dispatched" in shown.output
+    assert re.search(r"\d\d:\d\d:\d\d: resend \(lost w2@a\) \(queued\)", shown.output), \
+        shown.output
 
 
 def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(

@@ -293,8 +293,16 @@ def status(job_id: str | None, as_json: bool) -> None:
 
         if as_json:
             click.echo(json.dumps([{"kind": "inference", **inference.to_json()}], indent=2))
-        else:
-            out.print(inference_table(inference))
+            return
+        out.print(inference_table(inference))
+        from fedq.coordinator.jobs import repairs
+        from fedq.coordinator.liveness import describe, held
+
+        for claim in held(settings, job_id):  # each shard out: its worker and heartbeat
+            out.print(describe(claim, settings.worker_lost_s, "shard", "running"),
+                      highlight=False)
+        for line in repairs(settings, job_id):  # what the watchdog did
+            out.print(line, highlight=False)
         return
     jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
     inferences = [] if job_id else recent(settings)

@@ -22,11 +22,13 @@ def follow(settings: Any, job_id: str, *, interval: float = 0.5, timeout: float 
     """A progress bar of items done (items/s per worker, ETA) until the job finishes."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fedq.coordinator.liveness import describe, held
     from fedq.inference.jobs import find
     from fedq.status import JobStatus
 
     view = find(settings, job_id)
     assert view is not None
+    said: set[tuple[str, bool]] = set()  # lost claims already reported
     deadline = time.monotonic() + timeout if timeout else None
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
@@ -36,6 +38,13 @@ def follow(settings: Any, job_id: str, *, interval: float = 0.5, timeout: float 
             view = find(settings, job_id)
             assert view is not None
             progress.update(bar, completed=view.done_items, rate=_rate(view))
+            for claim in held(settings, job_id):  # a lost worker's shard, once
+                if (claim.resent or claim.silent_s >= settings.worker_lost_s) and \
+                        (claim.task_id, claim.resent) not in said:
+                    said.add((claim.task_id, claim.resent))
+                    progress.console.print(describe(claim, settings.worker_lost_s, "shard",
+                                                    "running"),
+                                           style="yellow", highlight=False)
             if view.status != JobStatus.RUNNING:
                 break
             if deadline is not None and time.monotonic() > deadline:

@@ -284,5 +284,6 @@ def repairs(settings: Settings, job_id: str, last: int = 20) -> list[str]:
     with session_scope(settings.database_url) as s:
         rows = list(s.scalars(select(WatchdogAction).where(WatchdogAction.job_id == job_id)
                               .order_by(WatchdogAction.id.desc()).limit(last)))
-        return [f"{aware(a.at):%H:%M:%S} round {a.round_number}: {a.action}"
-                f"{f' ({a.result})' if a.result else ''}" for a in reversed(rows)]
+        return [f"{aware(a.at):%H:%M:%S}"
+                f"{f' round {a.round_number}' if a.round_number is not None else ''}: "
+                f"{a.action}{f' ({a.result})' if a.result else ''}" for a in reversed(rows)]

@@ -116,11 +116,13 @@ def held(settings: Settings, job_id: str) -> list[Holder]:
                                    .order_by(Claim.client, Claim.task_id))]
 
 
-def describe(holder: Holder, lost_s: float) -> str:
-    """One line: "client 3 on cpu@host-2: heartbeat lost 18 s ago, re-dispatched"."""
+def describe(holder: Holder, lost_s: float, unit: str = "client",
+             doing: str = "training") -> str:
+    """One line: "client 3 on cpu@host-2: heartbeat lost 18 s ago, re-dispatched"
+    (an inference job's: ``unit="shard", doing="running"``)."""
     if holder.silent_s < lost_s and not holder.resent:
-        state = f"training, heartbeat {max(0.0, holder.silent_s):.0f} s ago"
+        state = f"{doing}, heartbeat {max(0.0, holder.silent_s):.0f} s ago"
     else:
         state = f"heartbeat lost {holder.silent_s:.0f} s ago" + \
             (", re-dispatched" if holder.resent else ", re-dispatch due")
-    return f"client {holder.client} on {holder.host}: {state}"
+    return f"{unit} {holder.client} on {holder.host}: {state}"

@@ -578,9 +578,8 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
             row.started_at = worker_time(r.started)
             row.done_at, row.error = utcnow(), None
             if row.backups:  # the other copies of this shard are no longer needed
-                revoke = [task_id(job_id, shard, a) for a in
-                          range(max(1, row.attempt - row.backups), row.attempt + 1)
-                          if a != attempt]
+                revoke = [task_id(job_id, shard, a)
+                          for a in copies_out(row.attempt, row.backups) if a != attempt]
             if not s.scalar(select(InferenceShard.id).where(
                     InferenceShard.job_id == job_id, InferenceShard.status != DONE).limit(1)):
                 job.status, job.finished_at = JobStatus.COMPLETED, utcnow()
@@ -623,6 +622,12 @@ def _close(s: Session, job_id: str, status: str, why: str) -> list[str]:
 
 # -- repair, cancel, resume ---------------------------------------------------------
 
+def copies_out(attempt: int, backups: int) -> range:
+    """The attempts of a running shard that may still be out: its latest and the
+    ``backups`` before it (a backup copy is sent while the earlier one runs)."""
+    return range(max(1, attempt - backups), attempt + 1)
+
+
 def running_tasks(settings: Settings) -> list[tuple[str, dict[str, int], dict[int, int]]]:
     """Each running job's shards out now: (job, task id -> shard for every copy still
     out, shard -> its latest attempt). The watchdog reads their claims' heartbeats
@@ -638,7 +643,7 @@ def running_tasks(settings: Settings) -> list[tuple[str, dict[str, int], dict[in
     for job_id, shard, attempt, backups in rows:
         tasks, latest = out.setdefault(job_id, ({}, {}))
         latest[shard] = attempt
-        for a in range(max(1, attempt - backups), attempt + 1):
+        for a in copies_out(attempt, backups):
             tasks[task_id(job_id, shard, a)] = shard
     return [(job_id, tasks, latest) for job_id, (tasks, latest) in sorted(out.items())]
 
