@@ -332,8 +332,7 @@ def _take(job: InferenceJob, row: InferenceShard, queue: str, backup: bool = Fal
     return Take(queue, tid, msg, row.shard, backup)
 
 
-def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None
-          ) -> list[Take]:
+def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None) -> list[Take]:
     """Shards to send so that each queue has ``in_flight`` out (lowest first)."""
     spec = job.spec
     running: dict[str, int] = defaultdict(int)
@@ -429,8 +428,7 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
     return out
 
 
-def _send(settings: Settings, job_id: str, tasks: list[Take]
-          ) -> str | None:
+def _send(settings: Settings, job_id: str, tasks: list[Take]) -> str | None:
     """Send ``tasks`` (taken by :func:`_take`); None, or why the broker refused them.
     A refused shard goes back to the queue (:func:`_unsend`) for the next fill: the
     watchdog's pass, or the next answer of the job."""
@@ -454,8 +452,7 @@ def _send(settings: Settings, job_id: str, tasks: list[Take]
     return None
 
 
-def _unsend(settings: Settings, job_id: str,
-            tasks: list[Take]) -> None:
+def _unsend(settings: Settings, job_id: str, tasks: list[Take]) -> None:
     """Undo the sending of shards the broker refused: each that is still out as that
     attempt goes back to the queue, and the attempt is ``spared`` (a refusal is not a
     failure of the shard). Its next send is a new attempt, with a new task id, so a
