@@ -323,10 +323,11 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
                         FEDQ_RESULT_BACKEND=as_ctl)
             cluster.start_beat()
             spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
-            job = cluster.submit({**spec, "rounds": 2})
-            cluster.wait_for_round(job, 1)
-            _deny_cpu(admin)
-            client, _, _ = _kill_mid_round(cluster, job, 1, "w1")
+            job = cluster.submit({**spec, "rounds": 3})
+            # round 2, not 1: round 1's tasks once all ended before `fedq submit`'s
+            # process had exited on a loaded machine, leaving no worker mid-task to kill
+            client, _, _ = _kill_mid_round(cluster, job, 2, "w1")
+            _deny_cpu(admin)  # before the re-dispatch: the heartbeat is lost after 3 s
 
             def refusals() -> int:
                 with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
@@ -342,8 +343,9 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
             _allow_all(admin)
             view = cluster.wait(job, timeout=150)
             assert view.status == "completed", view.error
-            assert [(r.number, r.attempt) for r in cluster.rounds(job)] == [(1, 2), (2, 1)]
-            row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(1, client)]
+            assert [(r.number, r.attempt) for r in cluster.rounds(job)] == [(1, 1), (2, 2),
+                                                                             (3, 1)]
+            row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
             assert (row.status, row.attempt) == ("ok", 2), row.error
             record_outcome("the broker refused the re-dispatch of a SIGKILLed worker's client "
                            "(a Redis ACL denied the queue to the control worker), 4 times",
@@ -356,10 +358,10 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
 
 def test_buffered_tasks_the_broker_refuses_go_out_at_the_next_pass(tmp_path: Path,
                                                                    pg_url: str) -> None:
-    """A buffered job whose replacement tasks the broker refuses (a Redis ACL denies the
-    ``cpu`` queue to the control worker's own user): each refused task is made due at
-    once and the watchdog sends it at its next pass, so once the broker answers the job
-    goes on, not at the tasks' 600 s deadline."""
+    """A buffered job whose tasks the broker refuses to the control worker (a Redis ACL
+    denies the ``cpu`` queue to its own user; `fedq submit`'s process is another user):
+    each refused task is made due at once and the watchdog sends it at its next pass, so
+    once the broker answers the job goes on, not at the tasks' 600 s deadline."""
     import redis
 
     with private_redis() as (url, _):
@@ -369,11 +371,10 @@ def test_buffered_tasks_the_broker_refuses_go_out_at_the_next_pass(tmp_path: Pat
             cluster.start(w1=["cpu"], w2=["cpu"])
             _control_as_ctl(cluster, url, admin)
             cluster.start_beat()
+            _deny_cpu(admin)  # from the start: a short job could end before a later denial
             job = cluster.submit({**DIGITS, "num_clients": 8, "clients_per_round": 2,
                                   "rounds": 4, "round_timeout_s": 600, "max_redispatch": 2,
                                   "aggregation": {"mode": "buffered", "buffer": 2}})
-            cluster.wait_for_round(job, 1)
-            _deny_cpu(admin)
             wait_until(lambda: _refusals(cluster) >= 3, 120,
                        what=lambda: "three refused sends\n" + cluster.by_name("control").tail())
             _allow_all(admin)
