@@ -482,6 +482,20 @@ def test_status_shows_each_shard_out_with_its_worker_and_heartbeat(
     assert "shard 1 on w2@a: heartbeat lost 20 s ago, re-dispatched" in shown.output
     assert re.search(r"\d\d:\d\d:\d\d: resend \(lost w2@a\) \(queued\)", shown.output), \
         shown.output
+    # `fedq watch JOB` (and `fedq infer`) print each lost worker's shard once, however
+    # many times they look
+    from io import StringIO
+
+    from rich.console import Console
+
+    from fedq.cli.infer import follow
+
+    buf = StringIO()
+    follow(settings, job, interval=0.05, timeout=0.5, console=Console(file=buf, width=200))
+    lines = buf.getvalue().splitlines()
+    for said in (r"shard 0 on w1@a: heartbeat lost 2\d s ago, re-dispatch due",
+                 r"shard 1 on w2@a: heartbeat lost 2\d s ago, re-dispatched"):
+        assert len([x for x in lines if re.fullmatch(said, x.strip())]) == 1, (said, lines)
 
 
 def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
