@@ -29,9 +29,15 @@ from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, missing, private_redis
 
 # Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
+# Tasks that train for a fixed 1.5 s, so that a kill lands mid-task. A gentle optimizer:
+# 1.5 s is as many steps as the clock allows (1,705 on a fast day), and DIGITS' lr 0.05
+# with momentum 0.9 diverged to a NaN loss there (a client's every attempt rejected,
+# the job failed: bench.reliability, 2026-11-30); off the clock, 3,000 steps of it on a
+# sixth of digits end at a loss near 1.8 on three shards of six, lr 0.01 near 0.06 on all.
 SLOW_TASKS = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "local_epochs": 1000,
               "time_budget_s": 1.5, "min_clients": 3, "round_timeout_s": 6,
-              "max_redispatch": 3, "queues": {"cpu": 3}}
+              "max_redispatch": 3, "queues": {"cpu": 3},
+              "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}}
 
 
 def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: int) -> int:
@@ -409,14 +415,29 @@ def test_inference_shards_the_broker_refuses_wait_queued_and_go_out_again(
             cluster.start(w1=["cpu"])
             _control_as_ctl(cluster, url, admin)
             cluster.start_beat()
-            _deny_cpu(admin)  # the first shard goes out from `fedq infer`'s process
+            _deny_cpu(admin)
             weights = _classifier_file(tmp_path)
             spec = _spec(tmp_path, model={"weights": weights.name, "name": "small_cnn",
                                           "dataset": "digits"},
                          inputs={"dataset": "digits", "limit": 32}, op="classify",
                          shard_size=8, batch_size=8, in_flight=1, shard_timeout_s=600,
                          max_redispatch=1, backups=False)
-            job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
+            # `fedq infer` as the same Redis user: its first shard is refused too, and it
+            # says so in one line
+            as_ctl = url.replace("redis://", "redis://ctl:ctl-pw@")
+            plain = dict(cluster.env)
+            cluster.env.update(FEDQ_BROKER_URL=as_ctl, FEDQ_RESULT_BACKEND=as_ctl)
+            try:
+                started = cluster.fedq("infer", str(spec), "--no-wait")
+            finally:
+                cluster.env.clear()
+                cluster.env.update(plain)
+            job = started.stdout.strip()
+            said = [x for x in started.stderr.splitlines() if "refused" in x]
+            assert len(said) == 1 and said[0].startswith("warning: the broker refused to "
+                                                         "send it: ") and \
+                "no permissions" in said[0] and "Traceback" not in started.stderr, \
+                started.stderr
             wait_until(lambda: _refusals(cluster) >= 3, 120,
                        what=lambda: "three refused sends\n" + cluster.by_name("control").tail())
 
