@@ -129,8 +129,10 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     """Start a batch inference job from SPEC (kind: inference); prints its id.
 
     Its shards run on the training queues' workers; paths in SPEC are relative to it."""
+    from rich.markup import escape
+
     from fedq.cli.infer import follow as follow_inference
-    from fedq.inference.jobs import merge
+    from fedq.inference.jobs import REFUSED, find, merge
     from fedq.inference.jobs import submit as submit_inference
     from fedq.inference.spec import load_inference
 
@@ -138,13 +140,18 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     settings = _settings()
     job_id = submit_inference(settings, spec, spec_path.parent)
     click.echo(job_id)
-    from fedq.inference.jobs import find
-
     view = find(settings, job_id)
     sent: dict[str, int] = {}
+    refused = None
     for row in view.shard_rows if view is not None else []:
         if row["status"] == "running" and row["queue"]:
             sent[row["queue"]] = sent.get(row["queue"], 0) + 1
+        elif row["status"] == "queued" and (row["error"] or "").startswith(REFUSED):
+            refused = row["error"]
+    if refused is not None:
+        err.print(f"[yellow]warning:[/] {escape(refused)}; the job's shards wait queued "
+                  f"and the control worker sends them once the broker takes them (fedq "
+                  f"watch {job_id})", highlight=False, soft_wrap=True)
     _warn_idle(list(spec.queues), sent)
     if not wait:
         return

@@ -274,7 +274,7 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
     except BaseException:
         _remove(settings, job_id)
         raise
-    fill(settings, job_id)
+    _refill(settings, job_id, quiet=True)  # a refusal: fedq infer says it (REFUSED)
     return job_id
 
 
@@ -290,6 +290,10 @@ def _remove(settings: Settings, job_id: str) -> None:
     finally:
         open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
 
+
+#: the start of a queued shard's error when the broker refused to send it (fedq infer
+#: tells the person)
+REFUSED = "the broker refused to send it"
 
 # -- dispatch ---------------------------------------------------------------------
 
@@ -428,10 +432,11 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
     return out
 
 
-def _send(settings: Settings, job_id: str, tasks: list[Take]) -> str | None:
-    """Send ``tasks`` (taken by :func:`_take`); None, or why the broker refused them.
-    A refused shard goes back to the queue (:func:`_unsend`) for the next fill: the
-    watchdog's pass, or the next answer of the job."""
+def _send(settings: Settings, job_id: str, tasks: list[Take], quiet: bool = False
+          ) -> str | None:
+    """Send ``tasks`` (taken by :func:`_take`); None, or why the broker refused them
+    (logged unless ``quiet``). A refused shard goes back to the queue (:func:`_unsend`)
+    for the next fill: the watchdog's pass, or the next answer of the job."""
     if not tasks:
         return None
     try:
@@ -445,14 +450,15 @@ def _send(settings: Settings, job_id: str, tasks: list[Take]) -> str | None:
                                                  queue=CONTROL_QUEUE))
     except broker_errors() as exc:
         why = refusal(exc)
-        _unsend(settings, job_id, tasks)
-        log.warning("inference job %s: shard(s) %s could not be sent (%s); they wait for "
-                    "the next fill", job_id, [t.shard for t in tasks], why)
+        _unsend(settings, job_id, tasks, why)
+        if not quiet:
+            log.warning("inference job %s: shard(s) %s could not be sent (%s); they wait "
+                        "for the next fill", job_id, [t.shard for t in tasks], why)
         return why
     return None
 
 
-def _unsend(settings: Settings, job_id: str, tasks: list[Take]) -> None:
+def _unsend(settings: Settings, job_id: str, tasks: list[Take], why: str) -> None:
     """Undo the sending of shards the broker refused: each that is still out as that
     attempt goes back to the queue, and the attempt is ``spared`` (a refusal is not a
     failure of the shard). Its next send is a new attempt, with a new task id, so a
@@ -471,7 +477,7 @@ def _unsend(settings: Settings, job_id: str, tasks: list[Take]) -> None:
                     row.attempt != take.message["attempt"]:
                 continue
             row.status, row.spared = QUEUED, row.spared + 1
-            row.error = "the broker refused to send it"
+            row.error = f"{REFUSED}: {why}"
 
 
 def fill(settings: Settings, job_id: str) -> int:
@@ -481,14 +487,14 @@ def fill(settings: Settings, job_id: str) -> int:
     return 0 if refused else sent
 
 
-def _refill(settings: Settings, job_id: str) -> tuple[int, str | None]:
+def _refill(settings: Settings, job_id: str, quiet: bool = False) -> tuple[int, str | None]:
     """:func:`fill`: how many shards it took, and why the broker refused them, if so."""
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
         if job is None or job.status != JobStatus.RUNNING:
             return 0, None
         tasks = _fill(s, job)
-    return len(tasks), _send(settings, job_id, tasks)
+    return len(tasks), _send(settings, job_id, tasks, quiet)
 
 
 # -- absorb -----------------------------------------------------------------------
