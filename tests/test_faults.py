@@ -457,8 +457,9 @@ def test_inference_shards_the_broker_refuses_wait_queued_and_go_out_again(
                 fills = list(s.scalars(select(WatchdogAction.result).where(
                     WatchdogAction.job_id == job, WatchdogAction.action == "fill")))
             assert any("refused" in (r or "") for r in fills), fills
-            record_outcome("the broker refused an inference job's next shards (a Redis ACL "
-                           "denied the queue to the control worker), 3 times or more",
+            record_outcome("the broker refused an inference job's shards (a Redis ACL denied "
+                           "the queue to `fedq infer` and the control worker), 3 times or "
+                           "more",
                            "the control worker's sends",
                            "completed: each refused shard waited queued and went out once "
                            "the broker answered; 32 outputs in order", 1, 0)
