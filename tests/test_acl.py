@@ -359,3 +359,57 @@ def test_worker_add_without_rabbitmqs_api_is_one_line_and_leaves_no_invitation(
     assert not (tmp_path / "b").exists()
     listed = fedq("worker", "list")
     assert listed.returncode == 0 and "w1" not in listed.stdout, listed.stdout
+
+
+def _all_keys_but(key: str) -> list[str]:
+    """Redis ACL key patterns for every key but ``key`` (^ negates a character class)."""
+    return ([f"~{key[:i]}[^{key[i]}]*" for i in range(len(key))]
+            + [f"~{key[:i]}" for i in range(1, len(key))] + [f"~{key}?*"])
+
+
+def test_a_submit_the_broker_refuses_is_one_line_and_leaves_no_job(tmp_path: Path,
+                                                                    pg_url: str) -> None:
+    """`fedq submit` as a Redis user an ACL denies the control queue: one line naming
+    the refusal, exit 3, no traceback, and no job or blob left behind; the same user
+    with the queue allowed submits."""
+    import redis
+    import yaml
+    from sqlalchemy import select
+
+    from fedq.db import Job, session_scope
+    from tests.conftest import migrated_cluster, private_redis
+
+    with private_redis() as (url, _):
+        admin = redis.Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "u", "on", ">u-pw", "&*", "+@all",
+                              *_all_keys_but("control"))
+        as_u = url.replace("redis://", "redis://u:u-pw@")
+        cluster = migrated_cluster(tmp_path, as_u, as_u, pg_url)
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(SPEC))
+        refused = cluster.fedq("submit", str(path), check=False)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 3 and len(lines) == 1, refused.stderr
+        assert lines[0].startswith("fedq: error: the broker refused to start the job") and \
+            "no permissions" in lines[0] and lines[0].endswith("nothing was submitted"), lines
+        assert "u-pw" not in refused.stderr and refused.stdout == ""
+        with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+            assert list(s.scalars(select(Job.id))) == []
+        assert not [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+        admin.execute_command("ACL", "SETUSER", "u", "resetkeys", "~*")
+        job = cluster.fedq("submit", str(path)).stdout.strip()
+        with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+            assert list(s.scalars(select(Job.id))) == [job]
+        # `fedq resume` refused the same way: one line, and the job stays cancelled
+        cluster.fedq("cancel", job)
+        admin.execute_command("ACL", "SETUSER", "u", "resetkeys", *_all_keys_but("control"))
+        refused = cluster.fedq("resume", job, check=False)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 3 and len(lines) == 1, refused.stderr
+        assert lines[0].startswith(f"fedq: error: the broker refused to resume job {job}") \
+            and lines[0].endswith("it stays cancelled"), lines
+        with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+            row = s.get(Job, job)
+            assert row is not None and row.status == "cancelled", row
+        admin.execute_command("ACL", "SETUSER", "u", "resetkeys", "~*")
+        assert cluster.fedq("resume", job).returncode == 0

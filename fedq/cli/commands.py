@@ -25,7 +25,7 @@ from fedq.cli.output import (
     results_table,
     status_style,
 )
-from fedq.errors import ConfigError, FedqError, JobCancelled, JobFailed
+from fedq.errors import ConfigError, FedqError, JobCancelled, JobFailed, ServiceUnavailable
 from fedq.status import JobStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
@@ -38,7 +38,8 @@ failed; 6 it was cancelled; 7 watch --timeout ran out."""
 
 
 def expected_errors(fn: F) -> F:
-    """Turn FedqError into one red line on stderr and its exit code; no traceback."""
+    """Turn FedqError into one red line on stderr and its exit code; no traceback. So
+    too a send the broker refused (kombu's errors for it), with exit code 3."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -49,6 +50,16 @@ def expected_errors(fn: F) -> F:
                 err.print(f"[bold red]fedq: error:[/] {escape(line)}", highlight=False,
                           soft_wrap=True)
             sys.exit(exc.exit_code)
+        except Exception as exc:
+            from kombu.exceptions import BatchPublishError, OperationalError
+
+            if not isinstance(exc, (OperationalError, BatchPublishError)):
+                raise
+            from fedq.engine.app import refusal
+
+            err.print(f"[bold red]fedq: error:[/] the broker refused a send: "
+                      f"{escape(refusal(exc))}", highlight=False, soft_wrap=True)
+            sys.exit(ServiceUnavailable.exit_code)
 
     return wrapper  # type: ignore[return-value]
 

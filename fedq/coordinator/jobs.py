@@ -19,6 +19,7 @@ from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
+from fedq.engine.app import broker_errors, refusal
 from fedq.engine.broker import check_broker
 from fedq.engine.revoke import revoke
 from fedq.errors import FedqError, JobNotFound, ServiceUnavailable, SpecError
@@ -54,7 +55,11 @@ def submit(settings: Settings, spec: JobSpec) -> str:
             s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
                       total_rounds=spec.rounds, committed_round=0, global_key=blob.key,
                       global_sha256=blob.sha256, global_size=blob.size))
-        request_round(job_id, 1)
+        try:
+            request_round(job_id, 1)
+        except broker_errors() as exc:  # e.g. an ACL that denies this user the queue
+            raise ServiceUnavailable(f"the broker refused to start the job ({refusal(exc)}); "
+                                     f"nothing was submitted") from None
     except BaseException:
         _remove(settings, job_id)
         raise
@@ -130,7 +135,7 @@ def resume(settings: Settings, job_id: str) -> int:
         if job.status not in RESUMABLE:
             raise FedqError(f"job {job_id} is {job.status}; only a failed or cancelled job "
                             "can be resumed")
-        after = job.committed_round
+        after, was = job.committed_round, job.status
         if JobSpec.stored(job.spec).buffered:
             # A buffered job's rows stay (their task numbers, and so their task ids,
             # are never used again): what waited for a discarded version is closed.
@@ -144,7 +149,16 @@ def resume(settings: Settings, job_id: str) -> int:
         s.execute(delete(Round).where(Round.job_id == job_id, Round.number > after))
         s.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.RUNNING, error=None,
                                                             finished_at=None))
-    request_round(job_id, after + 1)
+    try:
+        request_round(job_id, after + 1)
+    except broker_errors() as exc:  # the job goes back to how it was, to be resumed again
+        why = refusal(exc)
+        with session_scope(settings.database_url) as s:
+            s.execute(update(Job).where(Job.id == job_id).values(
+                status=was, error=f"the broker refused to resume it: {why}",
+                finished_at=utcnow()))
+        raise ServiceUnavailable(f"the broker refused to resume job {job_id} ({why}); it "
+                                 f"stays {was}") from None
     return after + 1
 
 
