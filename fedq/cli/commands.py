@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from kombu.exceptions import BatchPublishError, OperationalError
 from rich.markup import escape
 from rich.table import Table
 
@@ -50,11 +51,7 @@ def expected_errors(fn: F) -> F:
                 err.print(f"[bold red]fedq: error:[/] {escape(line)}", highlight=False,
                           soft_wrap=True)
             sys.exit(exc.exit_code)
-        except Exception as exc:
-            from kombu.exceptions import BatchPublishError, OperationalError
-
-            if not isinstance(exc, (OperationalError, BatchPublishError)):
-                raise
+        except (OperationalError, BatchPublishError) as exc:
             from fedq.engine.app import refusal
 
             err.print(f"[bold red]fedq: error:[/] the broker refused a send: "
@@ -140,8 +137,6 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     """Start a batch inference job from SPEC (kind: inference); prints its id.
 
     Its shards run on the training queues' workers; paths in SPEC are relative to it."""
-    from rich.markup import escape
-
     from fedq.cli.infer import follow as follow_inference
     from fedq.inference.jobs import REFUSED, find, merge
     from fedq.inference.jobs import submit as submit_inference

@@ -135,7 +135,7 @@ def resume(settings: Settings, job_id: str) -> int:
         if job.status not in RESUMABLE:
             raise FedqError(f"job {job_id} is {job.status}; only a failed or cancelled job "
                             "can be resumed")
-        after, was = job.committed_round, job.status
+        after, was, ended = job.committed_round, job.status, job.finished_at
         if JobSpec.stored(job.spec).buffered:
             # A buffered job's rows stay (their task numbers, and so their task ids,
             # are never used again): what waited for a discarded version is closed.
@@ -156,7 +156,7 @@ def resume(settings: Settings, job_id: str) -> int:
         with session_scope(settings.database_url) as s:
             s.execute(update(Job).where(Job.id == job_id).values(
                 status=was, error=f"the broker refused to resume it: {why}",
-                finished_at=utcnow()))
+                finished_at=ended))
         raise ServiceUnavailable(f"the broker refused to resume job {job_id} ({why}); it "
                                  f"stays {was}") from None
     return after + 1
