@@ -413,3 +413,29 @@ def test_a_submit_the_broker_refuses_is_one_line_and_leaves_no_job(tmp_path: Pat
             assert row is not None and row.status == "cancelled", row
         admin.execute_command("ACL", "SETUSER", "u", "resetkeys", "~*")
         assert cluster.fedq("resume", job).returncode == 0
+
+
+def test_any_other_send_the_broker_refuses_is_one_line_with_exit_3() -> None:
+    """The CLI's net under every command (``expected_errors``): what kombu raises for a
+    refused send (OperationalError over Redis' NOPERM, as the submit test above sees
+    it from a real ACL when submit's own catch is removed) is one line and exit 3."""
+    import click
+    import redis
+    from click.testing import CliRunner
+    from kombu.exceptions import OperationalError
+
+    from fedq.cli.commands import expected_errors
+
+    @click.command()
+    @expected_errors
+    def send() -> None:
+        try:
+            raise redis.exceptions.NoPermissionError("this user has no permissions")
+        except redis.exceptions.NoPermissionError as exc:
+            raise OperationalError(str(exc)) from exc
+
+    result = CliRunner().invoke(send, [])
+    assert result.exit_code == 3, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "the broker refused a send: OperationalError" in lines[0] \
+        and "no permissions" in lines[0], lines
