@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from fedq.testing import procs
 from fedq.testing.cluster import Cluster, base_env
 from fedq.testing.services import fresh_pg_database
 
@@ -27,6 +29,10 @@ PG_ADMIN_URL = os.environ.get("FEDQ_TEST_PG_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("FEDQ_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# The tests' workers and `fedq` commands are forked from one process that has imported
+# torch, Celery and SQLAlchemy once (fedq/testing/zygote.py), not started cold.
+procs.use_zygote()
 
 
 def missing(service: str, why: object) -> None:
@@ -140,11 +146,10 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             if attempt == 2:
                 missing("SeaweedFS", exited)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            # Its folder is thrown away: no need to wait for weed's graceful stop, which
+            # took the whole 10 s it was once given at each module's end.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
             log.close()
 
 
