@@ -22,7 +22,7 @@ from fedq.coordinator.jobs import FINISHED, JobView, get_job
 from fedq.db import ClientUpdate, Round, session_scope
 from fedq.engine.app import celery_config
 from fedq.settings import Settings, load_settings
-from fedq.testing.procs import WorkerProcess, start_workers, stop_workers
+from fedq.testing.procs import WorkerProcess, run_module, start_workers, stop_workers
 from fedq.testing.wait import wait_until
 
 DIGITS = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 6,
@@ -104,8 +104,7 @@ class Cluster:
 
     def fedq(self, *args: str, check: bool = True,
              timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        proc = run_module("fedq.cli", args, self.env, timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"fedq {' '.join(args)} exited {proc.returncode}:\n"
                                  f"{proc.stdout}\n{proc.stderr}")

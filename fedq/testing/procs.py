@@ -6,18 +6,174 @@ fault test) takes its pool children with it.
 
 from __future__ import annotations
 
+import atexit
+import collections
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fedq.errors import FedqError
 
 READY_TIMEOUT = 120.0
+
+
+class Forked:
+    """A worker forked by the zygote (fedq.testing.zygote): the parts of
+    ``subprocess.Popen`` that the harness uses (pid, returncode, poll, wait)."""
+
+    def __init__(self, zygote: "Zygote", pid: int, argv: list[str]) -> None:
+        self.zygote, self.pid, self.args = zygote, pid, argv
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.002
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return code
+
+
+# Variables read while Python, torch, NumPy or Celery are imported (the zygote's own
+# imports): a child whose value differs from the zygote's is started cold instead.
+_READ_AT_IMPORT = ("PYTHON", "LD_", "LC_", "LANG", "OMP_", "MKL_", "OPENBLAS_", "KMP_",
+                   "GOMP_", "CUDA", "NVIDIA_", "TORCH", "PYTORCH_", "TZ", "CELERY_")
+
+
+# Set in pytest's own environment along the way, and harmless to a child either way:
+# scikit-learn and joblib set the KMP_ two when imported (os.environ.setdefault; they
+# tell Intel's OpenMP runtime how to behave at fork, and torch's wheels use GNU's);
+# torch.compile sets its cache folder to the default it would use anyway
+# (tests/test_amp.py: before this, every worker after it was started cold).
+_SET_BY_IMPORTS = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a forked child must share with the zygote."""
+    return {k: v for k, v in env.items()
+            if k.startswith(_READ_AT_IMPORT) and k not in _SET_BY_IMPORTS}
+
+
+class Zygote:
+    """fedq.testing.zygote's process: forks workers that skip importing torch (tests)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "fedq.testing.zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1,
+                                     start_new_session=True)
+        self.lock = threading.Lock()
+        self.forked = self.cold = 0
+        self.differ: collections.Counter[str] = collections.Counter()
+        # its environment once its imports have run
+        self.env: dict[str, str] = self._read()["env"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise FedqError(f"the test zygote exited with {self.proc.wait()}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return self._read()
+
+    def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+        """Only ``python -m celery ...`` or ``python -m fedq.cli ...`` whose environment
+        agrees with the zygote's in every variable read at import (:data:`_READ_AT_IMPORT`);
+        the rest (FEDQ_*, AWS_*, PATH, ...) are read after the fork, in the child."""
+        if list(argv[:2]) != [sys.executable, "-m"] or argv[2] not in ("celery", "fedq.cli"):
+            return False
+        mine = import_time_env(env)
+        if mine != self.env:
+            self.cold += 1
+            self.differ.update(k for k in {*mine, *self.env} if mine.get(k) != self.env.get(k))
+            return False
+        return True
+
+    def spawn(self, argv: list[str], env: Mapping[str, str], stdout: Path,
+              stderr: Path | None = None) -> Forked:
+        """Fork ``argv`` with ``env``; its stdout to ``stdout``, its stderr there too
+        unless ``stderr`` is given."""
+        reply = self._ask({"op": "spawn", "argv": argv, "env": dict(env), "cwd": os.getcwd(),
+                           "stdout": str(stdout), "stderr": str(stderr or stdout)})
+        self.forked += 1
+        return Forked(self, int(reply["pid"]), argv)
+
+    def status(self, pid: int) -> int | None:
+        code = self._ask({"op": "poll", "pid": pid})["code"]
+        return None if code is None else int(code)
+
+    def close(self) -> None:
+        print(f"fedq.testing.zygote: forked {self.forked} processes, started {self.cold} "
+              f"cold (their environment differed in a variable read at import: "
+              f"{dict(self.differ) or 'none'})", file=sys.stderr)
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(10)
+
+
+_zygote: Zygote | None = None
+_use_zygote = False
+
+
+def run_module(module: str, args: Sequence[str], env: Mapping[str, str],
+               timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, -m, module, *args])`` with its output captured as text;
+    forked from the zygote where :func:`use_zygote` is on and the module allows it."""
+    argv = [sys.executable, "-m", module, *args]
+    zygote = _the_zygote()
+    if zygote is None or not zygote.can_fork(argv, env):
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    with tempfile.TemporaryDirectory(prefix="fedq-run-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = zygote.spawn(argv, env, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            raise
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+def use_zygote(on: bool = True) -> None:
+    """Fork this process's workers from a zygote that has imported torch (the tests)."""
+    global _use_zygote
+    _use_zygote = on
+
+
+def _the_zygote() -> Zygote | None:
+    global _zygote
+    if not _use_zygote:
+        return None
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = Zygote()
+        atexit.register(_zygote.close)
+    return _zygote
 
 
 @dataclass
@@ -33,7 +189,7 @@ class WorkerProcess:
     extra_args: Sequence[str] = ()
     app: str = "fedq"
     prefix: Sequence[str] = ()  # e.g. ``ip netns exec NS``: run it on an emulated host
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | Forked | None = None
 
     @property
     def hostname(self) -> str:
@@ -49,6 +205,11 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         env = {**os.environ, **self.env}
+        zygote = _the_zygote()
+        if zygote is not None and zygote.can_fork(self.command(), env):
+            log.close()
+            self.proc = zygote.spawn(self.command(), env, self.log_path)
+            return self
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         log.close()
