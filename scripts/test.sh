@@ -8,14 +8,12 @@
 # runs of the benchmarks are .ci/run's own stage, scripts/test-bench.sh): the fault
 # tests (mostly waiting on deadlines and killed processes) and the strategy jobs
 # beside everything else, on disjoint Redis database numbers and temporary folders;
-# then the two tests marked quiet, which read the machine's CPU load, alone (19 min 5 s
-# on this 2-core machine in .ci/run on 2026-11-27: the main 584 tests in 16 min 47 s
-# and the 62 beside them in 18 min 12 s, side by side, then the quiet 2 in 30 s; on
-# 2026-11-29, a slower day (torch imported in 3.4 s, not 1.7), 32 min 3 s, 31 min 19 s
-# and 53 s; a busy CI machine once took 57 minutes; on 2026-11-29 at 12:46 UTC, alone
-# on a quiet machine, 16 min 48 s: 616 in 15 min 51 s, 65 in 16 min 12 s, then 2 in 28 s;
-# 16:04-16:35 UTC the same day, a slower machine (torch imported in 2.3 s), 30 min with
-# ruff and mypy: 616 in 27 min 24 s, 66 in 26 min 54 s, 2 in 42 s; the goal is 15).
+# then the two tests marked quiet, which read the machine's CPU load, alone. The tests'
+# workers and `fedq` commands are forked from a process that has imported torch once
+# (fedq/testing/zygote.py). On 2026-11-30, a slow day for this 2-core machine (torch
+# imported in 2.9 s), 21 min 30 s in all: the main 622 tests in 20 min 7 s and the 69
+# beside them in 18 min 2 s, then the quiet 2 in 44 s. The same morning, before the
+# zygote: 619 in 31 min 40 s, 69 in 31 min 20 s, 2 in 39 s. The goal is 15 minutes.
 # With arguments, one
 # pytest process gets them: `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail

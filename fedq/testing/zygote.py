@@ -1,9 +1,10 @@
 """A process that has imported torch once and forks ``celery worker`` processes on request.
 
-The test suite starts about 350 workers and 180 ``fedq`` commands. Started cold on this
+The test suite starts about 460 workers and ``fedq`` commands. Started cold on this
 2-core machine, a worker spent about 3.5 s of CPU importing torch, Celery and the rest
-before it was ready (2026-11-30, with torch importing in 2.9 s); the suite's Python
-processes spent 2,650 CPU-seconds in all. The tests' workers and commands are forked
+before it was ready, forked 0.3 s (2026-11-30, with torch importing in 2.9 s); the
+suite's Python processes spent 2,862 CPU-seconds in all, 1,905 forked (counted with
+process accounting, ``accton``), and it took 21.5 minutes, not 33.5. They are forked
 from this process instead: each child is still a real ``celery -A fedq worker`` (or
 ``python -m fedq.cli``) process, run by that module's own entry point with its own
 arguments, environment, working directory, session and output files, but the imports
