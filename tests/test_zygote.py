@@ -38,7 +38,7 @@ def test_a_forked_command_has_its_own_arguments_environment_output_and_exit(
 def test_another_environment_is_started_cold(tmp_path: Path) -> None:
     zygote = procs._the_zygote()
     assert zygote is not None
-    before = zygote.forked
+    before, cold = zygote.forked, zygote.cold
     env = {**_env(tmp_path / "home"), "AWS_REGION": "somewhere"}
     assert run_module("fedq.cli", ["--version"], env, 60).returncode == 0
     assert zygote.forked == before + 1  # read after the fork: forked
@@ -46,6 +46,7 @@ def test_another_environment_is_started_cold(tmp_path: Path) -> None:
     proc = run_module("fedq.cli", ["--version"], env, 60)
     assert proc.returncode == 0 and "version" in proc.stdout
     assert zygote.forked == before + 1  # started cold
+    assert zygote.cold == cold + 1 and zygote.differ["OMP_NUM_THREADS"] >= 1
 
 
 def test_a_forked_worker_is_its_own_process_group_and_reports_how_it_ended(

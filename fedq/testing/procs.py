@@ -99,23 +99,28 @@ class Zygote:
             self.proc.stdin.flush()
             return self._read()
 
-    def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
-        """Only ``python -m celery ...`` or ``python -m fedq.cli ...`` whose environment
-        agrees with the zygote's in every variable read at import (:data:`_READ_AT_IMPORT`);
-        the rest (FEDQ_*, AWS_*, PATH, ...) are read after the fork, in the child."""
+    def differs(self, argv: Sequence[str], env: Mapping[str, str]) -> set[str] | None:
+        """None where ``argv`` with ``env`` can be forked: ``python -m celery ...`` or
+        ``python -m fedq.cli ...`` whose environment agrees with the zygote's in every
+        variable read at import (:data:`_READ_AT_IMPORT`; the rest, FEDQ_*, AWS_*, PATH,
+        ..., are read after the fork, in the child). Otherwise the variables that differ
+        (empty for another command)."""
         if list(argv[:2]) != [sys.executable, "-m"] or argv[2] not in ("celery", "fedq.cli"):
-            return False
+            return set()
         mine = import_time_env(env)
-        if mine != self.env:
-            self.cold += 1
-            self.differ.update(k for k in {*mine, *self.env} if mine.get(k) != self.env.get(k))
-            return False
-        return True
+        if mine == self.env:
+            return None
+        return {k for k in {*mine, *self.env} if mine.get(k) != self.env.get(k)}
 
     def spawn(self, argv: list[str], env: Mapping[str, str], stdout: Path,
-              stderr: Path | None = None) -> Forked:
-        """Fork ``argv`` with ``env``; its stdout to ``stdout``, its stderr there too
-        unless ``stderr`` is given."""
+              stderr: Path | None = None) -> Forked | None:
+        """Fork ``argv`` with ``env``, its stdout to ``stdout`` and its stderr there too
+        unless ``stderr`` is given; None where it must start cold (:meth:`differs`)."""
+        differ = self.differs(argv, env)
+        if differ is not None:
+            self.cold += 1
+            self.differ.update(differ)
+            return None
         reply = self._ask({"op": "spawn", "argv": argv, "env": dict(env), "cwd": os.getcwd(),
                            "stdout": str(stdout), "stderr": str(stderr or stdout)})
         self.forked += 1
@@ -145,12 +150,12 @@ def run_module(module: str, args: Sequence[str], env: Mapping[str, str],
     forked from the zygote where :func:`use_zygote` is on and the module allows it."""
     argv = [sys.executable, "-m", module, *args]
     zygote = _the_zygote()
-    if zygote is None or not zygote.can_fork(argv, env):
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
-                              check=False)
     with tempfile.TemporaryDirectory(prefix="fedq-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = zygote.spawn(argv, env, out, err)
+        proc = None if zygote is None else zygote.spawn(argv, env, out, err)
+        if proc is None:
+            return subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -203,16 +208,15 @@ class WorkerProcess:
 
     def start(self) -> "WorkerProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         env = {**os.environ, **self.env}
         zygote = _the_zygote()
-        if zygote is not None and zygote.can_fork(self.command(), env):
-            log.close()
-            self.proc = zygote.spawn(self.command(), env, self.log_path)
+        forked = None if zygote is None else zygote.spawn(self.command(), env, self.log_path)
+        if forked is not None:
+            self.proc = forked
             return self
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
