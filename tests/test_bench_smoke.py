@@ -25,6 +25,13 @@ TITLES = ["1. Round overhead", "2. Aggregation", "3. Bytes per round",
           "8. Where a round's time goes"]
 
 
+@pytest.fixture(autouse=True)
+def _forked_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks started here fork their workers from a zygote that has imported
+    torch once (fedq/testing/procs.py), as the tests do: smoke sizes measure nothing."""
+    monkeypatch.setenv("FEDQ_TEST_ZYGOTE", "1")
+
+
 def _rows(markdown: str) -> dict[str, list[str]]:
     """The table rows of ``markdown``: first cell -> the other cells."""
     return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -96,6 +103,7 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-4000:]
+    assert re.search(r"fedq.testing.zygote: forked [1-9]", stderr), stderr[-4000:]
     text = out.read_text()
     assert "command: `bash scripts/bench.sh --smoke --out" in text
     assert re.search(r"versions: .*flwr 1\.42\.0", text)

@@ -166,14 +166,15 @@ def run_module(module: str, args: Sequence[str], env: Mapping[str, str],
 
 
 def use_zygote(on: bool = True) -> None:
-    """Fork this process's workers from a zygote that has imported torch (the tests)."""
+    """Fork this process's workers from a zygote that has imported torch (the tests; the
+    benchmarks' smoke runs set ``FEDQ_TEST_ZYGOTE=1`` in their environment instead)."""
     global _use_zygote
     _use_zygote = on
 
 
 def _the_zygote() -> Zygote | None:
     global _zygote
-    if not _use_zygote:
+    if not (_use_zygote or os.environ.get("FEDQ_TEST_ZYGOTE") == "1"):
         return None
     if _zygote is None or _zygote.proc.poll() is not None:
         _zygote = Zygote()
