@@ -21,6 +21,7 @@ import pytest
 
 from fedq.coordinator import acl
 from fedq.testing.cluster import DIGITS, Cluster, record
+from fedq.testing.procs import run_module
 from fedq.testing.wait import wait_until
 from tests.test_identity import _join, _joined_worker
 from tests.test_security import protected_redis
@@ -46,11 +47,7 @@ def admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str]]:
 
 def _doctor(env: dict[str, str]) -> tuple[int, dict]:  # type: ignore[type-arg]
     """`fedq doctor --services --json` in ``env``: its exit status and report."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services", "--json"],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = run_module("fedq.cli", ["doctor", "--services", "--json"], env, 120)
     assert proc.stdout.startswith("{"), proc.stdout + proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -340,7 +337,6 @@ def test_worker_add_without_rabbitmqs_api_is_one_line_and_leaves_no_invitation(
     add` says so in one line, exits non-zero, and no invitation is left behind."""
     import os
     import subprocess
-    import sys
 
     from tests.conftest import free_port
 
@@ -349,8 +345,7 @@ def test_worker_add_without_rabbitmqs_api_is_one_line_and_leaves_no_invitation(
                FEDQ_RABBITMQ_API=f"http://127.0.0.1:{free_port()}")
 
     def fedq(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return run_module("fedq.cli", args, env, 120)
 
     added = fedq("worker", "add", "w1", "--queues", "cpu", "--out", str(tmp_path / "b"))
     assert added.returncode != 0 and "Traceback" not in added.stderr, added.stderr

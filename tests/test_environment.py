@@ -6,20 +6,19 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from fedq.testing.cluster import DIGITS, Cluster, base_env
+from fedq.testing.procs import run_module
 
 
 def _fedq(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
     full.update({"FEDQ_HOME": str(tmp_path / "home"), **env})
-    return subprocess.run([sys.executable, "-m", "fedq.cli", *args], env=full,
-                          capture_output=True, text=True, timeout=120, check=False)
+    return run_module("fedq.cli", args, full, 120)
 
 
 def _submit(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:

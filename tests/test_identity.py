@@ -27,7 +27,7 @@ from fedq.errors import ConfigError
 from fedq.refs import UpdateRef
 from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, record
-from fedq.testing.procs import WorkerProcess
+from fedq.testing.procs import WorkerProcess, run_module
 from fedq.testing.wait import wait_until
 
 SHA = "ab" * 32
@@ -178,12 +178,8 @@ def _join(cluster: Cluster, name: str, bundle: Path, check: bool = True) -> str:
     service URL but the bundle's."""
     env = {**cluster.env, "FEDQ_KEYS_DIR": str(cluster.home / name), "FEDQ_IDENTITY": "",
            "FEDQ_BROKER_URL": "", "FEDQ_RESULT_BACKEND": "", "FEDQ_BLOB_URL": ""}
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "worker", "join", str(bundle),
-                           "--timeout", "30"], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = run_module("fedq.cli", ["worker", "join", str(bundle), "--timeout", "30"], env, 120)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr if check else f"{proc.returncode}\n{proc.stderr}"
@@ -614,14 +610,11 @@ def test_served_batches_are_sealed_and_their_answers_signed(coordinator: Cluster
 
 
 def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
-    import subprocess
-    import sys
 
     bad = tmp_path / "bundle.json"
     bad.write_text(json.dumps({"fedq_bundle": 1, "name": "w1"}))
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "worker", "join", str(bad)],
-                          env={"FEDQ_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = run_module("fedq.cli", ["worker", "join", str(bad)],
+                      {"FEDQ_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}, 60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "the bundle has no token" in proc.stderr
     assert not (tmp_path / "keys").exists()

@@ -22,6 +22,7 @@ from fedq.errors import BlobTooLarge, UpdateRejected
 from fedq.redaction import redact, redact_text, remember
 from fedq.refs import TrainRef
 from fedq.spec import parse_spec
+from fedq.testing.procs import run_module
 from fedq.wire import MESSAGE_FORMAT, FormatError, check_task
 from fedq.worker.inner import state_path
 
@@ -330,8 +331,6 @@ def test_doctor_names_an_incompatible_worker(tmp_path: Path) -> None:
     that registered with another message format."""
     import json
     import os
-    import subprocess
-    import sys
 
     from fedq.coordinator.roster import record_worker
     from fedq.settings import load_settings
@@ -340,8 +339,7 @@ def test_doctor_names_an_incompatible_worker(tmp_path: Path) -> None:
     env["FEDQ_HOME"] = str(tmp_path)
     settings = load_settings(env)
     record_worker(settings.database_url, "old@h", ["cpu"], {"cpus": 2}, "0.0.9", 1)
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services", "--json"],
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = run_module("fedq.cli", ["doctor", "--services", "--json"], env, 300)
     report = json.loads(proc.stdout)
     assert report["fedq"]["message_format"] == MESSAGE_FORMAT
     assert any(p.startswith("worker old@h: incompatible: it speaks message format 1 (fedq "

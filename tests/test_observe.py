@@ -25,6 +25,7 @@ from fedq.observe.plots import PHASES, figures, write_figures
 from fedq.observe.report import render
 from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, base_env
+from fedq.testing.procs import run_module
 from tests.conftest import free_port
 
 # Three clients train on cpu; the fourth lands on a worker whose blob store can be
@@ -80,9 +81,10 @@ def test_task_rows_say_where_the_time_went(observed: tuple[Cluster, str]) -> Non
             <= c["seconds"] + 1e-6
     failed = [c for c in clients if c["status"] == "error"]
     assert len(failed) == ROUNDS and all(c["started_at"] for c in failed)
-    table = subprocess.run([sys.executable, "-m", "fedq.cli", "results", job, "--clients"],
-                           env={**cluster.env, "COLUMNS": "300"}, capture_output=True,
-                           text=True, timeout=120, check=True).stdout
+    shown = run_module("fedq.cli", ["results", job, "--clients"],
+                       {**cluster.env, "COLUMNS": "300"}, 120)
+    shown.check_returncode()
+    table = shown.stdout
     assert "down+up s" in table and "train s" in table
     assert re.search(r"│ \d+\.\d\d\+\d+\.\d\d │", table), table  # download+upload
 
@@ -269,9 +271,10 @@ def test_workers_show_failures_and_throughput(observed: tuple[Cluster, str]) -> 
     assert rows["bad@test"]["tasks_failed"] == ROUNDS
     assert rows["cpu@test"]["last_task"] is not None
     assert rows["cpu@test"]["hardware"]["cpus"] >= 1
-    table = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "3"],
-                           env={**cluster.env, "COLUMNS": "250"}, capture_output=True,
-                           text=True, timeout=120, check=True).stdout
+    shown = run_module("fedq.cli", ["workers", "--timeout", "3"],
+                       {**cluster.env, "COLUMNS": "250"}, 120)
+    shown.check_returncode()
+    table = shown.stdout
     for header in ("failed", "samples/s", "last task", "GPU"):
         assert header in table, table
     line = next(line for line in table.splitlines() if "bad@test" in line)
@@ -330,9 +333,8 @@ def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, st
     assert links["problems"] == [] and links["blob_bytes"] == 10 * 2**20
     assert links["upload_seconds"] > 0 and links["download_seconds"] > 0
     assert links["broker_connect_seconds"] > 0 and "fedq-secret" not in json.dumps(report)
-    bad = subprocess.run([sys.executable, "-m", "fedq.cli", "doctor", "--services"],
-                         env={**cluster.env, "FEDQ_BROKER_URL": "redis://127.0.0.1:1/0"},
-                         capture_output=True, text=True, timeout=120)
+    bad = run_module("fedq.cli", ["doctor", "--services"],
+                     {**cluster.env, "FEDQ_BROKER_URL": "redis://127.0.0.1:1/0"}, 120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "broker redis://127.0.0.1:1/0 is not reachable" in bad.stderr
 

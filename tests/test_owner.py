@@ -39,6 +39,7 @@ from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.status import FAILED_UPDATES, UpdateStatus
 from fedq.testing.cluster import DIGITS, Cluster, record, record_outcome
+from fedq.testing.procs import run_module
 from fedq.testing.wait import wait_until
 from fedq.worker import owner
 from fedq.worker.loop import local_train
@@ -501,9 +502,9 @@ def test_a_worker_steps_aside_for_cpu_load_and_the_job_completes_elsewhere(
     plots = cluster.home / "plots"  # the polite worker's band in fedq plot
     written = cluster.fedq("plot", job, "--out", str(plots), "--format", "png").stdout
     assert f"{job}-availability.png" in written and (plots / f"{job}-availability.png").exists()
-    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers"], text=True,
-                           capture_output=True, env={**cluster.env, "COLUMNS": "300"},
-                           check=True).stdout
+    run = run_module("fedq.cli", ["workers"], {**cluster.env, "COLUMNS": "300"}, 120)
+    run.check_returncode()
+    shown = run.stdout
     line = next(x for x in shown.splitlines() if "polite@test" in x)
     # live, or away again where the machine's other load crossed 75% since (a loaded CI)
     assert "cpu" in line and ("live" in line or "away: other programs use" in line), shown

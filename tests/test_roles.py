@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fedq.testing.cluster import DIGITS, base_env, record
+from fedq.testing.procs import run_module
 
 
 def _role(owner_url: str, kind: str, name: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "db", "role", name, "--kind", kind],
-                          env={**base_env(Path("/tmp")),
-                               "FEDQ_DATABASE_URL": owner_url},
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = run_module("fedq.cli", ["db", "role", name, "--kind", kind],
+                      {**base_env(Path("/tmp")), "FEDQ_DATABASE_URL": owner_url}, 120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -146,9 +144,7 @@ def test_a_role_takes_the_password_a_service_already_holds(tmp_path: Path,
     env = {**base_env(tmp_path), "FEDQ_DATABASE_URL": pg_url}
 
     def role(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "fedq.cli", "db", "role", *args],
-                              env=env, capture_output=True, text=True, timeout=120,
-                              check=False)
+        return run_module("fedq.cli", ["db", "role", *args], env, 120)
 
     try:
         made = role(name, "--kind", "coordinator", "--password-file", str(tmp_path / "url"))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -37,7 +35,7 @@ from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
 from fedq.testing.cluster import DIGITS, Cluster, power_supply, record_outcome
-from fedq.testing.procs import WorkerProcess
+from fedq.testing.procs import WorkerProcess, run_module
 from fedq.testing.wait import wait_until
 
 SITES = {"north": [0, 1], "south": [2, 3], "east": [4, 5]}
@@ -225,9 +223,10 @@ def test_each_clients_task_trains_at_its_site_and_an_away_site_waits(
     wait_until(lambda: sites_open() == {"south", "east"}, 30, what=lambda: str(list_workers(db)))
     north = next(w for w in list_workers(db) if w["hostname"] == "north@test")
     assert north["available"] is False and north["away_reason"] == "worker stopped", north
-    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "2"],
-                           text=True, capture_output=True, check=True,
-                           env={**cluster.env, "COLUMNS": "300"}).stdout
+    run = run_module("fedq.cli", ["workers", "--timeout", "2"],
+                     {**cluster.env, "COLUMNS": "300"}, 120)
+    run.check_returncode()
+    shown = run.stdout
     assert "stopped" in next(x for x in shown.splitlines() if "north@test" in x), shown
     cluster.replace("north")
     wait_until(lambda: sites_open() == set(SITES), 60, what=lambda: str(list_workers(db)))
@@ -440,9 +439,10 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
         actions = [a.action for a in s.scalars(select(WatchdogAction).where(
             WatchdogAction.job_id == buffered))]
     assert any("(site.a closed)" in a for a in actions), actions
-    shown = subprocess.run([sys.executable, "-m", "fedq.cli", "workers", "--timeout", "1"],
-                           text=True, capture_output=True, check=True,
-                           env={**cluster.env, "COLUMNS": "300"}).stdout
+    run = run_module("fedq.cli", ["workers", "--timeout", "1"],
+                     {**cluster.env, "COLUMNS": "300"}, 120)
+    run.check_returncode()
+    shown = run.stdout
     assert "lost: heartbeat stopped" in next(x for x in shown.splitlines() if "a@test" in x), \
         shown
     # (the buffered job's tasks moved from site.a still wait there, revoked: the

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from fedq.cli.demo import DEMO_SPEC
 from fedq.errors import SpecError
 from fedq.inference.spec import load_inference
 from fedq.spec import load_spec, parse_spec
+from fedq.testing.procs import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"model": "small_cnn", "dataset": "digits", "num_clients": 4, "clients_per_round": 2,
@@ -145,8 +144,7 @@ def test_cli_submit_invalid_spec_writes_nothing(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
     env["FEDQ_HOME"] = str(home)
-    proc = subprocess.run([sys.executable, "-m", "fedq.cli", "submit", str(spec)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_module("fedq.cli", ["submit", str(spec)], env, 120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
