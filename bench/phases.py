@@ -54,7 +54,9 @@ def run(ctx: Context) -> Section:
         "median task); the rows run one after another on the round's critical path, "
         "except that the tasks run side by side (their median is shown) and the "
         "control worker reads the next update in the background while it decodes, "
-        "verifies and adds the current one ('read wait' is the time it still waited).",
+        "verifies and adds the current one ('read wait' is the time it still waited); "
+        "'settle' (the round's update blobs deleted) runs after the next round's tasks "
+        "are sent, beside the next round's tasks.",
         ["phase", "where", "ms (median)", "share of the round"])
     with fedq_cluster(ctx, f"phases-{model}", CLIENTS) as cluster:
         ctx.say(f"phases: {model}, {rounds} rounds")

@@ -10,7 +10,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from fedq.db import Base, Job, session_scope, upgrade
-from fedq.db.session import connect, current_revision, ensure_schema
+from fedq.db.session import connect, current_revision, ensure_schema, lock_row
 from fedq.errors import SchemaOutOfDate, ServiceUnavailable
 
 
@@ -78,6 +78,40 @@ def test_0011_moves_a_versions_fill_time_and_keeps_round_ids_unique(db_url: str)
         new = conn.execute(text("SELECT max(id) FROM rounds")).scalar_one()
     assert new > top
     assert "chord_id" not in {c["name"] for c in inspect(engine).get_columns("rounds")}
+
+
+def test_lock_row_holds_the_row_until_commit(db_url: str) -> None:
+    """``lock_row`` (every path that changes a job takes the job's row with it first)
+    keeps a second transaction out until the first commits: a FOR UPDATE row lock on
+    PostgreSQL, the write lock on SQLite. Read the row plainly there instead and the
+    second transaction gets it at once, and this fails."""
+    import threading
+    import time
+
+    upgrade(db_url)
+    with session_scope(db_url) as s:
+        s.add(Job(id="j", name="t", spec={}, status="running", total_rounds=1,
+                  committed_round=0, global_key="k", global_sha256="0" * 64, global_size=1))
+    events: list[str] = []
+    locked = threading.Event()
+
+    def second() -> None:
+        locked.wait(10)
+        with session_scope(db_url) as s:
+            job = lock_row(s, Job, "j")
+            events.append(f"second locked, round {job.committed_round if job else None}")
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with session_scope(db_url) as s:
+        job = lock_row(s, Job, "j")
+        assert job is not None and lock_row(s, Job, "missing") is None
+        locked.set()
+        time.sleep(0.5)  # time enough for the second to get the row, were it free
+        job.committed_round = 1
+        events.append("first commits")
+    thread.join(30)
+    assert events == ["first commits", "second locked, round 1"]
 
 
 def test_docs_list_exactly_the_statuses() -> None:

@@ -69,6 +69,7 @@ from fedq.coordinator.steps import step_of
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
+from fedq.db.session import lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.engine.revoke import revoke_quietly
@@ -96,10 +97,8 @@ class Dispatch:
 
 
 def _lock(s: Session, job_id: str) -> Job | None:
-    """Lock the job row for this transaction (a row lock on PostgreSQL, the write lock
-    on SQLite: the first statement writes, so no stale snapshot is read before it)."""
-    s.execute(update(Job).where(Job.id == job_id).values(updated_at=utcnow()))
-    return s.get(Job, job_id)
+    """Lock the job row for this transaction (fedq.db.session.lock_row)."""
+    return lock_row(s, Job, job_id)
 
 
 def _model(job: Job) -> BlobRef:

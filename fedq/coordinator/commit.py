@@ -142,26 +142,34 @@ def advance(job: Job, new: NewModel) -> None:
 
 
 def settle(settings: Settings, store: BlobStore, spec: JobSpec, job_id: str,
-           new: NewModel) -> int:
+           new: NewModel, rows: Sequence[ClientUpdate] | None = None) -> int:
     """After the claim: keep the new model in this process (the next round's finalize
     starts from it) and delete the update blobs of the round or version
-    ``keep_updates`` before this one. Returns how many blobs were deleted."""
+    ``keep_updates`` before this one. ``rows``: the client rows the claim wrote; with
+    ``keep_updates: 0`` they name this round's blobs, so the database is not asked
+    again. Returns how many blobs were deleted."""
     PROCESS.keep_model(new.blob.sha256, new.weights, only=True)
     if spec.keep_updates is None or new.number <= spec.keep_updates:
         return 0
-    return drop_updates(settings, store, job_id, new.number - spec.keep_updates)
+    tasks = None if rows is None or spec.keep_updates else \
+        [(r.round_number, r.task_index, r.client, r.attempt, r.signer) for r in rows]
+    return drop_updates(settings, store, job_id, new.number - spec.keep_updates, tasks)
 
 
-def drop_updates(settings: Settings, store: BlobStore, job_id: str, number: int) -> int:
+def drop_updates(settings: Settings, store: BlobStore, job_id: str, number: int,
+                 tasks: Sequence[Sequence[Any]] | None = None) -> int:
     """Delete every update blob of round or version ``number`` — each task's key for
     every attempt it was sent, whatever became of it; the rows that describe them stay.
-    A failure is logged, never fatal: it only costs space."""
-    with session_scope(settings.database_url) as s:
-        tasks = s.execute(select(ClientUpdate.round_number, ClientUpdate.task_index,
-                                 ClientUpdate.client, ClientUpdate.attempt,
-                                 ClientUpdate.signer)
-                          .where(ClientUpdate.job_id == job_id,
-                                 ClientUpdate.round_number == number)).all()
+    ``tasks``: (round, task index, client, attempts, signer) of each of its rows, when
+    the caller has them; else they are read. A failure is logged, never fatal: it only
+    costs space."""
+    if tasks is None:
+        with session_scope(settings.database_url) as s:
+            tasks = s.execute(select(ClientUpdate.round_number, ClientUpdate.task_index,
+                                     ClientUpdate.client, ClientUpdate.attempt,
+                                     ClientUpdate.signer)
+                              .where(ClientUpdate.job_id == job_id,
+                                     ClientUpdate.round_number == number)).all()
     signers = {None} | {signer for *_, signer in tasks if signer}  # registered workers' folders
     keys = {update_key(job_id, index or rnd, client, a, who)
             for rnd, index, client, attempts, _ in tasks

@@ -60,6 +60,7 @@ from fedq.coordinator.rounds import redispatch, request_round, start_round
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, insert_rows, new_row
+from fedq.db.session import lock_row
 from fedq.engine.app import app
 from fedq.engine.broker import live_queues
 from fedq.engine.revoke import revoke_quietly
@@ -105,10 +106,12 @@ class OpenRound:
 def open_round(settings: Settings, job_id: str, round_number: int) -> OpenRound | None:
     """The round if it is training in a running job, else None."""
     with session_scope(settings.database_url) as s:
-        job = s.get(Job, job_id)
-        rnd = s.scalar(select(Round).where(Round.job_id == job_id, Round.number == round_number))
-        if job is None or rnd is None or rnd.status != RoundStatus.TRAINING or \
-                job.status != JobStatus.RUNNING:
+        found = s.execute(select(Job, Round).join(Round, Round.job_id == Job.id).where(
+            Job.id == job_id, Round.number == round_number)).first()  # one round trip
+        if found is None:
+            return None
+        job, rnd = found
+        if rnd.status != RoundStatus.TRAINING or job.status != JobStatus.RUNNING:
             return None
         spec = JobSpec.stored(job.spec)
         clients = tuple(rnd.planned["clients"])
@@ -218,13 +221,13 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
         return {"status": "skipped", "reason": "round committed by another delivery"}
     if decision.missing:  # before the next round's tasks queue up behind them
         _revoke_stragglers(rnd, decision.missing)
-    with phase("settle"):
-        commit.settle(settings, store, spec, job_id, new)
     if done:
         PROCESS.accumulator.release()
     else:
         with phase("next dispatch"):
             _start_next(settings, job_id, number + 1)
+    with phase("settle"):  # after the next round is out: only space waits on it
+        commit.settle(settings, store, spec, job_id, new, rows)
     accuracy = new.accuracy
     log.info("job %s round %d committed: accuracy %s, %d clients, %.2fs (finalize %.2fs)",
              job_id, number, "-" if accuracy is None else f"{accuracy:.4f}",
@@ -350,9 +353,8 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
     (committed, job_done); (False, _) when another delivery got there first."""
     now = utcnow()
     with session_scope(settings.database_url) as s:
-        # The job row first, as `fedq cancel` and buffered jobs take it: claiming the
-        # round first deadlocked against a concurrent cancel on PostgreSQL.
-        s.execute(update(Job).where(Job.id == job_id).values(updated_at=now))
+        job = lock_row(s, Job, job_id)  # first, as `fedq cancel` and buffered jobs do
+        assert job is not None
         values: dict[str, Any] = {"status": RoundStatus.FAILED if failed
                                   else RoundStatus.COMMITTED,
                                   "finished_at": now, "error": failed}
@@ -367,8 +369,6 @@ def _commit(settings: Settings, job_id: str, round_id: int, rows: list[ClientUpd
                               [w for r in rows if (w := task_worker(r)) is not None])
         record_throughput(s, throughput, workers)
         record_tasks(s, rows, workers)
-        job = s.get(Job, job_id)
-        assert job is not None
         done = True
         if failed:
             job.status, job.error, job.finished_at = JobStatus.FAILED, failed, now

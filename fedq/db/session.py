@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, inspect, select, text, update
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,6 +63,33 @@ def connect(url: str) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
     return engine
+
+
+_Row = TypeVar("_Row")
+
+
+def lock_row(session: Session, model: type[_Row], key: str) -> _Row | None:
+    """``model``'s row ``key`` (None when there is none), locked for the rest of the
+    session's transaction, its ``updated_at`` set to now. Call it first in the
+    transaction: every path that changes a job takes its row this way first, so two
+    of them never hold each other's rows (claiming a round first deadlocked against a
+    concurrent ``fedq cancel`` on PostgreSQL).
+
+    PostgreSQL: one ``SELECT ... FOR UPDATE``. SQLite has no row locks: the first
+    statement is an ``UPDATE``, which takes the database's write lock, and the row is
+    read after it (read first, the transaction would hold a snapshot that a
+    concurrent writer can make stale, and its first write would then fail)."""
+    from fedq.db.models import utcnow
+
+    now, table = utcnow(), cast(Any, model)
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(update(table).where(table.id == key).values(updated_at=now))
+        return session.get(model, key)
+    row = session.execute(select(table).where(table.id == key).with_for_update()
+                          .execution_options(populate_existing=True)).scalar_one_or_none()
+    if row is not None:
+        row.updated_at = now
+    return cast("_Row | None", row)
 
 
 @contextmanager

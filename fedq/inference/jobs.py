@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 import fedq.identity as identity
@@ -39,7 +39,7 @@ from fedq.blobs import BlobRef, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow, worker_time
-from fedq.db.session import ensure_schema
+from fedq.db.session import ensure_schema, lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
@@ -103,9 +103,8 @@ def sealing_keys() -> Path | None:
 
 
 def _lock(s: Session, job_id: str) -> InferenceJob | None:
-    s.execute(update(InferenceJob).where(InferenceJob.id == job_id)
-              .values(updated_at=utcnow()))
-    return s.get(InferenceJob, job_id)
+    """Lock the job row for this transaction (fedq.db.session.lock_row)."""
+    return lock_row(s, InferenceJob, job_id)
 
 
 # -- submit -----------------------------------------------------------------------
