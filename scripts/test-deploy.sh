@@ -6,18 +6,21 @@
 # The daemon it started is stopped at the end, by its pid; the built images stay in
 # its data root for the next run.
 #
-# In two halves (.ci/run runs the first beside the benchmark stage): `--prepare` leaves
-# the virtual environment alone, gets the engine, the images and the browser ready and
-# runs tests/test_images.py (Redis databases FEDQ_TEST_REDIS_DBS, 1-9 unless set);
-# `--compose` then runs the docker compose tests.
+# `--beside` (what .ci/run runs beside the benchmark stage, which uses the virtual
+# environment meanwhile) is the whole stage without scripts/bootstrap.sh: the
+# environment must be there already. In two halves: `--prepare` leaves the virtual
+# environment alone too, gets the engine, the images and the browser ready and runs
+# tests/test_images.py; `--compose` then runs the docker compose tests. The image tests
+# use Redis databases FEDQ_TEST_REDIS_DBS (1-9 unless set) on the host's Redis.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=all
 case "${1:-}" in
     --prepare) mode=prepare; shift ;;
     --compose) mode=compose; shift ;;
+    --beside) mode=beside; shift ;;
 esac
-if [ "$mode" != prepare ]; then
+if [ "$mode" = all ] || [ "$mode" = compose ]; then
     bash scripts/bootstrap.sh
 fi
 sock="${FEDQ_DOCKER_HOME:-$HOME/.cache/fedq/docker}/docker.sock"
@@ -46,6 +49,12 @@ case "$mode" in
             -p no:cacheprovider --basetemp="$tmp" -m docker tests/test_images.py "$@" ;;
     compose)
         .venv/bin/python -m pytest -m docker tests/test_deploy.py tests/test_deploy_secure.py "$@" ;;
+    beside)
+        tmp=$(mktemp -d)
+        trap 'rm -rf "$tmp"; stop' EXIT
+        FEDQ_TEST_REDIS_DBS="${FEDQ_TEST_REDIS_DBS:-1-9}" .venv/bin/python -m pytest \
+            -p no:cacheprovider --basetemp="$tmp" -m docker tests/test_images.py \
+            tests/test_deploy.py tests/test_deploy_secure.py "$@" ;;
     *)
         .venv/bin/python -m pytest -m docker tests/test_images.py tests/test_deploy.py \
             tests/test_deploy_secure.py "$@" ;;
