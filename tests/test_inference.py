@@ -790,7 +790,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     spec = _spec(tmp_path, model={"weights": weights.name, "name": "gpt", "dataset": "shakespeare",
                                   "args": TINY_GPT, "dataset_args": SMALL_TEXT},
                  inputs={"prompts": prompts.name}, op="generate",
-                 generate={"max_tokens": 150, "temperature": 0.9, "top_k": 20, "seed": 11},
+                 generate={"max_tokens": 60, "temperature": 0.9, "top_k": 20, "seed": 11},
                  shard_size=4, batch_size=4, shard_timeout_s=600, max_redispatch=3,
                  backups=False)
     job = cluster.fedq("infer", str(spec), "--no-wait").stdout.strip()
@@ -838,7 +838,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     for i, row in enumerate(got):
         ids = text_data.prompt_ids(many[i])
         gen = torch.Generator().manual_seed(11 + i)
-        want = model.generate(ids[None, :], 150, temperature=0.9, top_k=20, generator=gen)
+        want = model.generate(ids[None, :], 60, temperature=0.9, top_k=20, generator=gen)
         assert row["text"] == text_data.decode(want[0, len(ids):]), i
     view = jobs.find(cluster.settings, job)
     assert view is not None
