@@ -39,9 +39,11 @@ from typing import Any, NoReturn, TextIO
 
 from fedq.testing.procs import import_time_env
 
-PRELOAD = ("torch", "numpy", "sklearn.datasets", "safetensors.torch", "sqlalchemy",
-           "pydantic", "redis", "kombu.transport.redis", "celery.bin.celery",
-           "celery.worker.consumer")
+# torch._dynamo: every worker imports it at start (fedq/worker/signals.py, 3.2 s here);
+# sklearn.model_selection: the digits data set's split, at a worker's first task.
+PRELOAD = ("torch", "torch._dynamo", "numpy", "sklearn.datasets", "sklearn.model_selection",
+           "safetensors.torch", "sqlalchemy", "pydantic", "redis", "kombu.transport.redis",
+           "celery.bin.celery", "celery.worker.consumer")
 
 
 def _child(request: dict[str, Any], reply: TextIO) -> NoReturn:

@@ -38,8 +38,11 @@ REFUSED_EXIT_CODE = 3
 def prepare(**_: Any) -> None:
     """Set torch's threads and import the training stack before the first task arrives
     (deferred to here: ``fedq.worker.signals`` is imported by every process that loads
-    the app, and only workers need torch)."""
+    the app, and only workers need torch). torch._dynamo too: torch.optim's optimizers
+    import it when the first one is built (3.2 s of CPU on this 2-core machine, torch
+    2.14), which was inside the worker's first task, while its round waited."""
     import torch
+    import torch._dynamo  # noqa: F401
 
     import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
     from fedq.settings import get_settings
