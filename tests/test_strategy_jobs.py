@@ -163,14 +163,18 @@ def test_byzantine_clients_and_int8_updates(embedded: Cluster) -> None:
 
 @pytest.mark.slow
 def test_resumed_fedadam_job_continues_exactly(embedded: Cluster) -> None:
-    # 150 local epochs: each task trains long enough (a few seconds) for the kill to land
-    # mid-round even on a loaded machine (at 40, about 1 s, CI once saw the job finish
-    # before the kill)
-    spec = {**SMALL, "rounds": 3, "local_epochs": 150, "server": {"name": "fedadam",
-                                                                  "lr": 0.01}}
+    spec = {**SMALL, "rounds": 3, "local_epochs": 10, "server": {"name": "fedadam",
+                                                                 "lr": 0.01}}
     whole = embedded.submit(spec)
     assert embedded.wait(whole, timeout=300).status == "completed"
 
+    # Each task of the interrupted job lasts long enough (several seconds) for the kill
+    # to land mid-round even on a loaded machine: its workers sleep 5 times each step's
+    # time after the step (FEDQ_SLOWDOWN), which leaves the numbers as they are. (150
+    # local epochs at full speed did the same before, at 15 times the CPU.)
+    for name in ("w1", "w2", "w3"):
+        embedded.by_name(name).kill()  # idle: the whole job is done
+        embedded.replace(name, FEDQ_SLOWDOWN="6")
     interrupted = embedded.submit(spec)
     embedded.wait_for_round(interrupted, 2)
     for name in ("w1", "w2", "w3"):  # the machines go away mid-job
