@@ -41,6 +41,9 @@ BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
 # as many steps as the clock allows at lr 0.05 once diverged to NaN in a CI run.
 SLOW = {**BUFFERED, "local_epochs": 1000, "time_budget_s": 1.5, "round_timeout_s": 6,
         "max_redispatch": 3, "optimizer": {**DIGITS["optimizer"], "grad_clip": 1.0}}
+# Their workers sleep 19 times each step's time after the step (FEDQ_SLOWDOWN): a task
+# still lasts its budget, on a twentieth of the CPU, which the tests beside these need.
+SLOWED = {"FEDQ_SLOWDOWN": "20"}
 
 
 def test_staleness_factors() -> None:
@@ -185,6 +188,7 @@ def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: C
     """max_staleness 0: only updates trained from the newest model are used, the rest
     are recorded as stale; a cancelled buffered job resumes and completes."""
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     spec = {**SLOW, "time_budget_s": 1.0, "rounds": 10,
             "aggregation": {"mode": "buffered", "buffer": K, "max_staleness": 0}}
@@ -223,6 +227,7 @@ def _task_in_hand(worker: WorkerProcess, job: str) -> int | None:
 @pytest.mark.slow
 def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     cluster.start_beat()
     # The shipped 600 s deadline and 30 versions (~45 s): only the lost worker's
@@ -262,6 +267,7 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
 @pytest.mark.slow
 def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"])
     control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
     cluster.start_beat()
@@ -295,6 +301,7 @@ def test_buffered_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     training at their deadline and the job completes, each version once."""
     with private_redis() as (url, restart):
         cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        cluster.env.update(SLOWED)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
             cluster.start_beat()

@@ -28,16 +28,20 @@ from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, missing, private_redis
 
-# Tasks that train for a fixed 1.5 s, so a kill lands mid-task.
 # Tasks that train for a fixed 1.5 s, so that a kill lands mid-task. A gentle optimizer:
-# 1.5 s is as many steps as the clock allows (1,705 on a fast day), and DIGITS' lr 0.05
-# with momentum 0.9 diverged to a NaN loss there (a client's every attempt rejected,
-# the job failed: bench.reliability, 2026-11-30); off the clock, 3,000 steps of it on a
-# sixth of digits end at a loss near 1.8 on three shards of six, lr 0.01 near 0.06 on all.
+# 1.5 s is as many steps as the clock allows (1,705 on a fast day at full speed), and
+# DIGITS' lr 0.05 with momentum 0.9 diverged to a NaN loss there (a client's every
+# attempt rejected, the job failed: bench.reliability, 2026-11-30); off the clock, 3,000
+# steps of it on a sixth of digits end at a loss near 1.8 on three shards of six, lr 0.01
+# near 0.06 on all. The tests run them on workers slowed by SLOWED.
 SLOW_TASKS = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "local_epochs": 1000,
               "time_budget_s": 1.5, "min_clients": 3, "round_timeout_s": 6,
               "max_redispatch": 3, "queues": {"cpu": 3},
               "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}}
+# The workers that train SLOW_TASKS sleep 19 times each step's time after the step
+# (FEDQ_SLOWDOWN): a task still lasts its 1.5 s, on a twentieth of the CPU it burnt,
+# which the tests run beside these on the same two cores need more.
+SLOWED = {"FEDQ_SLOWDOWN": "20"}
 
 
 def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: int) -> int:
@@ -124,6 +128,7 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
     """With the shipped default deadline (600 s): the job completes only because each
     killed worker's client is re-dispatched once its heartbeat stops (Redis redelivers
     an unacked task only after its visibility timeout, 2 h; RabbitMQ at once)."""
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
     spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
@@ -194,6 +199,7 @@ def test_worker_killed_mid_task_on_rabbitmq(tmp_path: Path, rabbit_vhost: str, r
 @pytest.mark.slow
 def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
     control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
     cluster.start_beat()
@@ -224,6 +230,7 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
 def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     with private_redis() as (url, restart):
         cluster = migrated_cluster(tmp_path, url, url, pg_url)
+        cluster.env.update(SLOWED)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
             cluster.start_beat()
@@ -322,7 +329,7 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
         admin.execute_command("ACL", "SETUSER", "ctl", "on", ">ctl-pw", "~*", "&*", "+@all")
         as_ctl = url.replace("redis://", "redis://ctl:ctl-pw@")
         cluster = migrated_cluster(tmp_path, url, url, pg_url)
-        cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="3")
+        cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="3", **SLOWED)
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
             cluster.add("control", ["control"], FEDQ_BROKER_URL=as_ctl,
@@ -474,6 +481,7 @@ def test_worker_paused_past_the_deadline_is_late_and_never_averaged(
     round commits without it; SIGCONT; its update arrives, is recorded late and is in no
     model; the next round runs as usual."""
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
     job = cluster.submit({**SLOW_TASKS, "rounds": 3, "min_clients": 2})
@@ -516,6 +524,7 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
     commits with every client; SIGCONT; the sleeper's copy is never counted a second
     time."""
     cluster = redis_cluster
+    cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
     spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}

@@ -263,9 +263,12 @@ def test_link_cut_past_the_heartbeat_bound_is_redispatched(
         workers = []
         for host in hosts:
             url = host.url(redis_db, host.forward(relays, redis_port))
+            # FEDQ_SLOWDOWN: each 4 s task sleeps 19/20 of it, and leaves the CPU to
+            # the tests run beside this one
             workers.append(WorkerProcess(
                 f"w@{host.name}", ["cpu"], tmp_path / "logs" / f"{host.name}.log",
-                env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url},
+                env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url,
+                     "FEDQ_SLOWDOWN": "20"},
                 prefix=host.exec_prefix()))
         workers.append(WorkerProcess("control@test", ["control"],
                                      tmp_path / "logs" / "control.log", env=env))
