@@ -58,8 +58,8 @@ def pg_database() -> Iterator[str]:
 
 
 # Database numbers 1..15 (FEDQ_TEST_REDIS_DBS, e.g. "9-15", gives a range: scripts/test.sh
-# runs two pytest processes side by side on disjoint ranges), each test its own, reused
-# in turn (each test flushes its database before and after).
+# runs three pytest processes side by side on disjoint ranges of five), each test its
+# own, reused in turn (each test flushes its database before and after).
 _low, _, _high = os.environ.get("FEDQ_TEST_REDIS_DBS", "1-15").partition("-")
 _redis_dbs = itertools.cycle(range(int(_low), int(_high or _low) + 1))
 
