@@ -29,7 +29,7 @@ from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE
 from fedq.errors import SpecError
 from fedq.observe.plots import close, figures
 from fedq.spec import parse_spec
-from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
+from fedq.testing.cluster import DIGITS, SLOWED, Cluster, base_env, record_outcome
 from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, private_redis
@@ -41,9 +41,6 @@ BUFFERED = {**DIGITS, "num_clients": 8, "clients_per_round": C, "rounds": 5,
 # as many steps as the clock allows at lr 0.05 once diverged to NaN in a CI run.
 SLOW = {**BUFFERED, "local_epochs": 1000, "time_budget_s": 1.5, "round_timeout_s": 6,
         "max_redispatch": 3, "optimizer": {**DIGITS["optimizer"], "grad_clip": 1.0}}
-# Their workers sleep 19 times each step's time after the step (FEDQ_SLOWDOWN): a task
-# still lasts its budget, on a twentieth of the CPU, which the tests beside these need.
-SLOWED = {"FEDQ_SLOWDOWN": "20"}
 
 
 def test_staleness_factors() -> None:

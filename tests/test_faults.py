@@ -23,7 +23,7 @@ from sqlalchemy import select
 from fedq.db import ClientUpdate, WatchdogAction, session_scope
 from fedq.db.models import aware
 from fedq.inference import jobs
-from fedq.testing.cluster import DIGITS, Cluster, record_outcome
+from fedq.testing.cluster import DIGITS, SLOWED, Cluster, record_outcome
 from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, missing, private_redis
@@ -38,10 +38,6 @@ SLOW_TASKS = {**DIGITS, "num_clients": 6, "clients_per_round": 3, "local_epochs"
               "time_budget_s": 1.5, "min_clients": 3, "round_timeout_s": 6,
               "max_redispatch": 3, "queues": {"cpu": 3},
               "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}}
-# The workers that train SLOW_TASKS sleep 19 times each step's time after the step
-# (FEDQ_SLOWDOWN): a task still lasts its 1.5 s, on a twentieth of the CPU it burnt,
-# which the tests run beside these on the same two cores need more.
-SLOWED = {"FEDQ_SLOWDOWN": "20"}
 
 
 def _assert_each_round_once(cluster: Cluster, job: str, rounds: int, per_round: int) -> int:

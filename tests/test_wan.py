@@ -21,7 +21,7 @@ from fedq.blobs import BlobRef
 from fedq.blobs.cache import HostCache
 from fedq.blobs.local import LocalBlobStore
 from fedq.coordinator.roster import list_workers
-from fedq.testing.cluster import Cluster, base_env, record_outcome
+from fedq.testing.cluster import SLOWED, Cluster, base_env, record_outcome
 from fedq.testing.procs import WorkerProcess, start_workers
 from fedq.testing.wait import wait_until
 from fedq.testing.wan import Host, Profile, Relays, have_netns, probe, serve_probe_target
@@ -263,12 +263,11 @@ def test_link_cut_past_the_heartbeat_bound_is_redispatched(
         workers = []
         for host in hosts:
             url = host.url(redis_db, host.forward(relays, redis_port))
-            # FEDQ_SLOWDOWN: each 4 s task sleeps 19/20 of it, and leaves the CPU to
-            # the tests run beside this one
+            # SLOWED: each 4 s task sleeps 19/20 of it, and leaves the CPU to the
+            # tests run beside this one
             workers.append(WorkerProcess(
                 f"w@{host.name}", ["cpu"], tmp_path / "logs" / f"{host.name}.log",
-                env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url,
-                     "FEDQ_SLOWDOWN": "20"},
+                env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url, **SLOWED},
                 prefix=host.exec_prefix()))
         workers.append(WorkerProcess("control@test", ["control"],
                                      tmp_path / "logs" / "control.log", env=env))

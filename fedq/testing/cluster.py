@@ -28,6 +28,11 @@ from fedq.testing.wait import wait_until
 DIGITS = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 6,
           "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 16,
           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "seed": 7}
+# For workers whose tasks train to a clock (time_budget_s): each sleeps 19 times a
+# step's wall time after the step (FEDQ_SLOWDOWN), so a task still lasts its budget on
+# a twentieth of the CPU, which the tests run beside it need more. Not for a worker the
+# test pauses: a SIGSTOP inside a step stretches that step's time, and the sleep with it.
+SLOWED = {"FEDQ_SLOWDOWN": "20"}
 
 
 def base_env(home: Path, **urls: str) -> dict[str, str]:
