@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedq.testing import procs
 from fedq.testing.cluster import Cluster, base_env
@@ -33,6 +34,13 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # The tests' workers and `fedq` commands are forked from one process that has imported
 # torch, Celery and SQLAlchemy once (fedq/testing/zygote.py), not started cold.
 procs.use_zygote()
+# One torch thread in the test process, as in the tests' workers (FEDQ_TORCH_THREADS=1):
+# scripts/test.sh runs three pytest processes beside their workers on two cores, where a
+# second thread waits on a busy core (a DiLoCo run of bench.lm beside two busy loops:
+# 8.4-8.8 s with one thread, 18.6-21.6 s with two). The whole of scripts/test.sh on
+# 2026-11-30, with and without this line: its Python processes 545 and 584 CPU-seconds,
+# the three pytest processes 6:59, 7:26, 7:51 and 7:16, 7:41, 8:14.
+torch.set_num_threads(1)
 
 
 def missing(service: str, why: object) -> None:
