@@ -56,6 +56,7 @@ from fedq.data import client_indices, load_dataset
 from fedq.data.datasets import Dataset
 from fedq.models import build_model
 from fedq.spec import OptimizerSpec, parse_spec, round_window
+from fedq.testing.procs import Forked, start_module
 from fedq.weights import dumps, loads, raw_size, state_of
 from fedq.worker import replica
 from fedq.worker.inner import state_path
@@ -65,6 +66,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lm.md"
 GPU_BEGIN, GPU_END = "<!-- begin gpu table -->", "<!-- end gpu table -->"
 WORKERS, BATCH, BLOCK, SEED = 4, 16, 64, 0
+# --smoke (the test suite: it checks the tables' making, not their figures) steps on a
+# quarter of the windows
+SMOKE_BATCH = 4
 LR, WARMUP = 2e-3, 50
 
 
@@ -77,6 +81,7 @@ class Config:
     warm: int = 0  # --warm: steps of data parallel every run starts from
     warm_loss: float = math.nan  # the warm start's validation loss
     init: Path | None = None  # the warm start's model, in a --one process
+    batch: int = BATCH  # windows a step; SMOKE_BATCH under --smoke
 
 
 CONFIG = Config()
@@ -145,7 +150,7 @@ def single(ds: Dataset, steps: int, scratch: Path) -> Run:
     """Baseline 1: one worker, all the data, 4 x steps steps (the same tokens)."""
     model = fresh_model(ds)
     local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(WORKERS * steps),
-                batch_size=BATCH, epochs=None, steps=WORKERS * steps, seed=SEED,
+                batch_size=CONFIG.batch, epochs=None, steps=WORKERS * steps, seed=SEED,
                 device=CONFIG.device, schedule_steps=WORKERS * steps,
                 state_path=scratch / "single.safetensors")
     return Run("1. one worker alone, all data", val_loss(model, ds), 0)
@@ -166,7 +171,7 @@ def data_parallel(ds: Dataset, parts: list[torch.Tensor], steps: int,
             group["lr"] = lr_at(step, spec, steps)
         opt.zero_grad(set_to_none=True)
         for c, idx in enumerate(parts):
-            pick = idx[torch.randint(len(idx), (BATCH,), generator=gens[c])]
+            pick = idx[torch.randint(len(idx), (CONFIG.batch,), generator=gens[c])]
             xb, yb = ds.x_train[pick].to(CONFIG.device), ds.y_train[pick].to(CONFIG.device)
             (task_loss(model(xb), yb) / WORKERS).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -229,7 +234,7 @@ def diloco(ds: Dataset, parts: list[torch.Tensor], steps: int, h: int, codec: st
             local.load_state_dict(weights if fragments == 1 else
                                   replica.start_from(weights, kept, rnd, fragments, mixing)[0])
             stats = local_train(local, ds.x_train[idx], ds.y_train[idx], optimizer=spec,
-                                batch_size=BATCH, epochs=None, steps=take,
+                                batch_size=CONFIG.batch, epochs=None, steps=take,
                                 seed=SEED * 1000 + rnd * 10 + c, device=CONFIG.device,
                                 schedule_steps=steps, first_step=done[c],
                                 schedule_window=round_window(rnd, rounds)
@@ -294,8 +299,9 @@ def step_seconds(ds: Dataset) -> float:
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(10), batch_size=BATCH,
-                    epochs=None, steps=10, seed=SEED, device=CONFIG.device)
+        local_train(model, ds.x_train, ds.y_train, optimizer=optimizer(10),
+                    batch_size=CONFIG.batch, epochs=None, steps=10, seed=SEED,
+                    device=CONFIG.device)
         times.append((time.perf_counter() - t) / 10)
     return statistics.median(times)
 
@@ -303,6 +309,7 @@ def step_seconds(ds: Dataset) -> float:
 def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
     """One run of the table, by name (in a process of its own: see main)."""
     CONFIG.init = Path(job["init"]) if job.get("init") else None
+    CONFIG.batch = SMOKE_BATCH if smoke else BATCH
     steps, h = job["steps"], job.get("h", 0)
     if job["kind"] == "gpu":
         return gpu_row()
@@ -334,33 +341,34 @@ def run_one(job: dict[str, Any], smoke: bool) -> dict[str, Any]:
 def run_all(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each job in a ``python -m bench.lm --one JOB`` process of its own, ``--jobs`` at a
     time (the runs are independent; results come back as JSON on stdout). A run is told
-    how many run beside it, so the cores are shared among those (a lone run takes all)."""
+    how many run beside it, so the cores are shared among those (a lone run takes all).
+    Under the test suite (``FEDQ_TEST_ZYGOTE=1``) each is forked from a process that has
+    imported torch once (fedq.testing.procs.start_module)."""
     pending = list(enumerate(jobs))
-    running: list[tuple[int, subprocess.Popen[str]]] = []
+    running: list[tuple[int, subprocess.Popen[bytes] | Forked]] = []
     results: dict[int, dict[str, Any]] = {}
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            i, job = pending.pop(0)
-            if args.init:
-                job = {**job, "init": args.init}
-            cmd = [sys.executable, "-m", "bench.lm", "--one", json.dumps(job),
-                   "--device", args.device,
-                   "--jobs", str(min(args.jobs, len(running) + len(pending) + 1)),
-                   *(["--smoke"] if args.smoke else [])]
-            running.append((i, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                                text=True)))
-        for i, proc in list(running):
-            if proc.poll() is None:
-                continue
-            running.remove((i, proc))
-            out = proc.stdout.read() if proc.stdout else ""
-            if proc.returncode != 0:
-                raise SystemExit(f"bench.lm: run {jobs[i].get('name', jobs[i]['kind'])} "
-                                 f"failed ({proc.returncode})")
-            results[i] = json.loads(out.strip().splitlines()[-1])
-            print(f"{jobs[i].get('name', jobs[i]['kind'])}: "
-                  f"{results[i].get('val_loss', results[i])}", flush=True)
-        time.sleep(0.2)
+    with tempfile.TemporaryDirectory(prefix="bench-lm-") as tmp:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                i, job = pending.pop(0)
+                if args.init:
+                    job = {**job, "init": args.init}
+                cmd = ["--one", json.dumps(job), "--device", args.device,
+                       "--jobs", str(min(args.jobs, len(running) + len(pending) + 1)),
+                       *(["--smoke"] if args.smoke else [])]
+                running.append((i, start_module("bench.lm", cmd, Path(tmp, str(i)), ROOT)))
+            for i, proc in list(running):
+                if proc.poll() is None:
+                    continue
+                running.remove((i, proc))
+                if proc.returncode != 0:
+                    raise SystemExit(f"bench.lm: run {jobs[i].get('name', jobs[i]['kind'])} "
+                                     f"failed ({proc.returncode})")
+                out = Path(tmp, str(i)).read_text()
+                results[i] = json.loads(out.strip().splitlines()[-1])
+                print(f"{jobs[i].get('name', jobs[i]['kind'])}: "
+                      f"{results[i].get('val_loss', results[i])}", flush=True)
+            time.sleep(0.2)
     return [results[i] for i in range(len(jobs))]
 
 
@@ -394,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(args.codecs.split(",")) <= set(CODECS):
         parser.error(f"--codecs takes fp32 and/or int8, comma-separated, not {args.codecs!r}")
     CONFIG.device, CONFIG.warm, args.init = torch.device(args.device), args.warm, None
+    CONFIG.batch = SMOKE_BATCH if args.smoke else BATCH
     # the cores shared among the runs at a time (a --one process is told --jobs too;
     # before it was, each run took two threads: four busy threads on a 2-core machine)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
@@ -532,8 +541,8 @@ def write_parity(out: Path, steps: int, runs: list[Run], elapsed: float, smoke: 
              f"Generated {datetime.now(timezone.utc):%Y-%m-%d} by `.venv/bin/{command}` on "
              f"{platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, on {CONFIG.device.type}, in {elapsed / 60:.1f} min. {WORKERS} "
-             f"workers x {steps} inner steps x batch {BATCH} x {BLOCK} bytes = "
-             f"{WORKERS * steps * BATCH * BLOCK:,} tokens per run, seed {SEED}."
+             f"workers x {steps} inner steps x batch {CONFIG.batch} x {BLOCK} bytes = "
+             f"{WORKERS * steps * CONFIG.batch * BLOCK:,} tokens per run, seed {SEED}."
              + _warm_note(), "",
              "| run | outer steps | validation loss (nats/byte) | vs baseline 2 | MB moved "
              "| fewer bytes than baseline 2 |", "|---|---|---|---|---|---|",
@@ -661,7 +670,7 @@ def _reach(run: Run, target: float) -> float | None:
 
 def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mid: Run,
           non_iid: Run, elapsed: float, smoke: bool) -> None:
-    tokens = WORKERS * steps * BATCH * BLOCK
+    tokens = WORKERS * steps * CONFIG.batch * BLOCK
     command = _command(None, steps, smoke)
     begin, end = markers("generated tables")
     lines = [begin, "",
@@ -671,7 +680,7 @@ def write(out: Path, steps: int, base1: Run, base2: Run, runs: list[Run], iid_mi
                 if CONFIG.device.type == "cuda" else "")
              + f", torch {torch.__version__}, on {CONFIG.device.type}, in "
              f"{elapsed / 60:.1f} min. {WORKERS} workers x {steps} inner steps x batch "
-             f"{BATCH} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}."
+             f"{CONFIG.batch} x {BLOCK} bytes = {tokens:,} tokens per run, seed {SEED}."
              + _warm_note(), "",
              "| run | validation loss (nats/byte) | perplexity | vs baseline 2 | MB moved "
              "| fewer bytes than baseline 2 |", "|---|---|---|---|---|---|"]

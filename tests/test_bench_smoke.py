@@ -151,8 +151,8 @@ def test_lm_downlink_smoke_run_from_a_warm_start_writes_its_table(
     out.write_text("# LM\n\n<!-- begin generated tables -->\nkept\n"
                    "<!-- end generated tables -->\n")
     proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "downlink",
-                           "--warm", "10", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, check=False)
+                           "--warm", "10", "--jobs", "2", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     # a warm-start run writes its own section: the from-scratch tables stay beside it
@@ -223,6 +223,8 @@ def test_lm_parity_smoke_run_writes_its_table(tmp_path: Path) -> None:
 def test_lm_smoke_run_writes_every_table(tmp_path: Path) -> None:
     """The whole of bench/lm.py at smoke size: the main table, the slow-worker table and
     the downlink table, each into its own section, the GPU section left as it was."""
+    import bench.lm as lm
+
     out = tmp_path / "lm.md"
     out.write_text("# LM\n\n<!-- begin gpu table -->\nkept\n<!-- end gpu table -->\n")
     proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--jobs", "2",
@@ -231,6 +233,7 @@ def test_lm_smoke_run_writes_every_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     assert "<!-- begin gpu table -->\nkept\n" in text  # a CPU run keeps the GPU row
+    assert f"x batch {lm.SMOKE_BATCH} x {lm.BLOCK} bytes" in text  # --smoke's batch
     rows = _rows(text)
     dp = float(rows["2. synchronous data parallel (H = 1)"][0])
     for name in ("1. one worker alone, all data", "3. DiLoCo H = 5, fp32",
@@ -307,6 +310,8 @@ def test_lm_slow_worker_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     assert "kept" in text and "--only slow --smoke`" in text
+    # its runs were forked from a process that had imported torch (FEDQ_TEST_ZYGOTE)
+    assert re.search(r"fedq.testing.zygote: forked [1-9]", proc.stderr), proc.stderr[-4000:]
     assert "<!-- begin generated tables -->" not in text
     dp = float(re.search(r"^dp: ([0-9.]+)$", proc.stdout, re.M)[1])  # type: ignore[index]
     _check_slow(text, 10, dp)
@@ -354,8 +359,8 @@ def test_lm_streaming_smoke_run_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "lm.md"
     out.write_text("# LM\n\nkept\n")
     proc = subprocess.run([sys.executable, "-m", "bench.lm", "--smoke", "--only", "streaming",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, check=False)
+                           "--jobs", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
     assert "kept" in text and "<!-- end streaming table -->" in text

@@ -64,6 +64,10 @@ _READ_AT_IMPORT = ("PYTHON", "LD_", "LC_", "LANG", "OMP_", "MKL_", "OPENBLAS_", 
 _SET_BY_IMPORTS = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR")
 
 
+# The modules the zygote forks by default: ``python -m celery`` and ``python -m fedq.cli``.
+FORKABLE = ("celery", "fedq.cli")
+
+
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables a forked child must share with the zygote."""
     return {k: v for k, v in env.items()
@@ -99,13 +103,15 @@ class Zygote:
             self.proc.stdin.flush()
             return self._read()
 
-    def differs(self, argv: Sequence[str], env: Mapping[str, str]) -> set[str] | None:
-        """None where ``argv`` with ``env`` can be forked: ``python -m celery ...`` or
-        ``python -m fedq.cli ...`` whose environment agrees with the zygote's in every
-        variable read at import (:data:`_READ_AT_IMPORT`; the rest, FEDQ_*, AWS_*, PATH,
-        ..., are read after the fork, in the child). Otherwise the variables that differ
-        (empty for another command)."""
-        if list(argv[:2]) != [sys.executable, "-m"] or argv[2] not in ("celery", "fedq.cli"):
+    def differs(self, argv: Sequence[str], env: Mapping[str, str],
+                forkable: Sequence[str] = FORKABLE) -> set[str] | None:
+        """None where ``argv`` with ``env`` can be forked: ``python -m M ...`` for a module
+        M of ``forkable`` (by default ``celery`` and ``fedq.cli``), whose environment
+        agrees with the zygote's in every variable read at import
+        (:data:`_READ_AT_IMPORT`; the rest, FEDQ_*, AWS_*, PATH, ..., are read after the
+        fork, in the child). Otherwise the variables that differ (empty for another
+        command)."""
+        if list(argv[:2]) != [sys.executable, "-m"] or argv[2] not in forkable:
             return set()
         mine = import_time_env(env)
         if mine == self.env:
@@ -113,15 +119,18 @@ class Zygote:
         return {k for k in {*mine, *self.env} if mine.get(k) != self.env.get(k)}
 
     def spawn(self, argv: list[str], env: Mapping[str, str], stdout: Path,
-              stderr: Path | None = None) -> Forked | None:
-        """Fork ``argv`` with ``env``, its stdout to ``stdout`` and its stderr there too
-        unless ``stderr`` is given; None where it must start cold (:meth:`differs`)."""
-        differ = self.differs(argv, env)
+              stderr: Path | None = None, cwd: Path | None = None,
+              forkable: Sequence[str] = FORKABLE) -> Forked | None:
+        """Fork ``argv`` with ``env`` in ``cwd`` (this process's unless given), its stdout
+        to ``stdout`` and its stderr there too unless ``stderr`` is given; None where it
+        must start cold (:meth:`differs`)."""
+        differ = self.differs(argv, env, forkable)
         if differ is not None:
             self.cold += 1
             self.differ.update(differ)
             return None
-        reply = self._ask({"op": "spawn", "argv": argv, "env": dict(env), "cwd": os.getcwd(),
+        reply = self._ask({"op": "spawn", "argv": argv, "env": dict(env),
+                           "cwd": str(cwd or os.getcwd()),
                            "stdout": str(stdout), "stderr": str(stderr or stdout)})
         self.forked += 1
         return Forked(self, int(reply["pid"]), argv)
@@ -163,6 +172,25 @@ def run_module(module: str, args: Sequence[str], env: Mapping[str, str],
             proc.wait(10)
             raise
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+def start_module(module: str, args: Sequence[str], stdout: Path, cwd: Path
+                 ) -> subprocess.Popen[bytes] | Forked:
+    """``python -m module *args`` in ``cwd``, not waited for: its stdout to the file
+    ``stdout``, its stderr to this process's stderr. Forked from the zygote where
+    :func:`use_zygote` is on (or ``FEDQ_TEST_ZYGOTE=1``), so it skips importing torch;
+    ``module`` must then be one that a process which has made the zygote's imports can
+    run as a fresh interpreter would (bench.lm's runs)."""
+    argv = [sys.executable, "-m", module, *args]
+    env = dict(os.environ)
+    zygote = _the_zygote()
+    # the child opens this process's stderr by its path (a pipe or a file alike)
+    forked = None if zygote is None else zygote.spawn(
+        argv, env, stdout, Path(f"/proc/{os.getpid()}/fd/2"), cwd=cwd, forkable=(module,))
+    if forked is not None:
+        return forked
+    with open(stdout, "wb") as out:
+        return subprocess.Popen(argv, cwd=cwd, stdout=out, env=env)
 
 
 def use_zygote(on: bool = True) -> None:
