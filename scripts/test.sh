@@ -10,12 +10,14 @@
 # inference) beside everything else, on disjoint Redis database numbers and temporary
 # folders, with ruff and mypy beside them too; then the two tests marked quiet, which
 # read the machine's CPU load, alone. The tests' workers and `fedq` commands are forked
-# from a process that has imported torch once (fedq/testing/zygote.py). On 2026-11-30
-# (torch imported in 4.8 s), 15 min 52 s in all: the main 586 tests in 14 min 50 s,
-# beside them 33 in 12 min 6 s and 74 in 14 min 46 s, then the quiet 2 in 44 s. The
-# same afternoon with two processes, lint first and workers importing torch._dynamo in
-# their first task: about 24 min (the main process 22 min 8 s). The goal is 15 minutes. With arguments, ruff, mypy and
-# one pytest process with them: `bash scripts/test.sh tests/test_spec.py -x`.
+# from a process that has imported torch once (fedq/testing/zygote.py). On the evening
+# of 2026-11-30, about 9 min in all: the main 586 tests in 6 min 59 s, beside them 33
+# in 7 min 26 s and 74 in 7 min 51 s, then the quiet 2 in 25 s. In a session that
+# afternoon, on a machine about twice as slow, 15 min 52 s (the main process 14 min
+# 50 s); before, with two processes, lint first and workers importing torch._dynamo in
+# their first task: about 24 min (the main process 22 min 8 s). The goal is 15
+# minutes. With arguments, ruff, mypy and one pytest process with them:
+# `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
