@@ -8,7 +8,10 @@
 #
 # `--beside` (what .ci/run runs beside the benchmark stage, which uses the virtual
 # environment meanwhile) is the whole stage without scripts/bootstrap.sh: the
-# environment must be there already. In two halves: `--prepare` leaves the virtual
+# environment must be there already. `--images` (what .ci/run runs beside the tests
+# before that) is its preparation alone, without bootstrap.sh either: the engine, the
+# images and the browser, no tests; it leaves the engine running for the stage after it
+# (`bash scripts/docker-engine.sh stop` stops it). In two halves: `--prepare` leaves the virtual
 # environment alone too, gets the engine, the images and the browser ready and runs
 # tests/test_images.py; `--compose` then runs the docker compose tests. The image tests
 # use Redis databases FEDQ_TEST_REDIS_DBS (1-9 unless set) on the host's Redis.
@@ -19,6 +22,7 @@ case "${1:-}" in
     --prepare) mode=prepare; shift ;;
     --compose) mode=compose; shift ;;
     --beside) mode=beside; shift ;;
+    --images) mode=images; shift ;;
 esac
 if [ "$mode" = all ] || [ "$mode" = compose ]; then
     bash scripts/bootstrap.sh
@@ -30,7 +34,8 @@ if command -v docker >/dev/null && DOCKER_HOST="unix://$sock" docker version >/d
 fi
 DOCKER_HOST=$(bash scripts/docker-engine.sh)
 export DOCKER_HOST
-stop() { if [ "$started_here" = 1 ]; then bash scripts/docker-engine.sh stop; fi; }
+stop() { if [ "$started_here" = 1 ] && [ "$mode" != images ]; then
+    bash scripts/docker-engine.sh stop; fi; }
 trap stop EXIT
 bash scripts/images.sh
 # The dashboard test opens Flower in headless Chromium: Debian's browser and the
@@ -42,6 +47,7 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
 fi
 case "$mode" in
+    images) ;;
     prepare)
         tmp=$(mktemp -d)
         trap 'rm -rf "$tmp"; stop' EXIT
