@@ -11,8 +11,8 @@
 # environment must be there already. `--images` (what .ci/run runs beside the tests
 # before that) is its preparation alone, without bootstrap.sh either: the engine, the
 # images and the browser, no tests; it leaves the engine running for the stage after it
-# (`bash scripts/docker-engine.sh stop` stops it). In two halves: `--prepare` leaves the virtual
-# environment alone too, gets the engine, the images and the browser ready and runs
+# (`bash scripts/docker-engine.sh stop` stops it). In two halves: `--prepare` leaves the
+# virtual environment alone too, gets the engine, the images and the browser ready and runs
 # tests/test_images.py; `--compose` then runs the docker compose tests. The image tests
 # use Redis databases FEDQ_TEST_REDIS_DBS (1-9 unless set) on the host's Redis.
 set -euo pipefail
@@ -34,8 +34,10 @@ if command -v docker >/dev/null && DOCKER_HOST="unix://$sock" docker version >/d
 fi
 DOCKER_HOST=$(bash scripts/docker-engine.sh)
 export DOCKER_HOST
-stop() { if [ "$started_here" = 1 ] && [ "$mode" != images ]; then
-    bash scripts/docker-engine.sh stop; fi; }
+if [ "$mode" = images ]; then
+    started_here=0  # the engine stays up for the stage after it
+fi
+stop() { if [ "$started_here" = 1 ]; then bash scripts/docker-engine.sh stop; fi; }
 trap stop EXIT
 bash scripts/images.sh
 # The dashboard test opens Flower in headless Chromium: Debian's browser and the
