@@ -665,21 +665,27 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def measure(setup: Setup, redis_url: str, db_url: str, tmp: Path) -> dict[str, Any]:
+def measure(setup: Setup, redis_url: str, db_url: str, tmp: Path,
+            keep: Path | None = None) -> dict[str, Any]:
+    """Every part of the run; with ``keep``, the result so far is written there after
+    each part (a run stopped at a time limit leaves the parts it finished)."""
     start = time.perf_counter()
-    result: dict[str, Any] = {"setup": asdict(setup)}
-    result["batch"] = batch(tmp / "batch", redis_url, db_url, setup)
-    result["served"] = served(tmp / "served", redis_url, db_url, setup)
-    if setup.gpt_requests:
-        result["served_gpt"] = served_gpt(tmp / "served-gpt", redis_url, db_url, setup)
     ds = load_dataset("shakespeare", None, setup.text)
     params = sum(p.numel() for p in build_model(
         "gpt", ds.input_shape, ds.num_classes, **setup.gpt).parameters())
-    result["meta"] = {
+    result: dict[str, Any] = {"setup": asdict(setup), "meta": {
         "date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "machine": platform.machine(),
         "cores": os.cpu_count(), "torch": torch.__version__, "gpt_params": params,
-        "gpu": torch.cuda.get_device_name(0) if setup.device == "cuda" else None,
-        "minutes": (time.perf_counter() - start) / 60}
+        "gpu": torch.cuda.get_device_name(0) if setup.device == "cuda" else None}}
+    parts: list[tuple[str, Callable[..., dict[str, Any]]]] = [("batch", batch),
+                                                               ("served", served)]
+    if setup.gpt_requests:
+        parts.append(("served_gpt", served_gpt))
+    for name, run in parts:
+        result[name] = run(tmp / name.replace("_", "-"), redis_url, db_url, setup)
+        result["meta"]["minutes"] = (time.perf_counter() - start) / 60
+        if keep is not None:
+            keep.write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -717,7 +723,8 @@ def main() -> None:
                         help="measure fedq alone (--gpu: always, no Ray there)")
     parser.add_argument("--tiny", action="store_true",
                         help="with --gpu: the tiny GPT, on any machine (the test's size)")
-    parser.add_argument("--json-out", type=Path, help="also keep the measurements here")
+    parser.add_argument("--json-out", type=Path,
+                        help="also keep the measurements here (written after each part)")
     parser.add_argument("--from-json", type=Path,
                         help="write this file's tables into the doc; run nothing")
     parser.add_argument("--keep", type=Path, metavar="DIR",
@@ -749,11 +756,9 @@ def main() -> None:
         try:
             with _workdir(args.keep) as tmp, redis_database() as redis_url, \
                     _database(setup, tmp) as db_url:
-                result = measure(setup, redis_url, db_url, tmp)
+                result = measure(setup, redis_url, db_url, tmp, args.json_out)
         except BenchError as exc:
             sys.exit(f"bench.inference: {exc}")
-        if args.json_out:
-            args.json_out.write_text(json.dumps(result, indent=1))
     lines = table(result)
     print("\n".join(lines))
     if not args.no_write:
