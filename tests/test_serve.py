@@ -184,6 +184,60 @@ def test_the_router_sends_each_batch_where_it_is_expected_back_soonest() -> None
     assert r.best() == "gpu_new" and r.to_json()["cpu"]["batches"] >= 3
 
 
+def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
+    """fedq.inference.serve.Batcher with one live worker: requests that come while its
+    batch is out wait and go together when it comes back (sent every max_wait_ms, they
+    would be batches of one queued behind it in the broker); a full batch goes at once;
+    a batch waits at most twice the measured round trip. The network part (``_send``)
+    is replaced by an answer that comes when the test says."""
+    import asyncio
+    from dataclasses import replace
+
+    from fedq.inference.serve import Batcher
+
+    async def scenario(trip_s: float) -> list[int]:
+        batcher = Batcher(replace(SERVED, max_batch=4, max_wait_ms=5))
+        assert batcher.router is not None
+        batcher.router.live = {"cpu": 1}
+        batcher.router.ewma = {"cpu": trip_s}
+        back = asyncio.Event()
+        sizes: list[int] = []
+
+        async def send(batch: list[Any], attempt: int) -> list[dict[str, Any]]:
+            sizes.append(len(batch))
+            await back.wait()
+            return [{}] * len(batch)
+
+        batcher._send = send  # type: ignore[method-assign]
+        runner = asyncio.create_task(batcher.run())
+        futures = [i.future for i in batcher.admit([{}])]
+        await asyncio.sleep(0.02)  # the first batch is out: the worker is busy
+        for _ in range(3):  # one every 20 ms, four times max_wait_ms apart
+            futures += [i.future for i in batcher.admit([{}])]
+            await asyncio.sleep(0.02)
+        if trip_s < 1:  # a short round trip measured: the batch goes without the answer
+            for _ in range(500):
+                if len(sizes) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        back.set()
+        await asyncio.gather(*futures)
+        back.clear()  # a burst over max_batch: full batches go while one is out
+        futures = [i.future for i in batcher.admit([{}] * 9)]
+        await asyncio.sleep(0.05)
+        sizes.append(0)  # what was sent before the answer came
+        back.set()
+        await asyncio.gather(*futures)
+        runner.cancel()
+        return sizes
+
+    # the three waited for the first batch to come back; then full batches, and the
+    # ninth item when they came back
+    assert asyncio.run(scenario(10.0)) == [1, 3, 4, 4, 0, 1]
+    # a 0.25 s round trip measured: the three went after at most 0.5 s, unanswered
+    assert asyncio.run(scenario(0.25)) == [1, 3, 4, 4, 0, 1]
+
+
 def test_requests_and_answers_are_checked() -> None:
     assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
         [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]

@@ -5,7 +5,11 @@ within ``max_wait_ms`` of a batch's first item, as Ray Serve's ``@serve.batch``;
 no batch out, a batch goes at once with what is queued: nothing to wait for); each
 batch is one ``fedq.serve_batch`` task on a hardware queue, to a worker that keeps the
 model loaded; its answer comes back through the result backend and is checked like a
-shard's (fedq/inference/messages.py) before any of it is returned.
+shard's (fedq/inference/messages.py) before any of it is returned. While every live
+worker holds a batch, the next one keeps growing until a batch comes back, it is full,
+or it has waited twice the quickest queue's round trip (``Batcher.hold_s``): sent at
+once it would only wait in the broker, as a small batch that costs a worker nearly
+what a full one does.
 
 - Routing: the fastest class with a live worker among the queues given
   (gpu_new, then gpu_sm61, then cpu), looked up again every ``ROUTE_EVERY_S``.
@@ -297,6 +301,7 @@ class Batcher:
     metrics: Any = None
     watch: ResultWatch | None = None  # notices of stored states (else polled)
     from_notices: int = 0  # states taken from a notice, not read from their key
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # an item came, a batch back
 
     def __post_init__(self) -> None:
         self.op = self.op or self.served.op
@@ -315,17 +320,33 @@ class Batcher:
             self.queue.put_nowait(item)
             items.append(item)
         self.pending += len(bodies)
+        self.wake.set()
         return items
 
+    def capacity(self) -> int:
+        """Batches that keep the workers busy: one per live worker of the served queues
+        (at least one)."""
+        assert self.router is not None
+        return max(sum(self.router.live.get(q, 0) for q in self.router.order), 1)
+
+    def hold_s(self) -> float:
+        """How long a batch may wait for a worker to come free: twice the quickest
+        live queue's measured round trip (nothing measured yet: no wait)."""
+        assert self.router is not None
+        trips = [self.router.ewma[q] for q in self.router.candidates() if q in self.router.ewma]
+        return 2 * min(trips) if trips else 0.0
+
     async def run(self) -> None:
-        """Collect batches forever; each is sent without waiting for the one before."""
+        """Collect batches forever; each is sent without waiting for the one before,
+        except while every worker holds one (:meth:`_grow_while_busy`)."""
         while True:
             first = await self.queue.get()
+            began = time.monotonic()
             batch = [first]
             # No batch out: nothing to wait for, so no reason to hold the first item back
             # (what is queued already still joins it). Else wait up to max_wait_ms.
             wait = self.served.max_wait_ms / 1000 if self.out else 0.0
-            deadline = time.monotonic() + wait
+            deadline = began + wait
             while len(batch) < self.served.max_batch:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -336,11 +357,28 @@ class Batcher:
                     batch.append(await asyncio.wait_for(self.queue.get(), left))
                 except asyncio.TimeoutError:
                     break
+            await self._grow_while_busy(batch, began + self.hold_s())
+            self.out += 1  # counted now: the next batch is formed before this task runs
             asyncio.create_task(self._dispatch(batch))
 
+    async def _grow_while_busy(self, batch: list[_Item], until: float) -> None:
+        """While every worker holds a batch, take what comes into ``batch`` until a
+        batch comes back, ``batch`` is full, or ``until`` (monotonic) has passed."""
+        while True:
+            self.wake.clear()
+            while len(batch) < self.served.max_batch and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            left = until - time.monotonic()
+            if len(batch) >= self.served.max_batch or self.out < self.capacity() or left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self.wake.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     async def _dispatch(self, batch: list[_Item]) -> None:
+        """Send ``batch`` (counted in ``out`` by its sender) and answer its items."""
         n = len(batch)
-        self.out += 1
         self.batches = (self.batches + [n])[-1000:]
         if self.metrics is not None:
             self.metrics.batch.observe(n)
@@ -363,6 +401,7 @@ class Batcher:
         finally:
             self.pending -= n
             self.out -= 1
+            self.wake.set()
 
     async def _send(self, batch: list[_Item], attempt: int) -> list[dict[str, Any]]:
         s = self.served
