@@ -236,6 +236,11 @@ def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
     assert asyncio.run(scenario(10.0)) == [1, 3, 4, 4, 0, 1]
     # a 0.25 s round trip measured: the three went after at most 0.5 s, unanswered
     assert asyncio.run(scenario(0.25)) == [1, 3, 4, 4, 0, 1]
+    # a worker that runs two tasks at once takes two batches (Celery's stats say so)
+    busy = Batcher(SERVED)
+    assert busy.router is not None
+    busy.router.live, busy.router.slots = {"cpu": 1}, {"cpu": 2}
+    assert busy.capacity() == 2
 
 
 def test_requests_and_answers_are_checked() -> None:
@@ -469,10 +474,11 @@ def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
                                                          weights: Path) -> None:
     """Two served queues: gpu_new, whose one worker is slowed 100x, and cpu. The class
     order alone would send every batch to gpu_new; the router measures both and sends
-    most to cpu, probing gpu_new now and then (/health's routes)."""
+    most to cpu, probing gpu_new now and then (/health's routes). The cpu worker runs two
+    tasks at once, and counts so in the batches the gateway keeps out."""
     cluster = redis_cluster
     cluster.add("slow", ["gpu_new"], FEDQ_SLOWDOWN="100", FEDQ_SKIP_HARDWARE_CHECK="1")
-    cluster.add("fast", ["cpu"])
+    cluster.add("fast", ["cpu"], concurrency=2, pool="threads")
     gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
                                 "--dataset", "digits"], queues="gpu_new,cpu")
     try:
@@ -482,6 +488,8 @@ def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
 
         wait_until(lambda: all(r["live_workers"] for r in routes().values()), 60,
                    what="both queues' workers to be seen live")
+        assert {q: (r["live_workers"], r["slots"]) for q, r in routes().items()} == \
+            {"gpu_new": (1, 1), "cpu": (1, 2)}
         x = load_dataset("digits").x_test[:1]
         for _ in range(40):  # one at a time: each batch's round trip is measured alone
             status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]})

@@ -32,6 +32,18 @@ def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
     return out
 
 
+def worker_slots(timeout: float = 1.0) -> dict[str, int]:
+    """Hostname -> the tasks each live worker runs at once (its pool's concurrency:
+    ``-c``; 1 where its stats do not say)."""
+    replies = app.control.inspect(timeout=timeout).stats() or {}
+    slots = {}
+    for worker, stats in replies.items():
+        pool = stats.get("pool") if isinstance(stats, dict) else None
+        n = pool.get("max-concurrency") if isinstance(pool, dict) else None
+        slots[worker] = n if isinstance(n, int) and n > 0 else 1
+    return slots
+
+
 def queue_depths(queues: list[str], conn: Any = None) -> dict[str, int]:
     """Queue name -> messages waiting in it (a passive declare: nothing is created).
     A queue the broker does not know yet counts 0. Pass a kombu connection to reuse

@@ -236,6 +236,7 @@ class Router:
 
     order: list[str]  # the served queues, fastest class first
     live: dict[str, int] = field(default_factory=dict)  # queue -> live workers
+    slots: dict[str, int] = field(default_factory=dict)  # queue -> their tasks at once
     ewma: dict[str, float] = field(default_factory=dict)  # queue -> seconds a batch
     measured: dict[str, int] = field(default_factory=dict)  # queue -> batch no. of last
     samples: dict[str, int] = field(default_factory=dict)  # queue -> round trips measured
@@ -283,7 +284,8 @@ class Router:
         self.measured[queue] = self.sent
 
     def to_json(self) -> dict[str, Any]:
-        return {q: {"live_workers": self.live.get(q, 0), "batches": self.counts.get(q, 0),
+        return {q: {"live_workers": self.live.get(q, 0), "slots": self.slots.get(q, 0),
+                    "batches": self.counts.get(q, 0),
                     "out": self.out.get(q, 0),
                     "batch_s": round(self.ewma[q], 4) if q in self.ewma else None}
                 for q in self.order}
@@ -324,10 +326,11 @@ class Batcher:
         return items
 
     def capacity(self) -> int:
-        """Batches that keep the workers busy: one per live worker of the served queues
-        (at least one)."""
+        """Batches that keep the workers busy: one per task a live worker of the served
+        queues runs at once (its ``-c``; at least one in all)."""
         assert self.router is not None
-        return max(sum(self.router.live.get(q, 0) for q in self.router.order), 1)
+        r = self.router
+        return max(sum(r.slots.get(q, r.live.get(q, 0)) for q in r.order), 1)
 
     def hold_s(self) -> float:
         """How long a batch may wait for a worker to come free: twice the quickest
@@ -448,7 +451,7 @@ class Batcher:
     def reroute(self) -> None:
         """The live workers of each served queue, for the router (and, with identity
         required, the registered workers read again)."""
-        from fedq.engine.broker import live_queues
+        from fedq.engine.broker import live_queues, worker_slots
 
         if self.served.read_registry is not None:
             from sqlalchemy.exc import SQLAlchemyError
@@ -460,10 +463,13 @@ class Batcher:
 
         try:
             live = live_queues(timeout=1.0)
+            slots = worker_slots(timeout=1.0)
         except Exception:  # noqa: BLE001 - keep what we knew
             return
         assert self.router is not None
         self.router.live = {q: len(live.get(q) or []) for q in self.router.order}
+        self.router.slots = {q: sum(slots.get(w, 1) for w in live.get(q) or [])
+                             for q in self.router.order}
 
 
 def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | None = None,
@@ -820,6 +826,7 @@ def build_app(served: Served) -> Any:
                     for other in batchers[1:]:
                         assert other.router is not None and batcher.router is not None
                         other.router.live = dict(batcher.router.live)
+                        other.router.slots = dict(batcher.router.slots)
                 read_keys()
                 time.sleep(KEYS_EVERY_S)
 
