@@ -31,6 +31,7 @@ from fedq.inference.serve import (
 )
 from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster
+from fedq.testing.procs import start_workers
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, loads, state_of
 
@@ -478,7 +479,10 @@ def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
     tasks at once, and counts so in the batches the gateway keeps out."""
     cluster = redis_cluster
     cluster.add("slow", ["gpu_new"], FEDQ_SLOWDOWN="100", FEDQ_SKIP_HARDWARE_CHECK="1")
-    cluster.add("fast", ["cpu"], concurrency=2, pool="threads")
+    fast = cluster.worker("fast", ["cpu"])
+    fast.concurrency, fast.pool = 2, "threads"  # two tasks at once
+    start_workers([fast])
+    cluster.workers.append(fast)
     gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
                                 "--dataset", "digits"], queues="gpu_new,cpu")
     try:

@@ -62,12 +62,9 @@ class Cluster:
         self.workers += started
         return self
 
-    def add(self, name: str, queues: list[str], concurrency: int = 1, pool: str = "solo",
-            **env: str) -> WorkerProcess:
-        """Start one more worker whose environment adds ``env`` (FEDQ_SLOWDOWN=4, say),
-        running ``concurrency`` tasks at once in Celery's ``pool`` (solo runs one)."""
+    def add(self, name: str, queues: list[str], **env: str) -> WorkerProcess:
+        """Start one more worker whose environment adds ``env`` (FEDQ_SLOWDOWN=4, say)."""
         worker = self.worker(name, queues, **env)
-        worker.concurrency, worker.pool = concurrency, pool
         start_workers([worker])
         self.workers.append(worker)
         return worker
