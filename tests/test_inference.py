@@ -324,7 +324,8 @@ def test_the_amp_probe_is_a_first_batch_of_each_gpt_operation(tmp_path: Path) ->
 def test_a_served_batch_of_completions_runs_as_one_generation(tmp_path: Path) -> None:
     """serve_batch, the worker's side of fedq serve: a batch of alike completions is
     generated together (one generate_batch call for all of them), and each answer is
-    the text its prompt and seed get alone."""
+    the text its prompt and seed get alone. Its texts so far are written only for a
+    batch that has a streamed request (``stream``)."""
     import fedq.inference.run as run
     from fedq.models.gpt import GPT
 
@@ -344,10 +345,14 @@ def test_a_served_batch_of_completions_runs_as_one_generation(tmp_path: Path) ->
         sizes.append(len(rows))
         return alone(self, rows, *args, **kwargs)
 
+    written: list[list[str]] = []
     with mock.patch.object(GPT, "generate_batch", counted):
-        result = run.serve_batch(batch, store, "w1")
+        result = run.serve_batch(batch, store, "w1", written.append)
+        assert written == []  # nobody streams: only the answer is written
+        streamed = run.serve_batch({**batch, "stream": True}, store, "w1", written.append)
     assert result["status"] == "ok", result
-    assert sizes == [5]
+    assert sizes == [5, 5] and streamed["outputs"] == result["outputs"]
+    assert written and len(written[0]) == 5, written
     model = _gpt(weights)
     for item, row in zip(items, result["outputs"], strict=True):
         ids = text_data.prompt_ids(item["prompt"])

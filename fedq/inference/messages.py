@@ -96,6 +96,9 @@ class ServeBatch(_Strict):
     model: Blob
     arch: Arch
     items: list[Any] = Field(min_length=1, max_length=4096)
+    # some request of the batch is streamed: the worker writes its texts so far as it
+    # generates (else it writes only the answer)
+    stream: bool = False
 
 
 class ShardResult(_Strict):

@@ -315,9 +315,9 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
                 progress: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """One batch of ``fedq serve`` requests: classify images, embed or continue
     prompts; the outputs in order (never raises). The model stays loaded between
-    batches. ``progress(texts)``, while completions are generated: the text of each
-    item so far (the finished ones whole, then the one being generated), for the
-    gateway's streamed answers."""
+    batches. ``progress(texts)``, while completions are generated for a batch that
+    asks for it (``stream``): the text of each item so far, for the gateway's streamed
+    answers."""
     start = time.perf_counter()
     try:
         msg = parse_batch(data)
@@ -328,7 +328,7 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         began = time.perf_counter()
         amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device)
         with amp_autocast(amp, device):
-            rows = _serve_items(model, msg, items, device, progress)
+            rows = _serve_items(model, msg, items, device, progress if msg.stream else None)
         slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
         if slowdown > 1:
             time.sleep((slowdown - 1) * (time.perf_counter() - began))

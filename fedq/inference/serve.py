@@ -20,11 +20,13 @@ what a full one does.
 - ``FEDQ_SERVE_API_KEY`` set: every request but ``/health`` needs
   ``Authorization: Bearer KEY`` (compared in constant time).
 - ``"stream": true`` on a completion: server-sent events as OpenAI's API sends them.
-  The worker writes each item's text so far into its batch task's state
-  (``STREAMING``, at most every 50 ms); the gateway, which polls that state anyway,
-  checks it (a list of strings, no longer than the items' ``max_tokens``) and sends
-  what was added. The final answer is checked as a non-streamed one is; if it does not
-  continue what was streamed, the stream ends with an error event. Streamed pieces are
+  A batch with a streamed request says so (``stream`` in its message), and its worker
+  writes each item's text so far into the batch task's state (``STREAMING``, at most
+  every 50 ms; a batch without one gets only the answer); the gateway, which polls
+  that state anyway, checks it (a list of strings, no longer than the items'
+  ``max_tokens``) and sends what was added. The final answer is checked as a
+  non-streamed one is; if it does not continue what was streamed, the stream ends
+  with an error event. Streamed pieces are
   signed too (with identity required, a piece not signed for its task by a registered
   worker is dropped, as an unsigned answer is refused).
 """
@@ -412,6 +414,8 @@ class Batcher:
         tid = base + identity.task_tag(base, s.keys)
         msg = {"format": MESSAGE_FORMAT, "op": self.op, "model": s.model, "arch": s.arch,
                "items": [item.body for item in batch]}
+        if any(item.texts is not None for item in batch):
+            msg["stream"] = True  # the worker writes its texts so far only when asked
         assert self.router is not None
         queue = self.router.choose()
         sent, took = time.perf_counter(), s.batch_timeout_s  # no answer: the whole timeout
