@@ -355,8 +355,7 @@ class Batcher:
             while len(batch) < self.served.max_batch:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    while len(batch) < self.served.max_batch and not self.queue.empty():
-                        batch.append(self.queue.get_nowait())
+                    self._take_queued(batch)
                     break
                 try:
                     batch.append(await asyncio.wait_for(self.queue.get(), left))
@@ -366,13 +365,17 @@ class Batcher:
             self.out += 1  # counted now: the next batch is formed before this task runs
             asyncio.create_task(self._dispatch(batch))
 
+    def _take_queued(self, batch: list[_Item]) -> None:
+        """Move what is queued into ``batch``, up to ``max_batch`` items."""
+        while len(batch) < self.served.max_batch and not self.queue.empty():
+            batch.append(self.queue.get_nowait())
+
     async def _grow_while_busy(self, batch: list[_Item], until: float) -> None:
         """While every worker holds a batch, take what comes into ``batch`` until a
         batch comes back, ``batch`` is full, or ``until`` (monotonic) has passed."""
         while True:
             self.wake.clear()
-            while len(batch) < self.served.max_batch and not self.queue.empty():
-                batch.append(self.queue.get_nowait())
+            self._take_queued(batch)
             left = until - time.monotonic()
             if len(batch) >= self.served.max_batch or self.out < self.capacity() or left <= 0:
                 return
