@@ -43,8 +43,10 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
         slow_rows = [r for r in batch if r.worker == "slow@test"]
         fast_rows = [r for r in batch if r.worker != "slow@test"]
         if slow_rows:  # the slow worker took a task this round
-            # it trained for the budget too, and so managed far fewer steps
-            assert slow_rows[0].steps < 0.5 * min(r.steps for r in fast_rows)
+            # it trained for the budget too, and so managed far fewer steps: about 1/4
+            # alone; exactly 1/2 was seen in CI, where the tests run beside others on 2
+            # cores and the slow worker's sleeps leave the fast ones more of the CPU
+            assert slow_rows[0].steps < 0.75 * min(r.steps for r in fast_rows)
         # every task stopped at the budget, not at its 100 epochs
         assert all(r.processed < 100 * r.samples for r in batch)
         if number == 2:  # warm workers (round 1 includes loading the data set and model)
