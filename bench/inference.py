@@ -226,7 +226,7 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
             "inputs": {"prompts": inputs},
             "generate": {"max_tokens": setup.max_tokens, "seed": 1},
             "queues": [setup.queue], "shard_size": setup.shard_size,
-            "batch_size": setup.shard_size, "in_flight": max(2, setup.workers)}))
+            "batch_size": setup.shard_size}))  # in_flight unset: two per worker
         return path
 
     spec = spec_file("batch", "prompts.jsonl")

@@ -586,6 +586,58 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
     assert (first["status"], first["attempt"], first["backups"]) == ("running", 1, 0)
 
 
+def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_free_slot(
+        tmp_path: Path) -> None:
+    """``in_flight`` unset (jobs.queue_limits): each worker registered on the queue that
+    has not stepped aside counts for two shards out (its next one waits in the broker);
+    a backup copy still waits for a free slot, not for a shard fewer than that."""
+    from fedq.db.models import Worker
+    from fedq.db.session import ensure_schema
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    ensure_schema(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        s.add_all([Worker(hostname="a@test", queues=["cpu"], hardware={}),
+                   Worker(hostname="b@test", queues=["cpu", "gpu_new"], hardware={},
+                          available=True),
+                   Worker(hostname="c@test", queues=["cpu"], hardware={}, available=False,
+                          away_reason="owner active"),
+                   Worker(hostname="g@test", queues=["gpu_new"], hardware={})])
+    store = open_store(settings.blob_url)
+    weights = _classifier_file(tmp_path)
+    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": 10}, op="classify",
+                                shard_size=1))
+    with session_scope(settings.database_url) as s:
+        assert jobs.queue_limits(s, spec.to_json()) == {"cpu": (4, 2)}
+        assert jobs.queue_limits(s, {**spec.to_json(), "queues": ["gpu_new", "tpu"]}) == {
+            "gpu_new": (4, 2), "tpu": (2, 1)}
+        assert jobs.queue_limits(s, {**spec.to_json(), "in_flight": 3}) == {"cpu": (3, 3)}
+    job = jobs.submit(settings, spec, tmp_path)
+
+    def out() -> list[dict[str, Any]]:
+        view = jobs.find(settings, job)
+        assert view is not None
+        return [r for r in view.shard_rows if r["status"] == "running"]
+
+    assert [r["shard"] for r in out()] == [0, 1, 2, 3]  # a and b, two each (c is away)
+    # shards 2.. answered as a worker would, one at a time: 0 and 1 stay out
+    while [r for r in out() if r["shard"] > 1]:
+        row = next(r for r in out() if r["shard"] > 1)
+        lines = [{"i": row["start"], "label": 0, "probs": [0.1] * 10}]
+        ref = store.put(output_key(job, row["shard"], row["attempt"]), encode_rows(lines))
+        assert jobs.absorb(settings, {
+            "status": "ok", "job": job, "shard": row["shard"], "attempt": row["attempt"],
+            "worker": "a@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,
+            "size": ref.size, "items": 1, "seconds": 0.1}, job, row["shard"],
+            row["attempt"])["status"] == "done"
+    # nothing waits, two shards out on two workers: no slot is free, so no copy
+    assert [(r["shard"], r["backups"]) for r in out()] == [(0, 0), (1, 0)]
+    jobs.cancel(settings, job)
+
+
 def test_a_slow_class_does_not_copy_a_shard_a_fast_class_is_about_to_finish(
         tmp_path: Path) -> None:
     """Backup copies by measured speed (jobs.backup_choice), on the embedded default

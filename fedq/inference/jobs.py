@@ -1,13 +1,14 @@
 """Inference jobs as the coordinator runs them: submit, dispatch by throughput, absorb
 each shard's answer once, repair, cancel, resume, and the merged outputs.
 
-Who does how much: each queue of the job keeps ``in_flight`` shards out; when one
-comes back, the next queued shard goes to the same queue. A queue whose workers are
-faster returns sooner and so takes more shards (with ``worker_prefetch_multiplier``
-1, a worker holds one shard at a time). The job's end does not wait on a slow
-machine: once no shard waits, a free slot runs a backup copy of the shard out longest
-(:func:`_backups`), or, with ``backups: false``, the last shards are smaller
-(:func:`plan_shards`).
+Who does how much: each queue of the job keeps shards out (``in_flight``; unset, two
+for each worker consuming the queue: :func:`queue_limits`); when one comes back, the
+next queued shard goes to the same queue. A queue whose workers are faster returns
+sooner and so takes more shards (with ``worker_prefetch_multiplier`` 1, a worker holds
+one shard at a time, and the next waits in the broker for whichever is free first).
+The job's end does not wait on a slow machine: once no shard waits, a free slot runs a
+backup copy of the shard out longest (:func:`_backups`), or, with ``backups: false``,
+the last shards are smaller (:func:`plan_shards`).
 
 Exactly once: a shard's row moves to ``done`` once, under the job's row lock; a
 re-sent shard's second answer (or a straggler's) is dropped. A shard's output is
@@ -38,7 +39,7 @@ import fedq.identity as identity
 from fedq.blobs import BlobRef, open_store
 from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
-from fedq.db.models import InferenceJob, InferenceShard, aware, utcnow, worker_time
+from fedq.db.models import InferenceJob, InferenceShard, Worker, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema, lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.broker import check_broker
@@ -249,8 +250,12 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
         items = min(len(x), spec.inputs.limit) if spec.inputs.limit else len(x)
     # with backup copies the job's end does not wait on a slow machine's shard, and
     # short shards would only add their overhead (docs/inference.md, "The tail")
-    shards = plan_shards(items, spec.shard_size,
-                         tail=0 if spec.backups else len(spec.queues) * spec.in_flight)
+    if spec.backups:
+        tail = 0
+    else:
+        with session_scope(settings.database_url) as s:
+            tail = sum(out for out, _ in queue_limits(s, spec.to_json()).values())
+    shards = plan_shards(items, spec.shard_size, tail=tail)
     job_id = uuid.uuid4().hex[:12]
     try:
         if weights_bytes is not None:
@@ -335,9 +340,33 @@ def _take(job: InferenceJob, row: InferenceShard, queue: str, backup: bool = Fal
     return Take(queue, tid, msg, row.shard, backup)
 
 
+def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Queue -> (shards it keeps out, its slots for backup copies). A spec's
+    ``in_flight`` is both. Unset: the workers registered on the queue that have not
+    stepped aside (SQL, cheap enough for every answer; a worker killed without its
+    shutdown counts until it is marked lost), at least one, are its slots, and it keeps
+    twice that out: each worker's next shard waits in the broker, so a worker that
+    answers takes it at once instead of idling while its answer reaches the control
+    worker and the next shard comes back (with two workers on one queue and one
+    shard each out, the batch table's job ran about 13% slower on 2 cores:
+    docs/inference.md, "Who does how much"). A worker started with ``-c N`` counts
+    once (the docs start workers with ``-c 1``). A copy is sent only to a free slot."""
+    fixed = spec.get("in_flight")
+    if fixed:
+        return {q: (fixed, fixed) for q in spec["queues"]}
+    workers: dict[str, int] = defaultdict(int)
+    for queues, available in s.execute(select(Worker.queues, Worker.available)).tuples():
+        if available is not False:  # away, lost or stopped: it takes nothing now
+            for q in set(queues or ()):
+                workers[q] += 1
+    return {q: (2 * max(1, workers[q]), max(1, workers[q])) for q in spec["queues"]}
+
+
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None) -> list[Take]:
-    """Shards to send so that each queue has ``in_flight`` out (lowest first)."""
+    """Shards to send so that each queue has its :func:`queue_limits` out (lowest
+    first), then backup copies on its free slots."""
     spec = job.spec
+    limits = queue_limits(s, spec)
     running: dict[str, int] = defaultdict(int)
     for q in s.scalars(select(InferenceShard.queue).where(
             InferenceShard.job_id == job.id, InferenceShard.status == RUNNING)):
@@ -347,11 +376,12 @@ def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None) -> lis
         .order_by(InferenceShard.shard)))
     out = []
     for queue in queues or spec["queues"]:
-        while waiting and running[queue] < spec["in_flight"]:
+        while waiting and running[queue] < limits[queue][0]:
             out.append(_take(job, waiting.pop(0), queue))
             running[queue] += 1
     if not waiting and spec.get("backups", True):  # jobs before 0018 have no field
-        out += _backups(s, job, queues or spec["queues"], running)
+        out += _backups(s, job, queues or spec["queues"], running,
+                        {q: slots for q, (_, slots) in limits.items()})
     return out
 
 
@@ -401,16 +431,16 @@ def backup_choice(alone: list[InferenceShard], queue: str, rates: dict[str, floa
     return None
 
 
-def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str, int]
-             ) -> list[Take]:
+def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str, int],
+             slots: dict[str, int]) -> list[Take]:
     """Backup copies for the job's end (MapReduce's backup tasks, Dean and Ghemawat
     2004, section 3.6): with no shard waiting, each free slot of ``queues`` runs a
     second copy of a shard out that has none (:func:`backup_choice`: the longest out,
-    passing over another class's shard that a copy here would not beat), so the job
+    passing over another class's shard that a copy here would not beat; a queue's slot
+    is free while fewer than ``slots[queue]`` of its shards are out), so the job
     does not end waiting on a slow or lost machine. Whichever copy answers first
     counts (a shard is done once); the other is revoked and its answer dropped. A copy
     is not a failure: ``backups`` keeps it out of ``max_redispatch``'s count."""
-    spec = job.spec
     alone = list(s.scalars(select(InferenceShard).where(
         InferenceShard.job_id == job.id, InferenceShard.status == RUNNING,
         InferenceShard.backups == 0).order_by(InferenceShard.sent_at, InferenceShard.shard)))
@@ -419,7 +449,7 @@ def _backups(s: Session, job: InferenceJob, queues: list[str], running: dict[str
     rates, now = queue_rates(s, job.id), time.time()
     out = []
     for queue in queues:
-        while alone and running[queue] < spec["in_flight"]:
+        while alone and running[queue] < slots[queue]:
             row = backup_choice(alone, queue, rates, now)
             if row is None:
                 break
@@ -480,7 +510,7 @@ def _unsend(settings: Settings, job_id: str, tasks: list[Take], why: str) -> Non
 
 
 def fill(settings: Settings, job_id: str) -> int:
-    """Send queued shards until each queue has its ``in_flight``; how many were sent
+    """Send queued shards until each queue has its :func:`queue_limits` out; how many were sent
     (0 when the broker refused them: they stay queued)."""
     sent, refused = _refill(settings, job_id)
     return 0 if refused else sent
@@ -654,7 +684,7 @@ def repair(settings: Settings, registry: identity.Registry | None = None
            ) -> list[dict[str, Any]]:
     """The watchdog's pass over running inference jobs: a shard out longer than
     ``shard_timeout_s`` is absorbed from the result backend (its callback was lost) or
-    sent again; queues short of their ``in_flight`` are filled (a lost dispatch)."""
+    sent again; queues short of their shards out are filled (a lost dispatch)."""
     now = utcnow()
     actions: list[dict[str, Any]] = []
     with session_scope(settings.database_url) as s:

@@ -76,7 +76,9 @@ class InferenceSpec(_Model):
     shard_size: int = Field(default=256, ge=1, le=1_000_000)
     batch_size: int = Field(default=64, ge=1, le=65_536)
     queues: list[Queue] = Field(default=["cpu"], min_length=1)
-    in_flight: int = Field(default=2, ge=1, le=1000)  # shards out per queue at once
+    # shards out per queue at once; unset: two per worker of the queue (one running,
+    # one waiting in the broker: fedq/inference/jobs.py ``queue_limits``)
+    in_flight: int | None = Field(default=None, ge=1, le=1000)
     shard_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     max_redispatch: int = Field(default=2, ge=0, le=100)
     # once no shard waits, a queue's free slot runs a second copy of the shard out
