@@ -177,8 +177,12 @@ class _Conn:
             setattr(self.relay.stats, direction, getattr(self.relay.stats, direction) + len(data))
             return
         self.ended[direction] = True
-        if dst.can_write_eof():
-            dst.write_eof()
+        try:
+            if dst.can_write_eof():
+                dst.write_eof()
+        except OSError:  # the other end is gone already (ENOTCONN): nothing to end
+            self.close()
+            return
         if all(self.ended.values()):
             self.close()
 
