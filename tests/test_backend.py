@@ -132,3 +132,36 @@ def test_a_revoked_mark_a_worker_wrote_is_read_as_one_bounded_line(
                                          "exc_message": message}, "task_id": "t5"}))
     assert revoke_mod.revoked_else_claim(backend, "t5", {"beat": 0}, "STARTED") == reason
     assert json.loads(plain.get(backend.get_key_for_task("t5")))["status"] == "REVOKED"
+
+
+def test_task_states_are_read_a_batch_of_keys_per_round_trip(
+        backend: RedisBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``task_metas`` (what a round's finalize reads its results with): what
+    ``get_task_meta`` reads, in order, a PENDING for a task with no state, one MGET per
+    ``METAS_PER_READ`` tasks on Redis; the embedded default's file backend alike."""
+    import fedq.engine.backend as fb
+    from celery.backends.filesystem import FilesystemBackend
+
+    monkeypatch.setattr(fb, "METAS_PER_READ", 2)
+    file_app = Celery("test-file-backend", broker="memory://")
+    file_app.conf.result_serializer = "json"
+    on_disk = FilesystemBackend(app=file_app, url=f"file://{tmp_path}")
+    ids = ["m0", "m1", "none", "m3", "m4"]
+    for b in (backend, on_disk):
+        b.store_result("m0", {"n": 0}, states.SUCCESS)
+        b.store_result("m1", {"hostname": "w", "beat": 0}, states.STARTED)
+        b.store_result("m3", {"n": 3}, states.SUCCESS)
+        b.store_result("m4", {"exc_type": "RuntimeError", "exc_message": ["boom"],
+                              "exc_module": "builtins"}, states.FAILURE)
+    sent = _commands(backend)
+    metas = fb.task_metas(backend, ids)
+    assert sent == ["MGET", "MGET", "MGET"]  # 5 tasks, 2 a read; get_task_meta: 5 GETs
+    for b, got in ((backend, metas), (on_disk, fb.task_metas(on_disk, ids))):
+        assert [m["status"] for m in got] == ["SUCCESS", "STARTED", "PENDING", "SUCCESS",
+                                              "FAILURE"]
+        assert got[0]["result"] == {"n": 0} and got[3]["result"] == {"n": 3}
+        assert got[2]["result"] is None
+        for tid, meta in zip(ids, got):
+            want = b.get_task_meta(tid, cache=False)
+            assert meta["status"] == want["status"]
+            assert repr(meta["result"]) == repr(want["result"])

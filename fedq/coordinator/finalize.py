@@ -62,6 +62,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, insert_rows, new_row
 from fedq.db.session import lock_row
 from fedq.engine.app import app
+from fedq.engine.backend import task_metas
 from fedq.engine.broker import live_queues
 from fedq.engine.revoke import revoke_quietly
 from fedq.phases import current_times, phase, recording, summary
@@ -79,16 +80,12 @@ def collect(job_id: str, number: int, gen: int, attempts: int,
     """Every finished training result of a round in the result backend, read by the
     task ids this coordinator sent (all attempts so far) and admitted against them
     (fedq/coordinator/intake.py): who a result is for comes from its task id."""
-    found = []
     registry = registry_if_required(get_settings())
-    for client, queue in queues.items():
-        for attempt in range(1, attempts + 1):
-            sent = Sent(job_id, number, client, attempt, gen, queue)
-            meta = app.backend.get_task_meta(sent.task_id)
-            if meta.get("status") != "SUCCESS":
-                continue
-            found.append(admit(meta.get("result"), sent, known_limits(spec, client), registry))
-    return found
+    sent = [Sent(job_id, number, client, attempt, gen, queue)
+            for client, queue in queues.items() for attempt in range(1, attempts + 1)]
+    metas = task_metas(app.backend, [s.task_id for s in sent])  # MGET on Redis
+    return [admit(meta.get("result"), s, known_limits(spec, s.client), registry)
+            for s, meta in zip(sent, metas, strict=True) if meta.get("status") == "SUCCESS"]
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,12 @@ docs/benchmarks.md ("A round of 1,000 clients").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from celery import states
 from celery._state import task_join_will_block
+from celery.backends.base import BaseKeyValueStoreBackend
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
@@ -111,3 +113,24 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         if task_join_will_block():  # a worker: nobody will wait on this result here
             return
         super()._add_pending_result(task_id, result, weak=weak)
+
+
+#: Task keys read in one ``MGET``: a round of 10,000 clients is ten round trips.
+METAS_PER_READ = 1000
+
+
+def task_metas(backend: Any, task_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Each task's stored state, as Celery's ``get_task_meta`` reads it (a task with no
+    state is PENDING), in the order of ``task_ids``. A key-value backend reads
+    :data:`METAS_PER_READ` keys at a time (one ``MGET`` on Redis, where
+    ``get_task_meta`` makes a round trip per task: 1,000 of them in a round of 1,000
+    clients); another backend reads them one by one."""
+    if not isinstance(backend, BaseKeyValueStoreBackend):
+        return [backend.get_task_meta(t) for t in task_ids]
+    metas: list[dict[str, Any]] = []
+    for lo in range(0, len(task_ids), METAS_PER_READ):
+        chunk = task_ids[lo:lo + METAS_PER_READ]
+        values = backend.mget([backend.get_key_for_task(t) for t in chunk])
+        metas += [backend.decode_result(v) if v else {"status": states.PENDING, "result": None}
+                  for v in values]
+    return metas
