@@ -38,6 +38,7 @@ from fedq.coordinator import roster
 from fedq.db import Claim, Job, session_scope
 from fedq.db.models import InferenceJob, aware, utcnow
 from fedq.engine.app import app
+from fedq.engine.backend import task_metas
 from fedq.settings import Settings
 from fedq.status import JobStatus
 from fedq.wire import read_claim
@@ -63,7 +64,9 @@ def observe(settings: Settings, job_id: str, tasks: Mapping[str, int],
     record when each heartbeat moved, forget the job's other claims; the started ones.
     ``meta``: a task id's result-backend meta (default: the app's backend)."""
     now = now or utcnow()
-    meta = meta or app.backend.get_task_meta
+    if meta is None:  # one MGET per 1,000 tasks, not a GET each (10,000 in a wide round)
+        ids = list(tasks)
+        meta = dict(zip(ids, task_metas(app.backend, ids), strict=True)).__getitem__
     beats = {tid: b for tid in tasks if (b := read_claim(meta(tid))) is not None}
     holders, moved = [], set()
     with session_scope(settings.database_url) as s:
