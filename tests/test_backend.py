@@ -139,8 +139,9 @@ def test_task_states_are_read_a_batch_of_keys_per_round_trip(
     """``task_metas`` (what a round's finalize reads its results with): what
     ``get_task_meta`` reads, in order, a PENDING for a task with no state, one MGET per
     ``METAS_PER_READ`` tasks on Redis; the embedded default's file backend alike."""
-    import fedq.engine.backend as fb
     from celery.backends.filesystem import FilesystemBackend
+
+    import fedq.engine.backend as fb
 
     monkeypatch.setattr(fb, "METAS_PER_READ", 2)
     file_app = Celery("test-file-backend", broker="memory://")

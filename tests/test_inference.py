@@ -8,7 +8,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -590,7 +590,8 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
         tmp_path: Path) -> None:
     """``in_flight`` unset (jobs.queue_limits): each worker registered on the queue that
     has not stepped aside counts for two shards out (its next one waits in the broker);
-    a backup copy still waits for a free slot, not for a shard fewer than that."""
+    one not seen lately does not count; a backup copy still waits for a free slot, not
+    for a shard fewer than that."""
     from fedq.db.models import Worker
     from fedq.db.session import ensure_schema
 
@@ -603,7 +604,10 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
                           available=True),
                    Worker(hostname="c@test", queues=["cpu"], hardware={}, available=False,
                           away_reason="owner active"),
-                   Worker(hostname="g@test", queues=["gpu_new"], hardware={})])
+                   Worker(hostname="g@test", queues=["gpu_new"], hardware={}),
+                   # killed an hour ago without its shutdown: not seen since
+                   Worker(hostname="d@test", queues=["cpu"], hardware={},
+                          last_seen=datetime.now(timezone.utc) - timedelta(hours=1))])
     store = open_store(settings.blob_url)
     weights = _classifier_file(tmp_path)
     spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",

@@ -340,11 +340,17 @@ def _take(job: InferenceJob, row: InferenceShard, queue: str, backup: bool = Fal
     return Take(queue, tid, msg, row.shard, backup)
 
 
+#: A worker counts for an inference queue's shards out if seen this recently (a worker
+#: busy with one shard longer than this is not counted: the queue then keeps fewer out).
+SEEN_WITHIN_S = 600.0
+
+
 def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """Queue -> (shards it keeps out, its slots for backup copies). A spec's
     ``in_flight`` is both. Unset: the workers registered on the queue that have not
-    stepped aside (SQL, cheap enough for every answer; a worker killed without its
-    shutdown counts until it is marked lost), at least one, are its slots, and it keeps
+    stepped aside and were seen in the last :data:`SEEN_WITHIN_S` (SQL, cheap enough
+    for every answer; an idle worker says it is here every ``FEDQ_PRESENCE_S``, so one
+    killed without its shutdown drops out), at least one, are its slots, and it keeps
     twice that out: each worker's next shard waits in the broker, so a worker that
     answers takes it at once instead of idling while its answer reaches the control
     worker and the next shard comes back (with two workers on one queue and one
@@ -355,7 +361,9 @@ def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]
     if fixed:
         return {q: (fixed, fixed) for q in spec["queues"]}
     workers: dict[str, int] = defaultdict(int)
-    for queues, available in s.execute(select(Worker.queues, Worker.available)).tuples():
+    seen = utcnow() - timedelta(seconds=SEEN_WITHIN_S)
+    for queues, available in s.execute(select(Worker.queues, Worker.available).where(
+            Worker.last_seen >= seen)).tuples():
         if available is not False:  # away, lost or stopped: it takes nothing now
             for q in set(queues or ()):
                 workers[q] += 1
