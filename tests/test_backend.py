@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,35 +135,45 @@ def test_a_revoked_mark_a_worker_wrote_is_read_as_one_bounded_line(
     assert json.loads(plain.get(backend.get_key_for_task("t5")))["status"] == "REVOKED"
 
 
-def test_task_states_are_read_a_batch_of_keys_per_round_trip(
+def test_task_states_are_read_a_batch_of_keys_per_round_trip_and_never_a_huge_one(
         backend: RedisBackend, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``task_metas`` (what a round's finalize reads its results with): what
-    ``get_task_meta`` reads, in order, a PENDING for a task with no state, one MGET per
-    ``METAS_PER_READ`` tasks on Redis; the embedded default's file backend alike."""
+    """``task_metas`` (what a round's finalize and the watchdog read states with): what
+    ``get_task_meta`` reads, in order, a PENDING for a task with no state, one round
+    trip per ``METAS_PER_READ`` tasks on Redis; a state over ``STATE_BYTES`` (anything a
+    worker wrote under its task's key) comes back as its length, unread; the embedded
+    default's file backend alike."""
     from celery.backends.filesystem import FilesystemBackend
 
     import fedq.engine.backend as fb
 
     monkeypatch.setattr(fb, "METAS_PER_READ", 2)
+    monkeypatch.setattr(fb, "STATE_BYTES", 4096)
     file_app = Celery("test-file-backend", broker="memory://")
     file_app.conf.result_serializer = "json"
     on_disk = FilesystemBackend(app=file_app, url=f"file://{tmp_path}")
-    ids = ["m0", "m1", "none", "m3", "m4"]
+    ids = ["m0", "m1", "none", "m3", "m4", "huge"]
     for b in (backend, on_disk):
         b.store_result("m0", {"n": 0}, states.SUCCESS)
         b.store_result("m1", {"hostname": "w", "beat": 0}, states.STARTED)
         b.store_result("m3", {"n": 3}, states.SUCCESS)
         b.store_result("m4", {"exc_type": "RuntimeError", "exc_message": ["boom"],
                               "exc_module": "builtins"}, states.FAILURE)
+        b.store_result("huge", {"pad": "x" * 100_000}, states.SUCCESS)
+    fb.task_metas(backend, ["m0"])  # loads the script
     sent = _commands(backend)
     metas = fb.task_metas(backend, ids)
-    assert sent == ["MGET", "MGET", "MGET"]  # 5 tasks, 2 a read; get_task_meta: 5 GETs
-    for b, got in ((backend, metas), (on_disk, fb.task_metas(on_disk, ids))):
+    assert sent == ["EVALSHA"] * 3  # 6 tasks, 2 a read; get_task_meta: 6 GETs
+    sizes = [len(redis.Redis.from_url(backend.url).get(backend.get_key_for_task("huge"))),
+             Path(on_disk._filename(on_disk.get_key_for_task("huge")).decode()).stat().st_size]
+    for b, got, huge in ((backend, metas, sizes[0]),
+                         (on_disk, fb.task_metas(on_disk, ids), sizes[1])):
+        assert huge > 100_000
         assert [m["status"] for m in got] == ["SUCCESS", "STARTED", "PENDING", "SUCCESS",
-                                              "FAILURE"]
+                                              "FAILURE", fb.TOO_LARGE]
         assert got[0]["result"] == {"n": 0} and got[3]["result"] == {"n": 3}
         assert got[2]["result"] is None
-        for tid, meta in zip(ids, got):
+        assert got[5] == {"status": fb.TOO_LARGE, "result": None, "bytes": huge}
+        for tid, meta in zip(ids[:5], got):
             want = b.get_task_meta(tid, cache=False)
             assert meta["status"] == want["status"]
             assert repr(meta["result"]) == repr(want["result"])

@@ -79,6 +79,9 @@ SCENARIOS: dict[str, Scenario] = {
     "malformed": Scenario("`bytes_up: -1`, `gpu_util: 1e9`", "rejected",
                           "malformed result: bytes_up",
                           "wire.ResultModel: the field bounds"),
+    "huge_result": Scenario("a result of 16 MiB (its error text padded)", "rejected",
+                            "bytes in the result backend, more than",
+                            "engine.backend.task_metas: the bound on a state's size"),
     "never_sent": Scenario("planted results for tasks never sent (attempt 2 of every "
                            "client) and rang finalize with made-up results", "ok", None,
                            "finalize.collect: results read by the task ids sent, "

@@ -195,6 +195,16 @@ def _shard_sizes(dataset: str, data_dir: str, args: str, partition: str, num_cli
                                                    num_clients, seed))
 
 
+def too_large(sent: Sent, size: int, bound: int) -> UpdateRef:
+    """Task ``sent``'s result, rejected unread: ``size`` bytes in the result backend,
+    over the ``bound`` a result may have (fedq.engine.backend.task_metas)."""
+    return UpdateRef(status=UpdateStatus.REJECTED, job=sent.job, round=sent.round,
+                     task=sent.task, client=sent.client, queue=sent.queue, worker="?",
+                     attempt=sent.attempt, gen=sent.gen,
+                     error=f"result: {size} bytes in the result backend, more than the "
+                           f"{bound} a result may have; not read")
+
+
 def admit(raw: Any, sent: Sent, bound: Limits | None,
           registry: Registry | None = None) -> UpdateRef:
     """The result ``raw`` of task ``sent``: status ok or error as the worker reported

@@ -25,12 +25,14 @@ docs/benchmarks.md ("A round of 1,000 clients").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from celery import states
 from celery._state import task_join_will_block
 from celery.backends.base import BaseKeyValueStoreBackend
+from celery.backends.filesystem import FilesystemBackend
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
@@ -61,9 +63,29 @@ redis.call('PUBLISH', KEYS[1], ARGV[1])
 return 1
 """
 
+#: KEYS the tasks' keys; ARGV[1] the most bytes a stored state may have. Each key's
+#: value, false where there is none, or its length (an integer) where it is longer than
+#: that: such a value is never read, here or by the caller.
+_READ_BOUNDED = """
+local out = {}
+local bound = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  local n = redis.call('STRLEN', key)
+  if n > bound then
+    out[i] = n
+  elseif n > 0 then
+    out[i] = redis.call('GET', key)
+  else
+    out[i] = false
+  end
+end
+return out
+"""
+
 
 class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
     _store_script: Any = None
+    _read_script: Any = None
 
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:
@@ -109,28 +131,66 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
             self._store_script = self.client.register_script(_STORE)
         return self._store_script(keys=[key], args=[value, int(expires), int(keep_revoked)])
 
+    def read_bounded(self, keys: Sequence[str | bytes], bound: int) -> list[bytes | int | None]:
+        """Each key's stored state in one round trip (a script: ``MGET`` with a bound);
+        its length instead where it is over ``bound`` bytes, None where there is none."""
+        if self._read_script is None:
+            self._read_script = self.client.register_script(_READ_BOUNDED)
+        values: list[bytes | int | None] = self.ensure(
+            lambda: self._read_script(keys=list(keys), args=[bound]), ())
+        return values
+
     def _add_pending_result(self, task_id: str, result: Any, weak: bool = False) -> None:
         if task_join_will_block():  # a worker: nobody will wait on this result here
             return
         super()._add_pending_result(task_id, result, weak=weak)
 
 
-#: Task keys read in one ``MGET``: a round of 10,000 clients is ten round trips.
+#: Task keys read in one round trip: a round of 10,000 clients is ten.
 METAS_PER_READ = 1000
+#: The most bytes a task's stored state may have to be read by :func:`task_metas`. A
+#: training result is a small JSON object (fedq/wire.py ``ResultModel``: a few kB at
+#: most); a worker can write anything under its task's key, and a batch of reads must
+#: not hold a batch of huge values.
+STATE_BYTES = 256 << 10
+#: The status :func:`task_metas` gives a state over :data:`STATE_BYTES` (not read;
+#: ``bytes``: its length).
+TOO_LARGE = "FEDQ_TOO_LARGE"
 
 
 def task_metas(backend: Any, task_ids: Sequence[str]) -> list[dict[str, Any]]:
     """Each task's stored state, as Celery's ``get_task_meta`` reads it (a task with no
-    state is PENDING), in the order of ``task_ids``. A key-value backend reads
-    :data:`METAS_PER_READ` keys at a time (one ``MGET`` on Redis, where
-    ``get_task_meta`` makes a round trip per task: 1,000 of them in a round of 1,000
-    clients); another backend reads them one by one."""
+    state is PENDING), in the order of ``task_ids``. A state longer than
+    :data:`STATE_BYTES` is not read: its meta is ``{"status": TOO_LARGE, "bytes": n}``.
+    On fedq's Redis backend :data:`METAS_PER_READ` keys are read a round trip (where
+    ``get_task_meta`` makes one per task: 1,000 of them in a round of 1,000 clients);
+    the embedded default's files are read one by one, each up to the bound."""
+    if isinstance(backend, FilesystemBackend):
+        return [_file_meta(backend, t) for t in task_ids]
     if not isinstance(backend, BaseKeyValueStoreBackend):
         return [backend.get_task_meta(t) for t in task_ids]
     metas: list[dict[str, Any]] = []
     for lo in range(0, len(task_ids), METAS_PER_READ):
-        chunk = task_ids[lo:lo + METAS_PER_READ]
-        values = backend.mget([backend.get_key_for_task(t) for t in chunk])
-        metas += [backend.decode_result(v) if v else {"status": states.PENDING, "result": None}
-                  for v in values]
+        keys = [backend.get_key_for_task(t) for t in task_ids[lo:lo + METAS_PER_READ]]
+        values = backend.read_bounded(keys, STATE_BYTES) if isinstance(backend, RedisBackend) \
+            else backend.mget(keys)
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool):
+                metas.append({"status": TOO_LARGE, "result": None, "bytes": v})
+            else:
+                metas.append(backend.decode_result(v) if v
+                             else {"status": states.PENDING, "result": None})
     return metas
+
+
+def _file_meta(backend: FilesystemBackend, task_id: str) -> dict[str, Any]:
+    """One task's state from Celery's file backend, read up to :data:`STATE_BYTES`."""
+    path = backend._filename(backend.get_key_for_task(task_id))  # Celery's own path
+    try:
+        with open(path, "rb") as f:
+            value = f.read(STATE_BYTES + 1)
+            if len(value) > STATE_BYTES:
+                return {"status": TOO_LARGE, "result": None, "bytes": os.fstat(f.fileno()).st_size}
+    except FileNotFoundError:
+        return {"status": states.PENDING, "result": None}
+    return backend.decode_result(value) if value else {"status": states.PENDING, "result": None}

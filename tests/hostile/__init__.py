@@ -124,6 +124,11 @@ def malformed(task: dict, result: dict, store: BlobStore) -> dict:
     return {**result, "bytes_up": -1, "stats": {**result["stats"], "gpu_util": 1e9}}
 
 
+def huge_result(task: dict, result: dict, store: BlobStore) -> dict:
+    """A result of 16 MiB in the result backend (its error text padded)."""
+    return {**result, "error": "x" * (16 << 20)}
+
+
 def never_sent(task: dict, result: dict, store: BlobStore) -> dict:
     """Plant results for tasks never sent (attempt 2 of every client of the round) and
     ring finalize's doorbell with a made-up result for another client; the worker's
@@ -142,7 +147,7 @@ def never_sent(task: dict, result: dict, store: BlobStore) -> dict:
 
 ATTACKS: dict[str, Attack] = {f.__name__: f for f in (
     int8_chunk0, int8_length, zstd_garbage, zstd_bomb, oversize, nan, huge_norm, samples,
-    other_client, finished_round, replay, version, malformed, never_sent)}
+    other_client, finished_round, replay, version, malformed, huge_result, never_sent)}
 
 
 def run_training(data: dict, store: BlobStore, worker: str) -> dict:
