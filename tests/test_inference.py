@@ -642,6 +642,45 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
     jobs.cancel(settings, job)
 
 
+def test_repair_absorbs_a_lost_callbacks_answer_and_never_reads_a_huge_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog's pass over an inference job whose shards are past their timeout:
+    an answer stored in the result backend whose callback never came is absorbed; one
+    longer than the backend's bound (fedq.engine.backend.STATE_BYTES) is not read, and
+    its shard is sent again."""
+    import fedq.engine.backend as fb
+    from fedq.engine.app import app
+
+    monkeypatch.setattr(fb, "STATE_BYTES", 4096)
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    store = open_store(settings.blob_url)
+    weights = _classifier_file(tmp_path)
+    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": 4}, op="classify",
+                                shard_size=2, in_flight=2, shard_timeout_s=0.001))
+    job = jobs.submit(settings, spec, tmp_path)
+    for shard, pad in ((0, ""), (1, "x" * 10_000)):
+        lines = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in (2 * shard, 2 * shard + 1)]
+        ref = store.put(output_key(job, shard, 1), encode_rows(lines))
+        app.backend.store_result(jobs.task_id(job, shard, 1), {
+            "status": "ok", "job": job, "shard": shard, "attempt": 1, "worker": "w@test",
+            "queue": "cpu", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
+            "items": 2, "seconds": 0.1, **({"error": pad} if pad else {})}, "SUCCESS")
+    time.sleep(0.01)
+    actions = {a["shard"]: (a["action"], a["result"]) for a in jobs.repair(settings)
+               if "shard" in a}
+    assert actions[0] == ("absorb (lost callback)", "done")
+    assert actions[1][0] == "resend (timeout)"  # the 10 kB answer was not read
+    view = jobs.find(settings, job)
+    assert view is not None
+    rows = {r["shard"]: r for r in view.shard_rows}
+    assert rows[0]["status"] == "done" and (rows[1]["status"], rows[1]["attempt"]) == (
+        "running", 2)
+    jobs.cancel(settings, job)
+
+
 def test_a_slow_class_does_not_copy_a_shard_a_fast_class_is_about_to_finish(
         tmp_path: Path) -> None:
     """Backup copies by measured speed (jobs.backup_choice), on the embedded default

@@ -71,6 +71,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, row_ref
 from fedq.db.session import lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
+from fedq.engine.backend import task_metas
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.engine.revoke import revoke_quietly
 from fedq.process import PROCESS
@@ -546,8 +547,9 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
     another client. ``closed``: the task waits at a site queue whose workers are all
     lost or stopped: its slot goes to another client now, of an open site, and the task
     is revoked."""
-    for a in range(attempt, 0, -1):
-        meta = app.backend.get_task_meta(task_id(job_id, index, a))
+    # read up to STATE_BYTES each: a longer result is no answer (fedq.engine.backend)
+    metas = task_metas(app.backend, [task_id(job_id, index, a) for a in range(attempt, 0, -1)])
+    for a, meta in zip(range(attempt, 0, -1), metas, strict=True):
         if meta.get("status") == "SUCCESS" and isinstance(meta.get("result"), dict):
             result = absorb(settings, meta["result"], job_id, index, a)
             return {"job": job_id, "task": index, "action": "absorb (lost callback)",

@@ -42,6 +42,7 @@ from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, Worker, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema, lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
+from fedq.engine.backend import task_metas
 from fedq.engine.broker import check_broker
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
@@ -705,7 +706,8 @@ def repair(settings: Settings, registry: identity.Registry | None = None
             for j, spec in jobs}
     for job_id, _ in jobs:
         for shard, attempt in late[job_id]:
-            meta = app.backend.get_task_meta(task_id(job_id, shard, attempt))
+            # read up to STATE_BYTES: a longer result is no answer (fedq.engine.backend)
+            meta = task_metas(app.backend, [task_id(job_id, shard, attempt)])[0]
             if meta.get("status") == "SUCCESS":
                 out = absorb(settings, meta.get("result"), job_id, shard, attempt,
                              registry)
