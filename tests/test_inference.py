@@ -369,6 +369,27 @@ def _classifier_file(tmp_path: Path) -> Path:
     return path
 
 
+def _classify_spec(tmp_path: Path, limit: int, **fields: Any) -> Any:
+    """A spec classifying the first ``limit`` digits test images with the seeded small
+    CNN (its weights written to ``tmp_path``)."""
+    weights = _classifier_file(tmp_path)
+    return load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
+                                                 "dataset": "digits"},
+                                inputs={"dataset": "digits", "limit": limit}, op="classify",
+                                **fields))
+
+
+def _answer(store: Any, job: str, shard: int, attempt: int, items: range,
+            **over: Any) -> dict[str, Any]:
+    """What an honest worker answers for a classify shard of ``items``, its output
+    written to ``store``; ``over`` replaces fields."""
+    lines = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in items]
+    ref = store.put(output_key(job, shard, attempt), encode_rows(lines))
+    return {"status": "ok", "job": job, "shard": shard, "attempt": attempt, "worker": "w@test",
+            "queue": "cpu", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
+            "items": len(lines), "seconds": 0.1, **over}
+
+
 def _reference_classify(weights: Path) -> list[list[float]]:
     from fedq.weights import loads
 
@@ -398,11 +419,7 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     answers as one would, honestly and not)."""
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     settings = cluster.settings
-    weights = _classifier_file(tmp_path)
-    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
-                                                 "dataset": "digits"},
-                                inputs={"dataset": "digits", "limit": 12}, op="classify",
-                                shard_size=4, in_flight=1, max_redispatch=1))
+    spec = _classify_spec(tmp_path, 12, shard_size=4, in_flight=1, max_redispatch=1)
     job = jobs.submit(settings, spec, tmp_path)
     store = open_store(settings.blob_url)
     view = jobs.find(settings, job)
@@ -456,11 +473,7 @@ def test_status_shows_each_shard_out_with_its_worker_and_heartbeat(
 
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     settings = cluster.settings
-    weights = _classifier_file(tmp_path)
-    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
-                                                 "dataset": "digits"},
-                                inputs={"dataset": "digits", "limit": 8}, op="classify",
-                                shard_size=4, in_flight=2))
+    spec = _classify_spec(tmp_path, 8, shard_size=4, in_flight=2)
     job = jobs.submit(settings, spec, tmp_path)
     claims = {jobs.task_id(job, 0, 1): {"status": "STARTED",
                                         "result": {"hostname": "w1@a", "beat": 3}},
@@ -513,16 +526,11 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
 
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     settings = cluster.settings
-    weights = _classifier_file(tmp_path)
     store = open_store(settings.blob_url)
 
     def answer(job: str, row: dict[str, Any], attempt: int, **over: Any) -> dict[str, Any]:
-        lines = [{"i": i, "label": 0, "probs": [0.1] * 10}
-                 for i in range(row["start"], row["stop"])]
-        ref = store.put(output_key(job, row["shard"], attempt), encode_rows(lines))
-        result = {"status": "ok", "job": job, "shard": row["shard"], "attempt": attempt,
-                  "worker": "w@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,
-                  "size": ref.size, "items": len(lines), "seconds": 0.1, **over}
+        result = _answer(store, job, row["shard"], attempt, range(row["start"], row["stop"]),
+                         **over)
         return jobs.absorb(settings, result, job, row["shard"], attempt)
 
     def rows(job: str) -> list[dict[str, Any]]:
@@ -531,10 +539,7 @@ def test_the_last_shard_out_gets_a_backup_copy_and_the_first_answer_counts(
         return view.shard_rows
 
     def submit(**fields: Any) -> str:
-        spec = load_inference(_spec(tmp_path, model={"weights": str(weights),
-                                                     "name": "small_cnn", "dataset": "digits"},
-                                    inputs={"dataset": "digits", "limit": 8}, op="classify",
-                                    shard_size=2, in_flight=2, **fields))
+        spec = _classify_spec(tmp_path, 8, shard_size=2, in_flight=2, **fields)
         job = jobs.submit(settings, spec, tmp_path)
         # every shard but the first answered as it is sent: shard 0 is the slow machine's
         while True:
@@ -609,11 +614,7 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
                    Worker(hostname="d@test", queues=["cpu"], hardware={},
                           last_seen=datetime.now(timezone.utc) - timedelta(hours=1))])
     store = open_store(settings.blob_url)
-    weights = _classifier_file(tmp_path)
-    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
-                                                 "dataset": "digits"},
-                                inputs={"dataset": "digits", "limit": 10}, op="classify",
-                                shard_size=1))
+    spec = _classify_spec(tmp_path, 10, shard_size=1)
     with session_scope(settings.database_url) as s:
         assert jobs.queue_limits(s, spec.to_json()) == {"cpu": (4, 2)}
         assert jobs.queue_limits(s, {**spec.to_json(), "queues": ["gpu_new", "tpu"]}) == {
@@ -630,13 +631,10 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
     # shards 2.. answered as a worker would, one at a time: 0 and 1 stay out
     while [r for r in out() if r["shard"] > 1]:
         row = next(r for r in out() if r["shard"] > 1)
-        lines = [{"i": row["start"], "label": 0, "probs": [0.1] * 10}]
-        ref = store.put(output_key(job, row["shard"], row["attempt"]), encode_rows(lines))
-        assert jobs.absorb(settings, {
-            "status": "ok", "job": job, "shard": row["shard"], "attempt": row["attempt"],
-            "worker": "a@test", "queue": "cpu", "key": ref.key, "sha256": ref.sha256,
-            "size": ref.size, "items": 1, "seconds": 0.1}, job, row["shard"],
-            row["attempt"])["status"] == "done"
+        result = _answer(store, job, row["shard"], row["attempt"],
+                         range(row["start"], row["stop"]), worker="a@test")
+        assert jobs.absorb(settings, result, job, row["shard"], row["attempt"])[
+            "status"] == "done"
     # nothing waits, two shards out on two workers: no slot is free, so no copy
     assert [(r["shard"], r["backups"]) for r in out()] == [(0, 0), (1, 0)]
     jobs.cancel(settings, job)
@@ -655,19 +653,11 @@ def test_repair_absorbs_a_lost_callbacks_answer_and_never_reads_a_huge_one(
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     settings = cluster.settings
     store = open_store(settings.blob_url)
-    weights = _classifier_file(tmp_path)
-    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
-                                                 "dataset": "digits"},
-                                inputs={"dataset": "digits", "limit": 4}, op="classify",
-                                shard_size=2, in_flight=2, shard_timeout_s=0.001))
+    spec = _classify_spec(tmp_path, 4, shard_size=2, in_flight=2, shard_timeout_s=0.001)
     job = jobs.submit(settings, spec, tmp_path)
-    for shard, pad in ((0, ""), (1, "x" * 10_000)):
-        lines = [{"i": i, "label": 0, "probs": [0.1] * 10} for i in (2 * shard, 2 * shard + 1)]
-        ref = store.put(output_key(job, shard, 1), encode_rows(lines))
-        app.backend.store_result(jobs.task_id(job, shard, 1), {
-            "status": "ok", "job": job, "shard": shard, "attempt": 1, "worker": "w@test",
-            "queue": "cpu", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
-            "items": 2, "seconds": 0.1, **({"error": pad} if pad else {})}, "SUCCESS")
+    for shard, pad in ((0, {}), (1, {"error": "x" * 10_000})):
+        app.backend.store_result(jobs.task_id(job, shard, 1), _answer(
+            store, job, shard, 1, range(2 * shard, 2 * shard + 2), **pad), "SUCCESS")
     time.sleep(0.01)
     actions = {a["shard"]: (a["action"], a["result"]) for a in jobs.repair(settings)
                if "shard" in a}
@@ -691,18 +681,14 @@ def test_a_slow_class_does_not_copy_a_shard_a_fast_class_is_about_to_finish(
     past twice its time plus a second is copied after all."""
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     settings = cluster.settings
-    weights = _classifier_file(tmp_path)
     store = open_store(settings.blob_url)
     per_item = {"gpu_new": 0.25, "cpu": 100.0}
 
     def answer(job: str, row: dict[str, Any], attempt: int) -> dict[str, Any]:
-        lines = [{"i": i, "label": 0, "probs": [0.1] * 10}
-                 for i in range(row["start"], row["stop"])]
-        ref = store.put(output_key(job, row["shard"], attempt), encode_rows(lines))
-        result = {"status": "ok", "job": job, "shard": row["shard"], "attempt": attempt,
-                  "worker": f"{row['queue']}@test", "queue": row["queue"], "key": ref.key,
-                  "sha256": ref.sha256, "size": ref.size, "items": len(lines),
-                  "seconds": per_item[row["queue"]] * len(lines)}
+        items = range(row["start"], row["stop"])
+        result = _answer(store, job, row["shard"], attempt, items,
+                         worker=f"{row['queue']}@test", queue=row["queue"],
+                         seconds=per_item[row["queue"]] * len(items))
         return jobs.absorb(settings, result, job, row["shard"], attempt)
 
     def shards(job: str) -> list[dict[str, Any]]:
@@ -710,10 +696,7 @@ def test_a_slow_class_does_not_copy_a_shard_a_fast_class_is_about_to_finish(
         assert view is not None
         return view.shard_rows
 
-    spec = load_inference(_spec(tmp_path, model={"weights": str(weights), "name": "small_cnn",
-                                                 "dataset": "digits"},
-                                inputs={"dataset": "digits", "limit": 8}, op="classify",
-                                shard_size=2, in_flight=1, queues=["gpu_new", "cpu"]))
+    spec = _classify_spec(tmp_path, 8, shard_size=2, in_flight=1, queues=["gpu_new", "cpu"])
     job = jobs.submit(settings, spec, tmp_path)
     s0, s1 = shards(job)[:2]
     assert (s0["queue"], s1["queue"]) == ("gpu_new", "cpu")
