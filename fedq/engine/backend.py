@@ -31,7 +31,6 @@ from typing import Any
 
 from celery import states
 from celery._state import task_join_will_block
-from celery.backends.base import BaseKeyValueStoreBackend
 from celery.backends.filesystem import FilesystemBackend
 from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.exceptions import BackendStoreError
@@ -164,33 +163,34 @@ def task_metas(backend: Any, task_ids: Sequence[str]) -> list[dict[str, Any]]:
     :data:`STATE_BYTES` is not read: its meta is ``{"status": TOO_LARGE, "bytes": n}``.
     On fedq's Redis backend :data:`METAS_PER_READ` keys are read a round trip (where
     ``get_task_meta`` makes one per task: 1,000 of them in a round of 1,000 clients);
-    the embedded default's files are read one by one, each up to the bound."""
+    the embedded default's files are read one by one, each up to the bound; another
+    backend (fedq configures none) by ``get_task_meta``."""
     if isinstance(backend, FilesystemBackend):
-        return [_file_meta(backend, t) for t in task_ids]
-    if not isinstance(backend, BaseKeyValueStoreBackend):
+        return [_meta(backend, _read_file(backend, t)) for t in task_ids]
+    if not isinstance(backend, RedisBackend):
         return [backend.get_task_meta(t) for t in task_ids]
     metas: list[dict[str, Any]] = []
     for lo in range(0, len(task_ids), METAS_PER_READ):
         keys = [backend.get_key_for_task(t) for t in task_ids[lo:lo + METAS_PER_READ]]
-        values = backend.read_bounded(keys, STATE_BYTES) if isinstance(backend, RedisBackend) \
-            else backend.mget(keys)
-        for v in values:
-            if isinstance(v, int) and not isinstance(v, bool):
-                metas.append({"status": TOO_LARGE, "result": None, "bytes": v})
-            else:
-                metas.append(backend.decode_result(v) if v
-                             else {"status": states.PENDING, "result": None})
+        metas += [_meta(backend, v) for v in backend.read_bounded(keys, STATE_BYTES)]
     return metas
 
 
-def _file_meta(backend: FilesystemBackend, task_id: str) -> dict[str, Any]:
-    """One task's state from Celery's file backend, read up to :data:`STATE_BYTES`."""
+def _meta(backend: Any, value: bytes | int | None) -> dict[str, Any]:
+    """A state as read by :func:`task_metas`: its bytes, none, or its length (over the
+    bound, unread)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"status": TOO_LARGE, "result": None, "bytes": value}
+    return backend.decode_result(value) if value else {"status": states.PENDING, "result": None}
+
+
+def _read_file(backend: FilesystemBackend, task_id: str) -> bytes | int | None:
+    """One task's state from Celery's file backend, up to :data:`STATE_BYTES` (its
+    length where it is longer); None where there is none."""
     path = backend._filename(backend.get_key_for_task(task_id))  # Celery's own path
     try:
         with open(path, "rb") as f:
             value = f.read(STATE_BYTES + 1)
-            if len(value) > STATE_BYTES:
-                return {"status": TOO_LARGE, "result": None, "bytes": os.fstat(f.fileno()).st_size}
+            return os.fstat(f.fileno()).st_size if len(value) > STATE_BYTES else value
     except FileNotFoundError:
-        return {"status": states.PENDING, "result": None}
-    return backend.decode_result(value) if value else {"status": states.PENDING, "result": None}
+        return None
