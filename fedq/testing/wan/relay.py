@@ -84,20 +84,19 @@ class _Conn:
         self.ended = {"up": False, "down": False}
         self.held: dict[str, set[str]] = {"up": set(), "down": set()}
         self.closed = False
+        self.connecting: asyncio.Task[None] | None = None
 
     def made(self, side: _Side) -> None:
-        relay = self.relay
+        transport = side.transport
+        assert transport is not None
+        if self.closed or (side is self.client and time.monotonic() < self.relay.refuse_until):
+            transport.abort()  # refused, or the client left while the target answered
+            return
+        self.relay._transports.add(transport)
         if side is self.client:
-            assert side.transport is not None
-            if time.monotonic() < relay.refuse_until:
-                side.transport.abort()
-                return
-            relay._transports.add(side.transport)
             self.hold("up", "target", True)  # until the target answers
-            self.loop.create_task(self._connect())
-        else:
-            assert side.transport is not None
-            relay._transports.add(side.transport)
+            self.connecting = self.loop.create_task(self._connect())  # kept: the loop
+            # holds a task only weakly
 
     async def _connect(self) -> None:
         relay = self.relay
@@ -107,11 +106,9 @@ class _Conn:
         except OSError:
             self.close()
             return
-        if self.closed:
-            self.close()
-            return
-        relay.stats.connections += 1
-        self.hold("up", "target", False)
+        if not self.closed:
+            relay.stats.connections += 1
+            self.hold("up", "target", False)
 
     def _ends(self, direction: str) -> tuple[_Side, _Side]:
         """(reads, writes) of ``direction``."""
