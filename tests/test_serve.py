@@ -90,10 +90,10 @@ def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused(
         notice = Notice()
         notice.states += [stored, b"x" * (70_000)]  # the second: large, decoded off the loop
         notice.event.set()
-        got: list[Any] = [await notice.next_state(0.01)]
+        got: list[Any] = [await notice.next_state(0.01, 100_000)]
         for _ in range(2):
             try:
-                got.append(await notice.next_state(0.01))
+                got.append(await notice.next_state(0.01, 100_000))
             except Refused as exc:
                 got.append(exc.status)
         return got
@@ -105,6 +105,52 @@ def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused(
         with pytest.raises(Refused) as refused:
             decoded(app.backend.decode_result, bad)
         assert refused.value.status == 502
+
+
+def test_a_batch_answer_longer_than_its_items_may_have_is_refused_unread(
+        redis_db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker can store anything under its batch task's key, and the backend
+    publishes it: a state longer than ``answer_bytes`` (the batch's items times the
+    longest line their op writes) is a 502, neither read from the key (on Redis: a
+    script that answers its length) nor decoded from its notice. An honest answer of
+    the same batch is within the bound. Drop the bound from ``read_state`` or from
+    ``Notice.next_state`` and a refusal below does not happen."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    import fedq.inference.serve as serve
+    from fedq.engine.backend import RedisBackend
+
+    celery = Celery("test-serve-bound", broker="memory://")
+    celery.conf.result_serializer = "json"
+    backend = RedisBackend(app=celery, url=redis_db)
+    monkeypatch.setattr(serve, "app", SimpleNamespace(backend=backend))
+    bound = serve.answer_bytes("classify", 2)
+    honest = {"status": "ok", "worker": "w", "seconds": 0.1,
+              "outputs": [{"i": i, "label": 0, "probs": [1.0, 0.0, 0.0]} for i in range(2)]}
+    backend.store_result("fine", honest, "SUCCESS")
+    assert serve.read_state("fine", bound)["result"] == honest
+    backend.store_result("huge", {**honest, "error": "x" * bound}, "SUCCESS")
+    read: list[Any] = []
+    get = backend.client.get
+    monkeypatch.setattr(backend.client, "get", lambda *a: read.append(a) or get(*a))
+    with pytest.raises(Refused, match=r"bytes, more than the \d+ its items may have") as no:
+        serve.read_state("huge", bound)
+    assert no.value.status == 502 and read == []  # not a GET: its length only
+
+    async def heard(data: bytes) -> Any:
+        notice = serve.Notice()
+        notice.states.append(data)
+        return await notice.next_state(0.01, bound)
+
+    stored = backend.encode({"status": "SUCCESS", "result": honest, "task_id": "t",
+                             "traceback": None, "children": []}).encode()
+    assert asyncio.run(heard(stored))["result"] == honest
+    with pytest.raises(Refused, match="not read") as no:
+        asyncio.run(heard(stored + b" " * bound))
+    assert no.value.status == 502
 
 
 def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path: Path) -> None:

@@ -157,22 +157,25 @@ STATE_BYTES = 256 << 10
 TOO_LARGE = "FEDQ_TOO_LARGE"
 
 
-def task_metas(backend: Any, task_ids: Sequence[str]) -> list[dict[str, Any]]:
+def task_metas(backend: Any, task_ids: Sequence[str],
+               bound: int | None = None) -> list[dict[str, Any]]:
     """Each task's stored state, as Celery's ``get_task_meta`` reads it (a task with no
-    state is PENDING), in the order of ``task_ids``. A state longer than
-    :data:`STATE_BYTES` is not read: its meta is ``{"status": TOO_LARGE, "bytes": n}``.
+    state is PENDING), in the order of ``task_ids``. A state longer than ``bound`` bytes
+    (:data:`STATE_BYTES` by default) is not read: its meta is
+    ``{"status": TOO_LARGE, "bytes": n}``.
     On fedq's Redis backend :data:`METAS_PER_READ` keys are read a round trip (where
     ``get_task_meta`` makes one per task: 1,000 of them in a round of 1,000 clients);
     the embedded default's files are read one by one, each up to the bound; another
     backend (fedq configures none) by ``get_task_meta``."""
+    bound = STATE_BYTES if bound is None else bound
     if isinstance(backend, FilesystemBackend):
-        return [_meta(backend, _read_file(backend, t)) for t in task_ids]
+        return [_meta(backend, _read_file(backend, t, bound)) for t in task_ids]
     if not isinstance(backend, RedisBackend):
         return [backend.get_task_meta(t) for t in task_ids]
     metas: list[dict[str, Any]] = []
     for lo in range(0, len(task_ids), METAS_PER_READ):
         keys = [backend.get_key_for_task(t) for t in task_ids[lo:lo + METAS_PER_READ]]
-        metas += [_meta(backend, v) for v in backend.read_bounded(keys, STATE_BYTES)]
+        metas += [_meta(backend, v) for v in backend.read_bounded(keys, bound)]
     return metas
 
 
@@ -184,13 +187,13 @@ def _meta(backend: Any, value: bytes | int | None) -> dict[str, Any]:
     return backend.decode_result(value) if value else {"status": states.PENDING, "result": None}
 
 
-def _read_file(backend: FilesystemBackend, task_id: str) -> bytes | int | None:
-    """One task's state from Celery's file backend, up to :data:`STATE_BYTES` (its
-    length where it is longer); None where there is none."""
+def _read_file(backend: FilesystemBackend, task_id: str, bound: int) -> bytes | int | None:
+    """One task's state from Celery's file backend, up to ``bound`` bytes (its length
+    where it is longer); None where there is none."""
     path = backend._filename(backend.get_key_for_task(task_id))  # Celery's own path
     try:
         with open(path, "rb") as f:
-            value = f.read(STATE_BYTES + 1)
-            return os.fstat(f.fileno()).st_size if len(value) > STATE_BYTES else value
+            value = f.read(bound + 1)
+            return os.fstat(f.fileno()).st_size if len(value) > bound else value
     except FileNotFoundError:
         return None

@@ -29,6 +29,9 @@ what a full one does.
   with an error event. Streamed pieces are
   signed too (with identity required, a piece not signed for its task by a registered
   worker is dropped, as an unsigned answer is refused).
+- A batch's stored state is read only up to :func:`answer_bytes` (its items times the
+  longest output line their op may have, plus room for the signature): a longer one
+  is a refused answer, not read from the key and not decoded from its notice.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from kombu.exceptions import KombuError
 
 import fedq.identity as identity
 from fedq.engine.app import app
+from fedq.engine.backend import TOO_LARGE, task_metas
 from fedq.engine.names import SERVE_TASK, STREAM_STATE, TRAINING_QUEUES
-from fedq.inference.messages import check_output
+from fedq.inference.messages import LINE_BYTES, check_output
 from fedq.inference.run import encode_rows
 from fedq.wire import MESSAGE_FORMAT, FormatError
 
@@ -62,6 +66,16 @@ KEYS_EVERY_S = 3.0
 MAX_ITEMS_PER_REQUEST = 256
 MAX_PROMPT_BYTES = 16_384
 DECODE_INLINE_BYTES = 65_536  # a published state up to this size is decoded in the loop
+#: Room in a batch's stored state beside its output lines: Celery's envelope, the
+#: worker's name and time, a signature (about 200 bytes), JSON's keys between lines.
+ANSWER_ROOM_BYTES = 16_384
+
+
+def answer_bytes(op: str, n: int) -> int:
+    """The most bytes the stored state of a batch of ``n`` items for ``op`` may have:
+    each output is one of a shard's lines (``LINE_BYTES``), which a streamed piece
+    (texts no longer than ``max_tokens``) is within too."""
+    return n * (LINE_BYTES[op] + 64) + ANSWER_ROOM_BYTES
 
 
 class Refused(Exception):
@@ -117,9 +131,10 @@ class Notice:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     states: list[Any] = field(default_factory=list)
 
-    async def next_state(self, timeout: float) -> dict[str, Any] | None:
+    async def next_state(self, timeout: float, bound: int) -> dict[str, Any] | None:
         """The next published state, decoded as the backend decodes what it reads from
-        the key; None when none came within ``timeout`` seconds."""
+        the key; None when none came within ``timeout`` seconds. One longer than
+        ``bound`` bytes is refused undecoded."""
         if not self.states:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.event.wait(), timeout)
@@ -129,9 +144,25 @@ class Notice:
         data = self.states.pop(0)
         if not isinstance(data, (bytes, str)):
             return None
+        if len(data) > bound:
+            raise too_long(len(data), bound)
         if len(data) > DECODE_INLINE_BYTES:  # a large answer: off the event loop
             return await asyncio.to_thread(decoded, app.backend.decode_result, data)
         return decoded(app.backend.decode_result, data)
+
+
+def too_long(size: int, bound: int) -> Refused:
+    return Refused(502, f"the batch's answer is {size} bytes, more than the {bound} its "
+                        "items may have; not read")
+
+
+def read_state(task_id: str, bound: int) -> dict[str, Any]:
+    """A batch task's state read from its key, up to ``bound`` bytes (a longer one is
+    refused unread), decoded as :func:`decoded` does."""
+    meta = decoded(lambda: task_metas(app.backend, [task_id], bound)[0])
+    if meta.get("status") == TOO_LARGE:
+        raise too_long(meta["bytes"], bound)
+    return meta
 
 
 def decoded(read: Any, *args: Any) -> dict[str, Any]:
@@ -422,6 +453,7 @@ class Batcher:
         assert self.router is not None
         queue = self.router.choose()
         sent, took = time.perf_counter(), s.batch_timeout_s  # no answer: the whole timeout
+        bound = answer_bytes(self.op, len(batch))
         stored = self.watch.watch(tid) if self.watch is not None else None
         try:
             await asyncio.to_thread(app.send_task, SERVE_TASK,
@@ -431,12 +463,12 @@ class Batcher:
             deadline = time.monotonic() + s.batch_timeout_s
             wait = 0.001
             while time.monotonic() < deadline:
-                heard = await stored.next_state(0.05) if stored is not None else None
+                heard = await stored.next_state(0.05, bound) if stored is not None else None
                 if heard is not None:  # the state as published when it was stored
                     self.from_notices += 1
                     meta = heard
                 else:  # no notice (polled, or one lost): read the key
-                    meta = await asyncio.to_thread(decoded, app.backend.get_task_meta, tid)
+                    meta = await asyncio.to_thread(read_state, tid, bound)
                 if meta.get("status") == STREAM_STATE:
                     _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
                 if meta.get("status") == "SUCCESS":
