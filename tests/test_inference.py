@@ -595,8 +595,9 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
         tmp_path: Path) -> None:
     """``in_flight`` unset (jobs.queue_limits): each worker registered on the queue that
     has not stepped aside counts for two shards out (its next one waits in the broker);
-    one not seen lately does not count; a backup copy still waits for a free slot, not
-    for a shard fewer than that."""
+    one not seen lately does not count; one registered with ``-c N`` counts ``N`` times
+    (believed up to 64: jobs.worker_slots); a backup copy still waits for a free slot,
+    not for a shard fewer than that."""
     from fedq.db.models import Worker
     from fedq.db.session import ensure_schema
 
@@ -610,6 +611,13 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
                    Worker(hostname="c@test", queues=["cpu"], hardware={}, available=False,
                           away_reason="owner active"),
                    Worker(hostname="g@test", queues=["gpu_new"], hardware={}),
+                   Worker(hostname="g3@test", queues=["gpu_new"],
+                          hardware={"concurrency": 3}),
+                   # a hostile or garbled count is one
+                   Worker(hostname="gx@test", queues=["gpu_new"],
+                          hardware={"concurrency": 10**9}),
+                   Worker(hostname="gt@test", queues=["gpu_new"],
+                          hardware={"concurrency": True}),
                    # killed an hour ago without its shutdown: not seen since
                    Worker(hostname="d@test", queues=["cpu"], hardware={},
                           last_seen=datetime.now(timezone.utc) - timedelta(hours=1))])
@@ -618,7 +626,7 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
     with session_scope(settings.database_url) as s:
         assert jobs.queue_limits(s, spec.to_json()) == {"cpu": (4, 2)}
         assert jobs.queue_limits(s, {**spec.to_json(), "queues": ["gpu_new", "tpu"]}) == {
-            "gpu_new": (4, 2), "tpu": (2, 1)}
+            "gpu_new": (14, 7), "tpu": (2, 1)}
         assert jobs.queue_limits(s, {**spec.to_json(), "in_flight": 3}) == {"cpu": (3, 3)}
     job = jobs.submit(settings, spec, tmp_path)
 

@@ -65,6 +65,7 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
     # workers registered at start and carry measured throughput after the job
     assert {"fast1@test", "fast2@test", "slow@test", "control@test"} <= set(workers)
     assert workers["fast1@test"].hardware["hardware_class"] == "cpu"
+    assert workers["fast1@test"].hardware["concurrency"] == 1  # -c 1: its pool's size
     assert workers["slow@test"].samples_per_second < workers["fast1@test"].samples_per_second
 
 

@@ -357,18 +357,35 @@ def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]
     worker and the next shard comes back (with two workers on one queue and one
     shard each out, the batch table's job ran about 13% slower on 2 cores:
     docs/inference.md, "Who does how much"). A worker started with ``-c N`` counts
-    once (the docs start workers with ``-c 1``). A copy is sent only to a free slot."""
+    ``N`` times (the concurrency it registered with: :func:`worker_slots`). A copy is
+    sent only to a free slot."""
     fixed = spec.get("in_flight")
     if fixed:
         return {q: (fixed, fixed) for q in spec["queues"]}
     workers: dict[str, int] = defaultdict(int)
     seen = utcnow() - timedelta(seconds=SEEN_WITHIN_S)
-    for queues, available in s.execute(select(Worker.queues, Worker.available).where(
+    for queues, available, hardware in s.execute(select(
+            Worker.queues, Worker.available, Worker.hardware).where(
             Worker.last_seen >= seen)).tuples():
         if available is not False:  # away, lost or stopped: it takes nothing now
             for q in set(queues or ()):
-                workers[q] += 1
+                workers[q] += worker_slots(hardware)
     return {q: (2 * max(1, workers[q]), max(1, workers[q])) for q in spec["queues"]}
+
+
+#: The most tasks at once a worker's registration is believed for (from the worker:
+#: bounded, so that one row cannot claim a queue's every shard).
+MAX_WORKER_SLOTS = 64
+
+
+def worker_slots(hardware: Any) -> int:
+    """The tasks a worker runs at once, as its registration said (``concurrency`` in its
+    hardware report, fedq/worker/signals.py); 1 where it did not say (a worker of an
+    earlier fedq) or said something that is not an integer in 1..:data:`MAX_WORKER_SLOTS`."""
+    n = hardware.get("concurrency") if isinstance(hardware, dict) else None
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_WORKER_SLOTS:
+        return n
+    return 1
 
 
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None) -> list[Take]:

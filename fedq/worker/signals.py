@@ -109,6 +109,10 @@ def register(sender: Any, **_: Any) -> None:
         from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
         report = probe(run_smoke=False).to_json()
+        # the tasks it runs at once (its pool's processes, ``-c``): the slots an
+        # inference job counts it for (fedq.inference.jobs.queue_limits)
+        report["concurrency"] = getattr(getattr(sender, "controller", None), "concurrency",
+                                        None)
         args = (sender.hostname, _queues(sender.app), report, FEDQ_VERSION, MESSAGE_FORMAT)
         sender.app.send_task(REGISTER_WORKER_TASK, queue=CONTROL_QUEUE, args=args,
                              kwargs=_signed(REGISTER_WORKER_TASK, args))
