@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 from pathlib import Path
 
 from fedq.testing import procs
-from fedq.testing.procs import Forked, WorkerProcess, run_module
+from fedq.testing.procs import Forked, WorkerProcess, run_module, start_module
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -47,6 +49,24 @@ def test_another_environment_is_started_cold(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "version" in proc.stdout
     assert zygote.forked == before + 1  # started cold
     assert zygote.cold == cold + 1 and zygote.differ["OMP_NUM_THREADS"] >= 1
+
+
+def test_a_module_started_while_stderr_is_a_socket_starts_cold_and_runs(
+        tmp_path: Path) -> None:
+    """A forked child opens its parent's stderr by its path (/proc/PID/fd/2), which a
+    socket does not have: start_module starts such a child cold, and it runs."""
+    mine, theirs = socket.socketpair()
+    saved = os.dup(2)
+    try:
+        os.dup2(theirs.fileno(), 2)
+        proc = start_module("fedq.cli", ["--version"], tmp_path / "out", tmp_path)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        theirs.close()
+        mine.close()
+    assert isinstance(proc, subprocess.Popen)  # not Forked
+    assert proc.wait(60) == 0 and "version" in (tmp_path / "out").read_text()
 
 
 def test_a_forked_worker_is_its_own_process_group_and_reports_how_it_ended(

@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -180,10 +181,11 @@ def start_module(module: str, args: Sequence[str], stdout: Path, cwd: Path
     ``stdout``, its stderr to this process's stderr. Forked from the zygote where
     :func:`use_zygote` is on (or ``FEDQ_TEST_ZYGOTE=1``), so it skips importing torch;
     ``module`` must then be one that a process which has made the zygote's imports can
-    run as a fresh interpreter would (bench.lm's runs)."""
+    run as a fresh interpreter would (bench.lm's runs). Where this process's stderr is
+    a socket, which a forked child cannot open by its path, it starts cold."""
     argv = [sys.executable, "-m", module, *args]
     env = dict(os.environ)
-    zygote = _the_zygote()
+    zygote = None if stat.S_ISSOCK(os.fstat(2).st_mode) else _the_zygote()
     # the child opens this process's stderr by its path (a pipe or a file alike)
     forked = None if zygote is None else zygote.spawn(
         argv, env, stdout, Path(f"/proc/{os.getpid()}/fd/2"), cwd=cwd, forkable=(module,))
