@@ -85,10 +85,10 @@ def run(ctx: Context) -> Section:
         ends = [start + (u.download_seconds or 0) + (u.train_seconds or 0)
                 + (u.upload_seconds or 0) for start, u in zip(starts, tasks)]
         add("dispatch → task starts on its worker", statistics.median(starts))
-        add("model download (read, sha256, decode)", statistics.median(
+        add("model download (read, hash, decode)", statistics.median(
             u.download_seconds or 0 for u in tasks))
         add("local step (zero compute)", statistics.median(u.train_seconds or 0 for u in tasks))
-        add("upload (encode, sha256, write)", statistics.median(
+        add("upload (encode, hash, write)", statistics.median(
             u.upload_seconds or 0 for u in tasks))
         add("last task's end after the median one", max(ends) - statistics.median(ends))
         phases = logged[number]
@@ -103,8 +103,8 @@ def run(ctx: Context) -> Section:
             add(f"finalize: {name}", seconds)
     interval = statistics.median(intervals)
     where = {"dispatch → task starts on its worker": "broker, worker",
-             "model download (read, sha256, decode)": "worker",
-             "local step (zero compute)": "worker", "upload (encode, sha256, write)": "worker",
+             "model download (read, hash, decode)": "worker",
+             "local step (zero compute)": "worker", "upload (encode, hash, write)": "worker",
              "last task's end after the median one": "workers",
              "last answer → finalize starts (chord callback)": "broker, control"}
     total = 0.0

@@ -20,9 +20,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import fedq
+from fedq.digest import DIGEST, FORMS
 
 #: Version of the task and result messages; bump it when their meaning changes.
-MESSAGE_FORMAT = 3  # 3: a buffered task's number travels as ``task``, not ``round``
+#: 3: a buffered task's number travels as ``task``, not ``round``; 4: blob digests
+#: may be BLAKE3 (fedq/digest.py), which a worker of format 3 would refuse
+MESSAGE_FORMAT = 4
 FEDQ_VERSION = fedq.__version__
 
 INT32 = 2**31 - 1  # SQL INTEGER
@@ -31,7 +34,7 @@ INT64 = 2**63 - 1  # SQL BIGINT
 # The shapes fedq itself generates (fedq/blobs/keys.py, fedq/coordinator/jobs.py):
 # path-safe (no '/', no '..'), within their columns.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
-SHA256 = re.compile(r"[0-9a-f]{64}")
+SHA256 = DIGEST  # a blob digest in either of its forms (fedq/digest.py)
 QUEUE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _MODEL_KEY = r"jobs/{job}/r\d{{5}}/(global|step)(-[0-9a-f]{{1,16}})?\.safetensors"
 _UPDATE_KEY = r"jobs/{job}/r\d{{5}}/updates/c\d{{6}}-a\d+\.safetensors"
@@ -58,7 +61,7 @@ def check_job_id(value: object) -> str:
 
 def check_sha256(value: object, what: str = "sha256") -> str:
     if not is_sha256(value):
-        raise FormatError(f"{what} {str(value)[:80]!r} is not a sha256 (64 hex digits)")
+        raise FormatError(f"{what} {str(value)[:80]!r} is not a blob digest ({FORMS})")
     return str(value)
 
 
@@ -169,7 +172,7 @@ class ResultModel(_Strict):
     task: Int32 = 0
     worker: str = Field(min_length=1, max_length=200)
     key: str | None = Field(default=None, max_length=300)
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    sha256: Annotated[str, Field(pattern=f"^({DIGEST.pattern})$")] | None = None
     samples: Int32 = 0
     steps: Int32 = 0
     loss: Finite | None = None

@@ -114,7 +114,7 @@ def test_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None:
     # finalize's phases reached the table from its log, and the worker's from the rows
     assert float(phases["finalize: commit (SQL)"][1]) > 0
     assert float(phases["finalize: encode + write model"][1]) > 0
-    assert float(phases["upload (encode, sha256, write)"][1]) > 0
+    assert float(phases["upload (encode, hash, write)"][1]) > 0
     rows = _rows(text.split("## 7. ", 1)[0])
     # the language model's buffered job ran to the end: a validation loss in nats/byte
     assert 0.5 < float(lm["buffered K=1"][3]) < 6.0 and "synchronous, wait for all" in lm

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -56,8 +59,32 @@ def test_large_blob_hashed_as_it_arrives_is_checked(store: BlobStore, size: int)
     # Execute / Assert: read back whole and checked; a one-byte change is refused.
     assert bytes(store.get(ref)) == data
     _tamper(store, key, data[:-3] + b"?" + data[-2:])
-    with pytest.raises(BlobIntegrityError, match="sha256 mismatch"):
+    with pytest.raises(BlobIntegrityError, match="digest mismatch"):
         store.get(ref)
+
+
+def _b3(data: bytes) -> str:
+    return "b3-" + base64.urlsafe_b64encode(blake3.blake3(data).digest()).rstrip(b"=").decode()
+
+
+@pytest.mark.parametrize("size", [1000, 3 << 20])
+def test_blobs_are_named_by_blake3_and_a_sha256_ref_of_an_older_job_still_reads(
+        store: BlobStore, size: int) -> None:
+    """A blob written now is named by its BLAKE3 digest (fedq/digest.py); a ref that
+    names it by its SHA-256 (a job begun before, its models' digests in SQL) is
+    checked with SHA-256 (the form of the ref's digest decides) and still reads; a
+    changed byte is refused under either form. Small and large (hashed as it is
+    received, on Redis) blobs alike."""
+    key = update_key("j7", 1, 1)
+    data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    ref = store.put(key, data)
+    assert ref.sha256 == _b3(data) and len(ref.sha256) == 46
+    old = BlobRef(key, hashlib.sha256(data).hexdigest(), len(data))
+    assert bytes(store.get(ref)) == data and bytes(store.get(old)) == data
+    _tamper(store, key, data[:-1] + b"?")
+    for r in (ref, old):
+        with pytest.raises(BlobIntegrityError, match="digest mismatch"):
+            store.get(r)
 
 
 def test_deterministic_key_overwrites(store: BlobStore) -> None:
@@ -137,10 +164,8 @@ def test_store_init_on_a_dead_server_is_one_line(monkeypatch: pytest.MonkeyPatch
 
 def test_write_hashing_hashes_small_blobs_first_and_large_ones_beside_the_write(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Either way the digest is the parts' sha256 and the write runs once; a blob under
+    """Either way the digest is the parts' BLAKE3 and the write runs once; a blob under
     HASH_BESIDE_BYTES starts no thread (its start and join cost more than the hash)."""
-    import hashlib
-
     import fedq.blobs.base as base
 
     started: list[int] = []
@@ -156,6 +181,6 @@ def test_write_hashing_hashes_small_blobs_first_and_large_ones_beside_the_write(
         parts = [bytes(range(256)) * (size // 512), memoryview(b"\x07" * (size - size // 2))]
         writes.clear()
         digest = base.write_hashing(lambda: writes.append(1), parts)
-        assert digest == hashlib.sha256(b"".join(bytes(p) for p in parts)).hexdigest()
+        assert digest == _b3(b"".join(bytes(p) for p in parts))
         assert writes == [1] and len(started) == threads, size
         started.clear()

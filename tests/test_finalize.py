@@ -105,7 +105,7 @@ def test_tampered_update_is_rejected_and_round_proceeds(control_pair: Cluster) -
             ClientUpdate.job_id == "tamp1"))}
         rnd = s.scalar(select(Round).where(Round.job_id == "tamp1"))
     assert rows[bad["client"]].status == "rejected"
-    assert f"blob {bad['key']}: sha256 mismatch" in (rows[bad["client"]].error or "")
+    assert f"blob {bad['key']}: digest mismatch" in (rows[bad["client"]].error or "")
     assert sorted(c for c, r in rows.items() if r.status == "ok") == sorted(
         c for c in clients if c != bad["client"])
     assert rnd is not None and rnd.participants == 2

@@ -33,7 +33,7 @@ from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster, base_env, record_outcome
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, state_of
-from fedq.wire import FormatError, read_claim
+from fedq.wire import MESSAGE_FORMAT, FormatError, read_claim
 
 SMALL_TEXT = {"block_size": 32, "max_works": 3, "eval_windows": 64}
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32}
@@ -138,7 +138,7 @@ def test_an_embed_job_knows_its_width_and_needs_a_model_with_embeddings() -> Non
 
 
 def test_a_worker_refuses_a_task_not_in_fedq_shape() -> None:
-    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+    task = {"format": MESSAGE_FORMAT, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
             "op": "classify", "start": 0, "stop": 4, "batch_size": 2, "split": "test",
             "model": {"key": "jobs/abc123/r00001/global.safetensors", "sha256": "0" * 64,
                       "size": 10},
@@ -224,7 +224,7 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())
-    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+    task = {"format": MESSAGE_FORMAT, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
             "op": "classify", "start": 0, "stop": 64, "batch_size": 32, "split": "test",
             "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size},
             "arch": {"name": "small_cnn", "dataset": "digits"}}
@@ -282,7 +282,7 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
     model = _SlowUnder(run.load_model(arch, loads(weights.read_bytes()), torch.device("cpu")),
                        amp=slow_under == "bf16")
     monkeypatch.setitem(run._BUILT, ref.sha256, model)
-    task = {"format": 3, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
+    task = {"format": MESSAGE_FORMAT, "job": "abc123", "shard": 0, "attempt": 1, "queue": "cpu",
             "op": "classify", "start": 0, "stop": 64, "batch_size": 32, "split": "test",
             "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size}, "arch": arch}
     first = run.run_shard(task, store, "w1")
@@ -296,7 +296,7 @@ def test_a_worker_keeps_amp_only_where_it_measured_the_model_faster(
 
     loop._AMP.clear()
     ds = load_dataset("digits")
-    batch = {"format": 3, "op": "classify", "items": ds.x_test[:4].flatten(1).tolist(),
+    batch = {"format": MESSAGE_FORMAT, "op": "classify", "items": ds.x_test[:4].flatten(1).tolist(),
              "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size}, "arch": arch}
     served = run.serve_batch(batch, store, "w1")
     assert served["status"] == "ok", served
@@ -334,7 +334,7 @@ def test_a_served_batch_of_completions_runs_as_one_generation(tmp_path: Path) ->
     ref = store.put("jobs/abc123/serve/model.safetensors", weights.read_bytes())
     items = [{"prompt": p, "max_tokens": 6, "temperature": 1.0, "top_k": 0, "seed": n}
              for n, p in enumerate(PROMPTS[:5])]
-    batch = {"format": 3, "op": "generate", "items": items,
+    batch = {"format": MESSAGE_FORMAT, "op": "generate", "items": items,
              "model": {"key": ref.key, "sha256": ref.sha256, "size": ref.size},
              "arch": {"name": "gpt", "dataset": "shakespeare", "args": TINY_GPT,
                       "dataset_args": SMALL_TEXT}}
@@ -456,7 +456,7 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     assert view is not None and view.done_items == 4 and view.shard_rows[1]["status"] == "running"
     bad_hash = answer(1, 1, encode_rows([{**r, "i": r["i"] + 4} for r in rows]),
                       sha256="0" * 64)
-    assert bad_hash["status"] == "rejected" and "sha256" in bad_hash["error"]
+    assert bad_hash["status"] == "rejected" and "digest mismatch" in bad_hash["error"]
 
 
 def test_status_shows_each_shard_out_with_its_worker_and_heartbeat(

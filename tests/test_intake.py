@@ -195,7 +195,11 @@ def task(**kw: Any) -> dict[str, Any]:
     (task(model={"key": global_key("other", 0), "sha256": "0" * 64, "size": 1}),
      "is not a model key of job abc123"),
     (task(model={"key": global_key("abc123", 0), "sha256": "../../x", "size": 1}),
-     "is not a sha256"),
+     "is not a blob digest"),
+    (task(model={"key": global_key("abc123", 0), "sha256": "b3-../" + "A" * 40, "size": 1}),
+     "is not a blob digest"),
+    (task(model={"key": global_key("abc123", 0), "sha256": "b3-" + "A" * 42, "size": 1}),
+     "is not a blob digest"),
     (task(step={"key": global_key("abc123", 0), "sha256": "0" * 64, "size": 1,
                 "base": "/etc/passwd"}), "step base"),
     ([], "task is a list"),
@@ -207,6 +211,8 @@ def test_check_task(data: Any, reason: str) -> None:
 
 def test_check_task_accepts_what_fedq_sends() -> None:
     check_task(task())
+    check_task(task(model={"key": global_key("abc123", 0), "sha256": "b3-" + "_-A9" * 10 + "abc",
+                           "size": 1}))  # BLAKE3's form (fedq/digest.py)
     assert TrainRef.from_json(task()).job == "abc123"
 
 
@@ -215,7 +221,7 @@ def test_worker_paths_stay_in_its_folders(tmp_path: Path) -> None:
         state_path(tmp_path, "../../x", 0)
     assert state_path(tmp_path, "abc", 1).is_relative_to(tmp_path)
     cache = HostCache(tmp_path / "cache")
-    with pytest.raises(FormatError, match="is not a sha256"):
+    with pytest.raises(FormatError, match="is not a blob digest"):
         cache.get(open_store(str(tmp_path / "blobs")), BlobRef("k", "../../victim", 1))
 
 

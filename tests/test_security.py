@@ -308,7 +308,7 @@ def test_crafted_tasks_build_no_path(attacked: Run) -> None:
         assert "malformed task" in result["error"], (what, result["error"])
     reasons = {what: r["error"] for what, r in attacked.crafted}
     assert "is not a fedq job id" in reasons["job id"]
-    assert "is not a sha256" in reasons["model sha256"]
+    assert "is not a blob digest" in reasons["model sha256"]
     assert "is not a model key of job" in reasons["model key"]
     if attacked.backend == "redis+postgresql":
         for what, result in attacked.crafted:

@@ -1,27 +1,30 @@
 """The blob store contract.
 
 A backend implements four small methods over raw bytes; integrity lives here, once:
-:meth:`BlobStore.put` returns a :class:`BlobRef` carrying the sha256 of what was
-written, and :meth:`BlobStore.get` refuses bytes that do not hash to the ref's sha256,
-naming the key.
+:meth:`BlobStore.put` returns a :class:`BlobRef` carrying the digest of what was
+written (BLAKE3, in the ref's ``sha256`` field: fedq/digest.py), and
+:meth:`BlobStore.get` refuses bytes that do not hash to the ref's digest (with the
+digest's own hash: SHA-256 for a blob written before BLAKE3), naming the key.
 """
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import fedq.digest as digests
 from fedq.errors import BlobIntegrityError, BlobTooLarge
 
 _OVERLAP_HASH_BYTES = 4 << 20
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_hex(data: bytes | memoryview, like: str | None = None) -> str:
+    """The digest of ``data`` as a blob written now is named (BLAKE3), or in the form
+    of the digest ``like`` it is to be checked against (fedq/digest.py)."""
+    return digests.of(data, like)
 
 
 #: Below this many bytes a blob is hashed before it is written, not beside it: a
@@ -32,14 +35,14 @@ HASH_BESIDE_BYTES = 1 << 20
 
 def write_hashing(write: Callable[[], None], parts: Sequence[Any]) -> str:
     """Run ``write()`` while a second thread hashes ``parts`` (the bytes-like pieces it
-    writes, in order); the sha256 hex. hashlib and socket/file writes release the GIL,
+    writes, in order); their digest. The hash and socket/file writes release the GIL,
     so the two overlap instead of running one after the other. Small blobs
     (:data:`HASH_BESIDE_BYTES`) are hashed first, in this thread."""
     def digest() -> str:
-        h = hashlib.sha256()
+        h = digests.new()
         for part in parts:
             h.update(part)
-        return h.hexdigest()
+        return digests.text(h)
 
     if sum(memoryview(part).nbytes for part in parts) < HASH_BESIDE_BYTES:
         hexdigest = digest()
@@ -105,10 +108,12 @@ class BlobStore(ABC):
     #: instead of two for every bounded read).
     bounds_reads = False
 
-    def _read_hashed(self, key: str, limit: int | None = None) -> tuple[bytes, str | None]:
+    def _read_hashed(self, key: str, limit: int | None = None, like: str | None = None
+                     ) -> tuple[bytes, str | None]:
         """``_read(key)`` and, where the backend hashed the bytes while it received
-        them, their sha256 hex (else None: ``get`` hashes them after). A backend with
-        ``bounds_reads`` raises :func:`too_large` for a value over ``limit``, unread."""
+        them, their digest in the form of ``like`` (else None: ``get`` hashes them
+        after). A backend with ``bounds_reads`` raises :func:`too_large` for a value
+        over ``limit``, unread."""
         return self._read(key), None
 
     @abstractmethod
@@ -129,7 +134,7 @@ class BlobStore(ABC):
         return "nothing to prepare"
 
     def put(self, key: str, data: bytes) -> BlobRef:
-        """Store ``data`` under ``key``; return its ref (key, sha256, size)."""
+        """Store ``data`` under ``key``; return its ref (key, digest, size)."""
         if len(data) < _OVERLAP_HASH_BYTES:
             self._write(key, data)
             return BlobRef(key, sha256_hex(data), len(data))
@@ -141,20 +146,25 @@ class BlobStore(ABC):
         return self.put(key, b"".join(parts))
 
     def get(self, ref: BlobRef, limit: int | None = None) -> bytes:
-        """The bytes of ``ref``, verified against its sha256. With ``limit``, a blob
+        """The bytes of ``ref``, verified against its digest. With ``limit``, a blob
         larger than ``limit`` bytes is refused (:class:`~fedq.errors.BlobTooLarge`)
         before it is read, as far as the backend can tell its size, and after."""
         if limit is not None and not self.bounds_reads:
             size = self._size(ref.key)
             if size is not None and size > limit:
                 raise too_large(ref.key, size, limit)
-        data, digest = self._read_hashed(ref.key, limit)
+        data, digest = self._read_hashed(ref.key, limit, ref.sha256)
         if limit is not None and len(data) > limit:
             raise BlobTooLarge(f"blob {ref.key} is {len(data)} bytes, more than the {limit} "
                                f"it may be")
-        digest = digest or sha256_hex(data)
-        if digest != ref.sha256:
-            raise BlobIntegrityError(
-                f"blob {ref.key}: sha256 mismatch (expected {ref.sha256[:12]}..., "
-                f"got {digest[:12]}...): the blob was modified or corrupted")
+        check_digest(ref, digest or sha256_hex(data, ref.sha256))
         return data
+
+
+def check_digest(ref: BlobRef, digest: str) -> None:
+    """Raise :class:`~fedq.errors.BlobIntegrityError` unless ``digest`` (of the bytes
+    read for ``ref``, in the form of its digest) is the ref's."""
+    if digest != ref.sha256:
+        raise BlobIntegrityError(
+            f"blob {ref.key}: digest mismatch (expected {digests.short(ref.sha256)}..., "
+            f"got {digests.short(digest)}...): the blob was modified or corrupted")

@@ -32,7 +32,7 @@ class HostCache:
 
     def get(self, store: BlobStore, ref: BlobRef) -> tuple[bytes, bool]:
         """The verified bytes of ``ref`` and whether they came over the network.
-        The file name is the sha256, checked to be one before any path is built (a
+        The file name is the digest, checked to be one before any path is built (a
         task's ref could otherwise name a file anywhere the worker may write); the
         download is bounded by the ref's size."""
         path = self.folder / check_sha256(ref.sha256)
@@ -59,7 +59,7 @@ class HostCache:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        if len(data) == ref.size and sha256_hex(data) == ref.sha256:
+        if len(data) == ref.size and sha256_hex(data, ref.sha256) == ref.sha256:
             os.utime(path)  # recently used: evicted last
             return data
         path.unlink(missing_ok=True)  # damaged on disk: fetch it again

@@ -18,7 +18,6 @@ boto3, reads for the same purpose), as a private CA's deployment needs
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import ssl
 import urllib.error
@@ -26,8 +25,9 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from fedq.blobs.base import BlobRef, BlobStore
-from fedq.errors import BlobError, BlobIntegrityError, BlobNotFound, BlobTooLarge
+import fedq.digest as digests
+from fedq.blobs.base import BlobRef, BlobStore, check_digest
+from fedq.errors import BlobError, BlobNotFound, BlobTooLarge
 
 _CHUNK = 1 << 20
 TIMEOUT_S = 60
@@ -61,7 +61,7 @@ class PresignedStore(BlobStore):
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         url = self._url(self._put, key, "write")
         size = sum(len(memoryview(p).cast("B")) for p in parts)
-        digest = hashlib.sha256()
+        digest = digests.new()
 
         def body() -> Any:
             for part in parts:
@@ -78,18 +78,14 @@ class PresignedStore(BlobStore):
         except (urllib.error.URLError, OSError) as exc:
             raise BlobError(f"cannot write {key} through its presigned URL: "
                             f"{_reason(exc)}") from None
-        return BlobRef(key, digest.hexdigest(), size)
+        return BlobRef(key, digests.text(digest), size)
 
     def _read(self, key: str) -> bytes:
         return self._fetch(key, None)
 
     def get(self, ref: BlobRef, limit: int | None = None) -> bytes:
         data = self._fetch(ref.key, limit)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != ref.sha256:
-            raise BlobIntegrityError(
-                f"blob {ref.key}: sha256 mismatch (expected {ref.sha256[:12]}..., "
-                f"got {digest[:12]}...): the blob was modified or corrupted")
+        check_digest(ref, digests.of(data, ref.sha256))
         return data
 
     def _fetch(self, key: str, limit: int | None) -> bytes:

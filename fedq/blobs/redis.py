@@ -10,7 +10,6 @@ URLs use redis-py for everything.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import sys
@@ -18,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import fedq.digest as digests
 from fedq.blobs.base import BlobRef, BlobStore, too_large, write_hashing
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
 from fedq.redaction import redact
@@ -78,16 +78,19 @@ class RedisBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.url}")
         return data  # type: ignore[no-any-return]  # bytes, or a bytearray from the reader
 
-    def _read_hashed(self, key: str, limit: int | None = None) -> tuple[bytes, str | None]:
-        """A large value is hashed on a second thread as it arrives (hashlib and socket
-        reads release the GIL): the sha256 costs little more than the read. A value
-        over ``limit`` is refused from the reply's length, its bytes unread."""
+    def _read_hashed(self, key: str, limit: int | None = None, like: str | None = None
+                     ) -> tuple[bytes, str | None]:
+        """A large value is hashed on a second thread as it arrives (the hash and socket
+        reads release the GIL): the digest, in the form of ``like``, costs little more
+        than the read. A value over ``limit`` is refused from the reply's length, its
+        bytes unread."""
         import redis
 
         if self._reader is None:
             return self._read(key), None
         try:
-            data, digest = self._reader.get_hashed((KEY_PREFIX + key).encode(), limit=limit)
+            data, digest = self._reader.get_hashed((KEY_PREFIX + key).encode(), limit=limit,
+                                                   like=like)
         except _TooLarge as exc:
             raise too_large(key, exc.size, exc.limit) from None
         except (redis.RedisError, OSError) as exc:
@@ -148,15 +151,16 @@ class _BulkReader:
         """The value, or None when the key does not exist."""
         return self.get_hashed(key, hashing=False)[0]
 
-    def get_hashed(self, key: bytes, hashing: bool = True, limit: int | None = None
-                   ) -> tuple[bytearray | None, str | None]:
+    def get_hashed(self, key: bytes, hashing: bool = True, limit: int | None = None,
+                   like: str | None = None) -> tuple[bytearray | None, str | None]:
         """The value (None when the key does not exist) and, with ``hashing``, its
-        sha256 hex, computed as it was received. A value longer than ``limit`` raises
+        digest in the form of ``like`` (fedq/digest.py), computed as it was received.
+        A value longer than ``limit`` raises
         :class:`_TooLarge` before its bytes are read (the connection is closed: the
         reply is left unread). One reconnect on a dropped connection (Redis restarted,
         idle timeout), with the hash started afresh."""
         for attempt in (1, 2):
-            hasher = _Hasher() if hashing else None
+            hasher = _Hasher(like) if hashing else None
             try:
                 data = self._get(key, hasher, limit)
             except (ConnectionError, socket.timeout):
@@ -289,11 +293,12 @@ class _TooLarge(Exception):
 
 
 class _Hasher:
-    """sha256 of a value being received into one buffer, on a second thread that
-    hashes each stretch as soon as it has arrived (a small value: hashed at the end)."""
+    """The digest of a value being received into one buffer (in the form of ``like``:
+    fedq/digest.py), on a second thread that hashes each stretch as soon as it has
+    arrived (a small value: hashed at the end)."""
 
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
+    def __init__(self, like: str | None = None) -> None:
+        self._sha = digests.new(like)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._view: memoryview | None = None
@@ -303,7 +308,7 @@ class _Hasher:
     def start(self, view: memoryview, length: int) -> None:
         self._view, self._length = view, length
         if length >= _HASH_THREAD_MIN:
-            self._thread = threading.Thread(target=self._run, name="fedq-sha256", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="fedq-digest", daemon=True)
             self._thread.start()
 
     def received(self, have: int) -> None:
@@ -324,7 +329,7 @@ class _Hasher:
         self._view = None
 
     def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+        return digests.text(self._sha)
 
     def _run(self) -> None:
         assert self._view is not None

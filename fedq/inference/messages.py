@@ -14,12 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedq.wire import FEDQ_VERSION, INT32, INT64, JOB_ID, MESSAGE_FORMAT, FormatError
+from fedq.wire import FEDQ_VERSION, INT32, INT64, JOB_ID, MESSAGE_FORMAT, SHA256, FormatError
 
 Int32 = Annotated[int, Field(ge=0, le=INT32)]
 Int64 = Annotated[int, Field(ge=0, le=INT64)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
-Sha = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Sha = Annotated[str, Field(pattern=f"^({SHA256.pattern})$")]  # a blob digest
 JobId = Annotated[str, Field(pattern=f"^{JOB_ID.pattern}$")]
 
 #: The most bytes one output line may take, by operation (a classify line holds one

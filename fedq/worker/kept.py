@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import torch
 
+import fedq.digest as digests
 from fedq.errors import FedqError
 from fedq.weights import dumps, loads_with_meta
 from fedq.worker.inner import check_client
@@ -37,12 +38,12 @@ _COUNTERS = ("start", "step", "seen", "loss_sum", "seconds", "first_step")
 
 
 def path_for(home: Path, key: tuple[str, int, str]) -> Path:
-    """The file of one task (job, client, global model sha256), under ``home`` only."""
+    """The file of one task (job, client, global model digest), under ``home`` only."""
     job, client, sha = key
     check_client(job, client)
-    if len(sha) < 12 or any(c not in "0123456789abcdef" for c in sha):
-        raise FedqError(f"{sha!r} is not a sha256")
-    return home / "kept" / f"{job}-c{client:06d}-{sha[:12]}.safetensors"
+    if not digests.is_digest(sha):
+        raise FedqError(f"{sha!r} is not a blob digest")
+    return home / "kept" / f"{job}-c{client:06d}-{digests.short(sha)}.safetensors"
 
 
 def save(home: Path, key: tuple[str, int, str], kept: Kept) -> Path:

@@ -9,7 +9,6 @@ fails never runs its body, so failure is reported as an error ref.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+import fedq.digest as digests
 from fedq.aggregate.compression import encode, zstd_compress
 from fedq.aggregate.downlink import apply_step
 from fedq.aggregate.streaming import fragment_names
@@ -88,10 +88,10 @@ def rebuild_initial(ref: TrainRef, spec: JobSpec, input_shape: tuple[int, ...],
         return None
     weights = state_of(seeded_model(spec.model, input_shape, num_classes, spec.seed,
                                     **spec.model_args))
-    digest = hashlib.sha256()
+    digest = digests.new(ref.model.sha256)  # the stored blob's hash
     for part in dump_parts(weights, {"job": ref.job}):
         digest.update(part)
-    if digest.hexdigest() != ref.model.sha256:
+    if digests.text(digest) != ref.model.sha256:
         log.info("round 0's model rebuilt from the seed differs from the stored one: "
                  "downloading it")
         return None
