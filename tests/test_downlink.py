@@ -12,7 +12,7 @@ import torch
 from sqlalchemy import select
 
 from fedq.aggregate.compression import Q_SUFFIX
-from fedq.aggregate.downlink import apply_step, compress_step, content_sha256
+from fedq.aggregate.downlink import apply_step, compress_step, content_digest
 from fedq.blobs import global_key, open_store, step_key
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.errors import BlobError, UpdateRejected
@@ -42,8 +42,23 @@ def test_a_step_rebuilds_the_published_model_exactly() -> None:
     data = bytearray(dumps(stored, meta))
     tensors, read_meta = loads_with_meta(data)
     rebuilt = apply_step(previous, tensors, read_meta)
-    assert content_sha256(rebuilt) == content_sha256(published) == meta["fedq.content"]
+    assert content_digest(rebuilt) == content_digest(published) == meta["fedq.content"]
     assert all(torch.equal(rebuilt[k], published[k]) for k in published)
+
+
+def test_a_step_written_before_blake3_is_checked_with_sha256() -> None:
+    """A step's content digest is BLAKE3 now (fedq/digest.py); one a coordinator of
+    message format 3 wrote (SHA-256, 64 hex digits) is checked with SHA-256, so a
+    resumed job's last step still applies, and a wrong one is still refused."""
+    previous, new = _model(0), _model(1)
+    published, _, stored, meta = compress_step(previous, new, {}, chunk=64)
+    assert meta["fedq.content"].startswith("b3-")
+    old = {**meta, "fedq.content": content_digest(published, like="0" * 64)}
+    assert len(old["fedq.content"]) == 64 and old["fedq.content"] != meta["fedq.content"]
+    rebuilt = apply_step(previous, stored, old)
+    assert all(torch.equal(rebuilt[k], published[k]) for k in published)
+    with pytest.raises(UpdateRejected, match="content hash"):
+        apply_step(previous, stored, {**old, "fedq.content": "f" * 64})
 
 
 def test_a_step_that_does_not_rebuild_its_model_is_refused() -> None:
@@ -130,7 +145,7 @@ def test_workers_download_steps_and_train_on_the_stored_model(tmp_path: Path) ->
         previous = loads(store._read(global_key(job, n - 1)))
         tensors, meta = loads_with_meta(store._read(step_key(job, n)))
         rebuilt = apply_step(previous, tensors, meta)
-        assert content_sha256(rebuilt) == content_sha256(loads(store._read(global_key(job, n))))
+        assert content_digest(rebuilt) == content_digest(loads(store._read(global_key(job, n))))
         assert steps[n] < 0.3 * size[n]
     # round n trains on model n - 1: a worker that held model n - 2 downloads step n - 1
     by_round = {n: [r for r in rows if r.round_number == n] for n in range(1, 5)}

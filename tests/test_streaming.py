@@ -12,7 +12,7 @@ import torch
 from sqlalchemy import select
 
 from fedq.aggregate.compression import Q_SUFFIX
-from fedq.aggregate.downlink import apply_step, compress_step, content_sha256
+from fedq.aggregate.downlink import apply_step, compress_step, content_digest
 from fedq.aggregate.server import make_server
 from fedq.aggregate.streaming import fragment_names, fragments, synced_between
 from fedq.blobs import global_key, open_store
@@ -93,7 +93,7 @@ def test_the_model_goes_down_as_a_step_of_the_synchronised_fragment_alone() -> N
     for name in weights:  # the other fragment: unchanged, its residual kept for later
         if name not in part:
             assert published[name] is weights[name] and left[name] is residual[name]
-    assert content_sha256(apply_step(weights, stored, meta)) == content_sha256(published)
+    assert content_digest(apply_step(weights, stored, meta)) == content_digest(published)
     dropped = {k: v for k, v in stored.items() if not k.startswith(part[-1] + ".")}
     with pytest.raises(UpdateRejected, match="content hash"):
         apply_step(weights, dropped, meta)

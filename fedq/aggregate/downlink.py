@@ -18,8 +18,8 @@ and ``fedq generate`` read it.
 
 A worker rebuilds ``published`` from the previous model with the same two float32 CPU
 operations (an IEEE multiply and add, bit-exact on every machine) and checks the result
-against :func:`content_sha256` written into the step's metadata; the step blob itself
-is checked against the sha256 its ref carries, like every blob. Any mismatch: the
+against :func:`content_digest` written into the step's metadata; the step blob itself
+is checked against the digest its ref carries, like every blob. Any mismatch: the
 worker downloads the full model instead. A tensor the round did not change is not in
 the step at all (with Streaming DiLoCo a step carries one fragment); the content hash
 covers the whole rebuilt model, so a tensor wrongly left out fails it.
@@ -27,13 +27,13 @@ covers the whole rebuilt model, so a tensor wrongly left out fails it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 
+import fedq.digest as digests
 from fedq.aggregate.compression import Q_SUFFIX, S_SUFFIX, dequantize_int8, quantize_int8
 from fedq.aggregate.types import Weights
 from fedq.errors import UpdateRejected
@@ -89,7 +89,7 @@ def compress_step(previous: Mapping[str, torch.Tensor], new: Mapping[str, torch.
         left[name] = step - applied
         stored[name + Q_SUFFIX], stored[name + S_SUFFIX] = q, scales
     meta = {"fedq.codec": CODEC if quantize else PART, "fedq.chunk": str(chunk),
-            "fedq.content": content_sha256(published)}
+            "fedq.content": content_digest(published)}
     return published, left, stored, meta
 
 
@@ -115,20 +115,22 @@ def apply_step(previous: Mapping[str, torch.Tensor], stored: Mapping[str, torch.
             out[name] = stored[name]
     for name, base in previous.items():  # not in the step: unchanged (the hash checks it)
         out.setdefault(name, base)
-    digest = content_sha256(out)
+    digest = content_digest(out, like=meta["fedq.content"])
     if digest != meta["fedq.content"]:
-        raise UpdateRejected(f"rebuilt model's content hash {digest[:12]}... is not "
-                             f"{meta['fedq.content'][:12]}...")
+        raise UpdateRejected(f"rebuilt model's content hash {digests.short(digest)}... is "
+                             f"not {digests.short(meta['fedq.content'])}...")
     return out
 
 
-def content_sha256(weights: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the tensors in name order: each name, dtype and shape, then its bytes
-    (independent of how a file lays them out or what metadata it carries)."""
-    h = hashlib.sha256()
+def content_digest(weights: Mapping[str, torch.Tensor], like: str | None = None) -> str:
+    """A digest over the tensors in name order: each name, dtype and shape, then its
+    bytes (independent of how a file lays them out or what metadata it carries). BLAKE3
+    as blobs are (fedq/digest.py), or the hash of ``like``, the digest it is checked
+    against (SHA-256 in a step written before)."""
+    h = digests.new(like)
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
         if t.numel():
             h.update(memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy())))
-    return h.hexdigest()
+    return digests.text(h)
