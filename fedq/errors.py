@@ -60,7 +60,7 @@ class BlobNotFound(BlobError):
 
 
 class BlobIntegrityError(BlobError):
-    """A blob's bytes do not hash to the sha256 its reference carries."""
+    """A blob's bytes do not hash to the digest its reference carries."""
 
 
 class BlobTooLarge(BlobError):

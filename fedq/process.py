@@ -3,7 +3,7 @@
 A Celery worker process runs many tasks; some things are worth keeping from one to
 the next, and each is kept here, nowhere else:
 
-- ``models``: global models by sha256 — a training worker keeps the last two it
+- ``models``: global models by digest — a training worker keeps the last two it
   downloaded (a round's tasks share one), the control worker the model it committed
   last (the next round's finalize starts from it without a read);
 - ``accumulator``: FedAvg's model-sized mean buffer, reused round to round (a fresh one
@@ -58,14 +58,14 @@ class ProcessState:
         return self._accumulator
 
     def model(self, sha256: str) -> Weights | None:
-        """The kept model with this sha256, if any (and mark it recently used)."""
+        """The kept model with this digest, if any (and mark it recently used)."""
         weights = self.models.get(sha256)
         if weights is not None:
             self.models.move_to_end(sha256)
         return weights
 
     def keep_model(self, sha256: str, weights: Weights, *, only: bool = False) -> None:
-        """Keep ``weights`` under ``sha256``; ``only``: drop every other model first."""
+        """Keep ``weights`` under its digest ``sha256``; ``only``: drop every other model first."""
         if only:
             self.models.clear()
         self.models[sha256] = weights
@@ -73,7 +73,7 @@ class ProcessState:
             self.models.popitem(last=False)
 
     def keep_task(self, key: tuple[str, int, str], kept: Any) -> None:
-        """Keep a yielded task's training (``Kept``) under (job, client, model sha256)."""
+        """Keep a yielded task's training (``Kept``) under (job, client, model digest)."""
         self.kept.pop(key, None)
         self.kept[key] = kept
         while len(self.kept) > KEPT_TASKS:

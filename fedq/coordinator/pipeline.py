@@ -2,7 +2,7 @@
 
 read -> verify -> clip -> reduce -> (DP noise) -> server optimizer:
 
-1. Each update blob is read (sha256 checked), zstd-decompressed if it is a zstd frame,
+1. Each update blob is read (digest checked), zstd-decompressed if it is a zstd frame,
    decoded from its codec (fp16, int8) to float32, and verified against the global
    model (names, shapes, dtypes, finite, ``max_update_norm``).
 2. With ``clip_norm`` (or DP) it is clipped to that L2 norm.
@@ -97,7 +97,7 @@ def update_limit(reference: Weights, chunk: int) -> int:
 
 def read_update(store: BlobStore, ref: UpdateRef, reference: Weights, spec: JobSpec,
                 data: bytes | None = None) -> Weights:
-    """The float32 delta behind ``ref``: sha256-checked, decompressed, decoded, each
+    """The float32 delta behind ``ref``: digest-checked, decompressed, decoded, each
     step bounded by :func:`update_limit`. ``data``: the blob's bytes, when already
     read (and checked) by the caller."""
     limit = update_limit(reference, spec.compression.chunk)
@@ -163,7 +163,7 @@ def prefetched(store: BlobStore, refs: Sequence[UpdateRef], limit: int | None = 
                ) -> Iterator[tuple[UpdateRef, bytes | Exception | None]]:
     """(ref, its blob's checked bytes or the error reading them), reading the next
     blob in a background thread while the caller works on this one: network reads,
-    sha256 and the tensor arithmetic all release the GIL, so on two cores reading
+    hashing and the tensor arithmetic all release the GIL, so on two cores reading
     overlaps averaging. At most two blobs are held at once, each at most ``limit``
     bytes (a larger one is refused before it is read)."""
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -289,7 +289,7 @@ def server_update(spec: JobSpec, current: Weights, delta: Weights,
 def put_model(store: BlobStore, job_id: str, number: int, model: NextModel, base: str,
               tag: str = "") -> tuple[BlobRef, BlobRef | None, StepRef | None]:
     """Store the new global model, the server state and the step (if any): their refs;
-    the step's ref names ``base``, the sha256 of the global blob it steps from."""
+    the step's ref names ``base``, the digest of the global blob it steps from."""
     meta = {"job": job_id, "round": str(number)}
     blob = store.put_parts(global_key(job_id, number, tag), dump_parts(model.weights, meta))
     state = store.put(state_key(job_id, number, tag), dumps(model.state, meta)) \

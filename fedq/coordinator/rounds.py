@@ -105,7 +105,7 @@ def withdraw(settings: Settings, gen: int) -> None:
     pipeline: fedq.engine.redis_transport) carry the withdrawn row's id in their task
     ids: their results are never read, and an update one stores under the key of the
     round started again (the same attempt's) can only replace it with bytes that fail
-    the new result's sha256, which are refused."""
+    the new result's digest, which are refused."""
     with session_scope(settings.database_url) as s:
         s.execute(delete(Round).where(Round.id == gen, Round.status == RoundStatus.TRAINING,
                                       Round.attempt == 1))

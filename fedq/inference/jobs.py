@@ -14,7 +14,7 @@ Exactly once: a shard's row moves to ``done`` once, under the job's row lock; a
 re-sent shard's second answer (or a straggler's) is dropped. A shard's output is
 written under a key per attempt, so a straggler cannot overwrite the blob the
 done row points at. Every answer is checked before it counts (its format, its blob's
-sha256 and size bound, each line: :func:`fedq.inference.messages.check_output`).
+digest and size bound, each line: :func:`fedq.inference.messages.check_output`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The coordinator sends :class:`ShardTask`; the worker parses it before it reads anything
 else, and writes its output only under the key :func:`output_key` makes from the
 task's job, shard and attempt (never a key the task names). The worker's answer is
-read by :class:`ShardResult`; its output blob is read back with its sha256 and a size
+read by :class:`ShardResult`; its output blob is read back with its digest and a size
 bound and every line is checked by :func:`check_output` before the shard counts."""
 
 from __future__ import annotations

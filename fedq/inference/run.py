@@ -1,7 +1,7 @@
 """Running a model over items: what a worker does with one shard, and the same code a
 person calls in one process (``fedq.inference.run.run_items``) to check the outputs.
 
-The model is built once per worker process and job (kept under its weights' sha256,
+The model is built once per worker process and job (kept under its weights' digest,
 like a training worker keeps the global model): the shards after the first of a job
 pay no download and no build."""
 
@@ -38,7 +38,7 @@ from fedq.worker.loop import amp_autocast, device_amp, measured_amp
 
 log = logging.getLogger(__name__)
 
-_BUILT: dict[str, torch.nn.Module] = {}  # weights sha256 -> the model, loaded (one kept)
+_BUILT: dict[str, torch.nn.Module] = {}  # weights' digest -> the model, loaded (one kept)
 
 
 def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],

@@ -23,7 +23,7 @@ PROBE_BYTES = 10 * 2**20
 
 def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any]:
     """Connect to the broker (seconds to connect) and write, read back and delete a
-    ``size``-byte random blob (seconds and MB/s each way; the sha256 is checked on
+    ``size``-byte random blob (seconds and MB/s each way; the digest is checked on
     read as for every blob), then check a registered worker's limits (``limits``; for a
     joined worker each one that does not hold is a problem). Failures come back as
     ``problems``, never raised."""

@@ -1,6 +1,6 @@
 """One client update: what a training worker does with a :class:`~fedq.refs.TrainRef`.
 
-It fetches the global model (cached by sha256), derives its own data shard,
+It fetches the global model (cached by its digest), derives its own data shard,
 trains, uploads its delta under a deterministic key and returns an
 :class:`~fedq.refs.UpdateRef`. It never raises: a Celery chord whose header task
 fails never runs its body, so failure is reported as an error ref.
@@ -77,7 +77,7 @@ def fetch_global(store: BlobStore, ref: BlobRef,
 def rebuild_initial(ref: TrainRef, spec: JobSpec, input_shape: tuple[int, ...],
                     num_classes: int) -> Weights | None:
     """Round 0's global model rebuilt here from the spec's seed, if it is the stored blob
-    byte for byte (its sha256 is the ref's); None otherwise, and the model is downloaded.
+    byte for byte (its digest is the ref's); None otherwise, and the model is downloaded.
 
     The coordinator made that blob with the same call (``seeded_model``) and wrote it
     with the job id as its only metadata, so a worker with the same torch build gets
