@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import fedq
-from fedq.digest import DIGEST, FORMS
+from fedq.digest import DIGEST, FORMS, is_digest
 
 #: Version of the task and result messages; bump it when their meaning changes.
 #: 3: a buffered task's number travels as ``task``, not ``round``; 4: blob digests
@@ -34,8 +34,9 @@ INT64 = 2**63 - 1  # SQL BIGINT
 # The shapes fedq itself generates (fedq/blobs/keys.py, fedq/coordinator/jobs.py):
 # path-safe (no '/', no '..'), within their columns.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
-SHA256 = DIGEST  # a blob digest in either of its forms (fedq/digest.py)
 QUEUE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+#: A blob digest field (fedq/digest.py: BLAKE3, or SHA-256 in jobs begun before).
+BlobDigest = Annotated[str, Field(pattern=f"^({DIGEST.pattern})$")]
 _MODEL_KEY = r"jobs/{job}/r\d{{5}}/(global|step)(-[0-9a-f]{{1,16}})?\.safetensors"
 _UPDATE_KEY = r"jobs/{job}/r\d{{5}}/updates/c\d{{6}}-a\d+\.safetensors"
 
@@ -48,10 +49,6 @@ def is_job_id(value: object) -> bool:
     return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
 
 
-def is_sha256(value: object) -> bool:
-    return isinstance(value, str) and SHA256.fullmatch(value) is not None
-
-
 def check_job_id(value: object) -> str:
     if not is_job_id(value):
         raise FormatError(f"job id {str(value)[:40]!r} is not a fedq job id "
@@ -59,8 +56,8 @@ def check_job_id(value: object) -> str:
     return str(value)
 
 
-def check_sha256(value: object, what: str = "sha256") -> str:
-    if not is_sha256(value):
+def check_blob_digest(value: object, what: str = "sha256") -> str:
+    if not is_digest(value):
         raise FormatError(f"{what} {str(value)[:80]!r} is not a blob digest ({FORMS})")
     return str(value)
 
@@ -99,12 +96,12 @@ def check_task(data: Any) -> None:
         if not isinstance(blob, dict):
             raise FormatError(f"task field {name!r} is not a blob reference")
         check_model_key(blob.get("key"), job)
-        check_sha256(blob.get("sha256"), f"{name} sha256")
+        check_blob_digest(blob.get("sha256"), f"{name} sha256")
         size = blob.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= INT64:
             raise FormatError(f"{name} size {str(size)[:40]!r} is not a byte count")
         if name == "step":
-            check_sha256(blob.get("base"), "step base")
+            check_blob_digest(blob.get("base"), "step base")
     if not isinstance(data.get("spec"), dict):
         raise FormatError("task field 'spec' is not an object")
     links = data.get("links")
@@ -172,7 +169,7 @@ class ResultModel(_Strict):
     task: Int32 = 0
     worker: str = Field(min_length=1, max_length=200)
     key: str | None = Field(default=None, max_length=300)
-    sha256: Annotated[str, Field(pattern=f"^({DIGEST.pattern})$")] | None = None
+    sha256: BlobDigest | None = None
     samples: Int32 = 0
     steps: Int32 = 0
     loss: Finite | None = None

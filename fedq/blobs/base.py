@@ -21,12 +21,6 @@ from fedq.errors import BlobIntegrityError, BlobTooLarge
 _OVERLAP_HASH_BYTES = 4 << 20
 
 
-def sha256_hex(data: bytes | memoryview, like: str | None = None) -> str:
-    """The digest of ``data`` as a blob written now is named (BLAKE3), or in the form
-    of the digest ``like`` it is to be checked against (fedq/digest.py)."""
-    return digests.of(data, like)
-
-
 #: Below this many bytes a blob is hashed before it is written, not beside it: a
 #: thread to hash in costs about 0.25 ms to start and join, the sha256 of 1 MiB
 #: 0.67 ms (2 cores here, 2026-11-28; a 19 kB update: 0.26 ms threaded, 0.01 ms not).
@@ -137,7 +131,7 @@ class BlobStore(ABC):
         """Store ``data`` under ``key``; return its ref (key, digest, size)."""
         if len(data) < _OVERLAP_HASH_BYTES:
             self._write(key, data)
-            return BlobRef(key, sha256_hex(data), len(data))
+            return BlobRef(key, digests.of(data), len(data))
         return BlobRef(key, write_hashing(lambda: self._write(key, data), [data]), len(data))
 
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
@@ -157,7 +151,7 @@ class BlobStore(ABC):
         if limit is not None and len(data) > limit:
             raise BlobTooLarge(f"blob {ref.key} is {len(data)} bytes, more than the {limit} "
                                f"it may be")
-        check_digest(ref, digest or sha256_hex(data, ref.sha256))
+        check_digest(ref, digest or digests.of(data, ref.sha256))
         return data
 
 

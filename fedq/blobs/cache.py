@@ -18,8 +18,9 @@ import os
 import time
 from pathlib import Path
 
-from fedq.blobs.base import BlobRef, BlobStore, sha256_hex
-from fedq.wire import check_sha256
+import fedq.digest as digests
+from fedq.blobs.base import BlobRef, BlobStore
+from fedq.wire import check_blob_digest
 
 DEFAULT_KEEP = 4
 _STALE_TMP_S = 3600.0
@@ -35,7 +36,7 @@ class HostCache:
         The file name is the digest, checked to be one before any path is built (a
         task's ref could otherwise name a file anywhere the worker may write); the
         download is bounded by the ref's size."""
-        path = self.folder / check_sha256(ref.sha256)
+        path = self.folder / check_blob_digest(ref.sha256)
         data = self._read(path, ref)
         if data is not None:
             return data, False
@@ -59,7 +60,7 @@ class HostCache:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        if len(data) == ref.size and sha256_hex(data, ref.sha256) == ref.sha256:
+        if len(data) == ref.size and digests.of(data, ref.sha256) == ref.sha256:
             os.utime(path)  # recently used: evicted last
             return data
         path.unlink(missing_ok=True)  # damaged on disk: fetch it again

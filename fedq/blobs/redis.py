@@ -168,7 +168,7 @@ class _BulkReader:
                 if attempt == 2:
                     raise
                 continue
-            return data, (hasher.hexdigest() if hasher and data is not None else None)
+            return data, (hasher.digest() if hasher and data is not None else None)
         raise AssertionError("unreachable")
 
     def set_parts(self, key: bytes, parts: Sequence[Any], size: int) -> None:
@@ -328,7 +328,7 @@ class _Hasher:
             self._sha.update(self._view[:self._length])
         self._view = None
 
-    def hexdigest(self) -> str:
+    def digest(self) -> str:
         return digests.text(self._sha)
 
     def _run(self) -> None:

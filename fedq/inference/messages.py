@@ -14,12 +14,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedq.wire import FEDQ_VERSION, INT32, INT64, JOB_ID, MESSAGE_FORMAT, SHA256, FormatError
+from fedq.wire import (
+    FEDQ_VERSION,
+    INT32,
+    INT64,
+    JOB_ID,
+    MESSAGE_FORMAT,
+    BlobDigest,
+    FormatError,
+)
 
 Int32 = Annotated[int, Field(ge=0, le=INT32)]
 Int64 = Annotated[int, Field(ge=0, le=INT64)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
-Sha = Annotated[str, Field(pattern=f"^({SHA256.pattern})$")]  # a blob digest
 JobId = Annotated[str, Field(pattern=f"^{JOB_ID.pattern}$")]
 
 #: The most bytes one output line may take, by operation (a classify line holds one
@@ -50,7 +57,7 @@ class _Strict(BaseModel):
 
 class Blob(_Strict):
     key: str = Field(max_length=300, pattern=r"^jobs/[A-Za-z0-9_-]{1,32}/[A-Za-z0-9_./-]+$")
-    sha256: Sha
+    sha256: BlobDigest
     size: Int64
 
 
@@ -109,7 +116,7 @@ class ShardResult(_Strict):
     worker: str = Field(min_length=1, max_length=200)
     queue: str = Field(max_length=32)
     key: str | None = Field(default=None, max_length=300)
-    sha256: Sha | None = None
+    sha256: BlobDigest | None = None
     size: Int64 = 0
     items: Int32 = 0
     seconds: Seconds = 0.0

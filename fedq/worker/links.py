@@ -10,8 +10,8 @@ import secrets
 import time
 from typing import Any
 
+import fedq.digest as digests
 from fedq.blobs import open_store
-from fedq.blobs.base import sha256_hex
 from fedq.engine.broker import check_broker
 from fedq.errors import BlobError, FedqError
 from fedq.redaction import redact
@@ -51,7 +51,7 @@ def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any
         back = store.get(ref)
         down = time.perf_counter() - started
         store.delete_keys([key])
-        if sha256_hex(back) != sha256_hex(data):
+        if digests.of(back) != digests.of(data):
             raise BlobError(f"blob {key} came back different")
         report.update(blob_bytes=size, upload_seconds=up, download_seconds=down,
                       upload_mb_per_s=size / 1e6 / up if up else None,

@@ -110,9 +110,9 @@ def replay(task: dict, result: dict, store: BlobStore) -> dict:
             data = store._read(key)
         except Exception:  # that client did not train in the round before
             continue
-        from fedq.blobs.base import sha256_hex
+        import fedq.digest as digests
 
-        return {**result, "key": key, "sha256": sha256_hex(data), "bytes_up": len(data)}
+        return {**result, "key": key, "sha256": digests.of(data), "bytes_up": len(data)}
     return result
 
 
