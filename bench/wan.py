@@ -38,6 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from bench.common import (
     ROOT,
     BenchError,
@@ -283,8 +285,6 @@ def hash_speed() -> list[tuple[str, float]]:
         for _ in range(5):
             fn()
         out.append((name, (time.perf_counter() - t) / 5))
-    import blake3
-
     for threads, label in ((1, "BLAKE3, 1 thread (fedq's blob digest)"),
                            (blake3.blake3.AUTO, "BLAKE3, all cores")):
         t = time.perf_counter()
