@@ -87,6 +87,26 @@ def test_blobs_are_named_by_blake3_and_a_sha256_ref_of_an_older_job_still_reads(
             store.get(r)
 
 
+def test_the_host_cache_checks_a_file_by_its_refs_digest_form(tmp_path: Path) -> None:
+    """The workers' shared cache (fedq/blobs/cache.py) names a file by its ref's digest
+    and checks it by that digest's form on every read: a BLAKE3 ref and the SHA-256 ref
+    of an older job each read from the cache once fetched, and a file changed on disk
+    under either name is dropped and fetched again, never handed back."""
+    from fedq.blobs.cache import HostCache
+
+    store = open_store(str(tmp_path / "blobs"))
+    data = bytes(range(256)) * 40
+    ref = store.put(update_key("j9", 1, 0), data)
+    old = BlobRef(ref.key, hashlib.sha256(data).hexdigest(), len(data))
+    cache = HostCache(tmp_path / "cache")
+    for r in (ref, old):
+        assert cache.get(store, r) == (data, True)
+        assert cache.get(store, r) == (data, False)  # from the file, checked
+        (tmp_path / "cache" / r.sha256).write_bytes(data[:-1] + b"?")
+        assert cache.get(store, r) == (data, True)  # damaged: fetched anew
+        assert (tmp_path / "cache" / r.sha256).read_bytes() == data
+
+
 def test_deterministic_key_overwrites(store: BlobStore) -> None:
     key = update_key("j2", 1, 0)
     store.put(key, b"first")

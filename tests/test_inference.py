@@ -596,8 +596,8 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
     """``in_flight`` unset (jobs.queue_limits): each worker registered on the queue that
     has not stepped aside counts for two shards out (its next one waits in the broker);
     one not seen lately does not count; one registered with ``-c N`` counts ``N`` times
-    (believed up to 64: jobs.worker_slots); a backup copy still waits for a free slot,
-    not for a shard fewer than that."""
+    (believed up to 64: fedq.engine.broker.registered_slots); a backup copy still waits
+    for a free slot, not for a shard fewer than that."""
     from fedq.db.models import Worker
     from fedq.db.session import ensure_schema
 

@@ -624,6 +624,42 @@ def test_queues_auto_sends_an_away_workers_share_to_workers_that_can_train(
     assert split_by_throughput(10, queue_throughput(db, live)) == {"gpu_new": 9, "cpu": 1}
 
 
+def test_a_worker_started_with_c_n_counts_n_times_when_a_round_is_planned(
+        tmp_path: Path) -> None:
+    """A worker started with `-c N` trains N clients at once: `clients_per_worker` and
+    `queues: auto` count the slots it registered (its pool's concurrency), each slot at
+    its tasks' measured rate; a claim that is not an integer in 1..64 counts once."""
+    from fedq.coordinator.planning import plan_round, split_by_throughput
+    from fedq.coordinator.roster import LiveView, list_workers
+    from fedq.db import Worker, session_scope
+    from fedq.db.session import ensure_schema
+    from fedq.spec import JobSpec
+
+    db = f"sqlite:///{tmp_path / 'fedq.db'}"
+    ensure_schema(db)
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname="big@x", queues=["cpu"], hardware={"concurrency": 4},
+                          samples_per_second=50.0),
+                   Worker(hostname="rtx@y", queues=["gpu_new"], hardware={"concurrency": 1},
+                          samples_per_second=100.0),
+                   Worker(hostname="liar@z", queues=["cpu"],
+                          hardware={"concurrency": 10 ** 6}, samples_per_second=50.0),
+                   Worker(hostname="odd@w", queues=["cpu"], hardware={"concurrency": "8"},
+                          samples_per_second=50.0, available=True)])
+    live = {"cpu": ["big@x", "liar@z", "odd@w"], "gpu_new": ["rtx@y"]}
+    view = LiveView.of(list_workers(db), live)
+    assert view.available(["cpu"]) == 6 and view.available(["cpu", "gpu_new"]) == 7
+    assert view.throughput == {"cpu": 300.0, "gpu_new": 100.0}
+    assert split_by_throughput(8, view.throughput) == {"gpu_new": 2, "cpu": 6}
+    spec = JobSpec.model_validate({**DIGITS, "num_clients": 20, "clients_per_round": 10,
+                                   "clients_per_worker": 1, "min_clients": 2, "rounds": 1})
+    assert len(plan_round(spec, 1, None, view.available(["cpu"]))) == 6
+    with session_scope(db) as s:  # its owner came back: its four slots go with it
+        s.get(Worker, "big@x").available = False  # type: ignore[union-attr]
+    view = LiveView.of(list_workers(db), live)
+    assert view.available(["cpu"]) == 2 and view.throughput["cpu"] == 100.0
+
+
 def test_clients_per_worker_sizes_a_round_by_the_workers_available_now(
         tmp_path: Path) -> None:
     """With `clients_per_worker`, a round takes that many clients per worker consuming
@@ -704,4 +740,4 @@ def test_a_round_is_sized_by_the_workers_that_can_train_now(
         ok = sorted(u.client for u in cluster.updates(job) if u.status == UpdateStatus.OK)
         assert ok == planned[job]
     control_log = cluster.by_name("control").log_path.read_text()
-    assert "2 worker(s) available: 4 client(s) (of 8)" in control_log
+    assert "2 worker slot(s) available: 4 client(s) (of 8)" in control_log

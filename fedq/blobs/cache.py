@@ -2,11 +2,12 @@
 
 A multi-GPU box runs one worker per GPU; each round they all need the same global
 model. With a cache folder they download it once per machine: files are named by
-the blob's sha256, written to a temporary name and renamed into place (a crash
+the blob's digest, written to a temporary name and renamed into place (a crash
 mid-write leaves only a temporary file, never a short blob), and every read is
-verified against the sha256 again (a file damaged on disk is deleted and fetched
-anew). Workers that miss at the same moment take an exclusive ``flock`` on the
-blob's lock file, so one downloads and the others read what it wrote.
+verified against the digest again, with the hash its form names (fedq/digest.py: a
+file damaged on disk is deleted and fetched anew). Workers that miss at the same
+moment take an exclusive ``flock`` on the blob's lock file, so one downloads and the
+others read what it wrote.
 
 Only the newest ``keep`` blobs stay; temporary files older than an hour are removed.
 """
@@ -45,7 +46,7 @@ class HostCache:
             data = self._read(path, ref)  # another worker may have fetched it meanwhile
             if data is not None:
                 return data, False
-            data = store.get(ref, limit=ref.size or None)  # sha256-checked by the store
+            data = store.get(ref, limit=ref.size or None)  # digest-checked by the store
             tmp = self.folder / f".{ref.sha256}.{os.getpid()}.tmp"
             with open(tmp, "wb") as fh:
                 fh.write(data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
@@ -16,7 +16,7 @@ from fedq.coordinator.enrol import registry_if_required
 from fedq.db import ClientUpdate, Worker, session_scope
 from fedq.db.models import Availability, aware, utcnow
 from fedq.db.session import ensure_schema
-from fedq.engine.broker import live_queues
+from fedq.engine.broker import live_queues, registered_slots
 from fedq.engine.names import (
     LOST_REASON,
     REGISTER_WORKER_TASK,
@@ -334,20 +334,28 @@ class LiveView:
     consumers: dict[str, list[str]]  # queue -> hostnames of its live consumers
     throughput: dict[str, float]  # queue -> summed samples/s (away workers: 0)
     away: frozenset[str]
+    slots: dict[str, int] = field(default_factory=dict)  # hostname -> tasks at once
 
     @classmethod
     def of(cls, workers: list[dict[str, Any]], live: dict[str, list[str]]) -> LiveView:
+        """A worker's throughput is its tasks' measured samples/s (each task's, with its
+        neighbours running beside it) times its slots: a worker started with ``-c N``
+        trains N clients at once (:func:`fedq.engine.broker.registered_slots`)."""
         rows = {w["hostname"]: w["samples_per_second"] for w in workers}
+        slots = {w["hostname"]: registered_slots(w["hardware"]) for w in workers}
         away = frozenset(w["hostname"] for w in workers if w["available"] is False)
         measured = sorted(v for v in rows.values() if v)
         default = measured[len(measured) // 2] if measured else 1.0
-        return cls(live, {q: sum(0.0 if h in away else rows.get(h) or default for h in hosts)
-                          for q, hosts in live.items()}, away)
+        return cls(live, {q: sum(0.0 if h in away else (rows.get(h) or default)
+                                 * slots.get(h, 1) for h in hosts)
+                          for q, hosts in live.items()}, away, slots)
 
     def available(self, queues: Iterable[str]) -> int:
-        """Workers consuming any of ``queues`` now that have not stepped aside."""
-        return len({h for q in queues for h in self.consumers.get(q, ())
-                    if h not in self.away})
+        """Worker slots consuming any of ``queues`` now that have not stepped aside: a
+        worker started with ``-c N`` counts N times, once however many queues it takes."""
+        return sum(self.slots.get(h, 1) for h in {h for q in queues
+                                                  for h in self.consumers.get(q, ())
+                                                  if h not in self.away})
 
 
 def open_sites(session: Any, sites: Iterable[str]) -> frozenset[str]:
@@ -435,6 +443,8 @@ def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
         hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
                              for g in hw.get("gpus") or []) \
             or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
+        if registered_slots(hw) > 1:  # started with -c N: N tasks at once
+            hardware += f", {registered_slots(hw)} slots"
         live = host in queues
         # a worker that stepped aside for its owner consumes nothing: its registered queues
         consuming = [q["name"] for q in queues[host]] if live else []

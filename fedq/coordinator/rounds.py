@@ -73,7 +73,7 @@ def start_round(settings: Settings, job_id: str, round_number: int) -> dict[str,
                           view.throughput if view is not None and spec.queues == "auto"
                           else None, available, opened)
         if available is not None:
-            log.info("job %s round %d: %d worker(s) available: %d client(s) (of %d)",
+            log.info("job %s round %d: %d worker slot(s) available: %d client(s) (of %d)",
                      job_id, round_number, available, len(plan), spec.clients_per_round)
         rnd = Round(job_id=job_id, number=round_number, status=RoundStatus.TRAINING, attempt=1,
                     deadline=utcnow() + timedelta(seconds=spec.round_timeout_s),

@@ -32,6 +32,21 @@ def live_queues(timeout: float = 1.0) -> dict[str, list[str]]:
     return out
 
 
+#: The most tasks at once a worker's registration is believed for (from the worker:
+#: bounded, so that one row cannot claim a queue's every task).
+MAX_WORKER_SLOTS = 64
+
+
+def registered_slots(hardware: Any) -> int:
+    """The tasks a worker runs at once, as its registration said (``concurrency`` in its
+    hardware report, fedq/worker/signals.py); 1 where it did not say (a worker of an
+    earlier fedq) or said something that is not an integer in 1..:data:`MAX_WORKER_SLOTS`."""
+    n = hardware.get("concurrency") if isinstance(hardware, dict) else None
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_WORKER_SLOTS:
+        return n
+    return 1
+
+
 def worker_slots(timeout: float = 1.0) -> dict[str, int]:
     """Hostname -> the tasks each live worker runs at once (its pool's concurrency:
     ``-c``; 1 where its stats do not say)."""

@@ -43,7 +43,7 @@ from fedq.db.models import InferenceJob, InferenceShard, Worker, aware, utcnow, 
 from fedq.db.session import ensure_schema, lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.backend import task_metas
-from fedq.engine.broker import check_broker
+from fedq.engine.broker import check_broker, registered_slots
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
 from fedq.errors import BlobError, FedqError, JobNotFound, SpecError, require_extra
@@ -357,7 +357,8 @@ def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]
     worker and the next shard comes back (with two workers on one queue and one
     shard each out, the batch table's job ran about 13% slower on 2 cores:
     docs/inference.md, "Who does how much"). A worker started with ``-c N`` counts
-    ``N`` times (the concurrency it registered with: :func:`worker_slots`). A copy is
+    ``N`` times (the concurrency it registered with:
+    :func:`fedq.engine.broker.registered_slots`). A copy is
     sent only to a free slot."""
     fixed = spec.get("in_flight")
     if fixed:
@@ -369,23 +370,8 @@ def queue_limits(s: Session, spec: dict[str, Any]) -> dict[str, tuple[int, int]]
             Worker.last_seen >= seen)).tuples():
         if available is not False:  # away, lost or stopped: it takes nothing now
             for q in set(queues or ()):
-                workers[q] += worker_slots(hardware)
+                workers[q] += registered_slots(hardware)
     return {q: (2 * max(1, workers[q]), max(1, workers[q])) for q in spec["queues"]}
-
-
-#: The most tasks at once a worker's registration is believed for (from the worker:
-#: bounded, so that one row cannot claim a queue's every shard).
-MAX_WORKER_SLOTS = 64
-
-
-def worker_slots(hardware: Any) -> int:
-    """The tasks a worker runs at once, as its registration said (``concurrency`` in its
-    hardware report, fedq/worker/signals.py); 1 where it did not say (a worker of an
-    earlier fedq) or said something that is not an integer in 1..:data:`MAX_WORKER_SLOTS`."""
-    n = hardware.get("concurrency") if isinstance(hardware, dict) else None
-    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_WORKER_SLOTS:
-        return n
-    return 1
 
 
 def _fill(s: Session, job: InferenceJob, queues: list[str] | None = None) -> list[Take]:

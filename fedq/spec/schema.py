@@ -225,7 +225,8 @@ class JobSpec(_Strict):
     clients_per_round: int = Field(ge=1, description="clients sampled each round")
     clients_per_worker: int | None = Field(
         default=None, ge=1, description="size each round by who can train now: this many "
-                                        "clients per available worker, from the quorum up "
+                                        "clients per available worker slot (a worker started "
+                                        "with -c N has N), from the quorum up "
                                         "to clients_per_round (unset: every round takes "
                                         "clients_per_round)")
     rounds: int = Field(ge=1, le=100_000)

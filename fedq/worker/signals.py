@@ -109,8 +109,8 @@ def register(sender: Any, **_: Any) -> None:
         from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
         report = probe(run_smoke=False).to_json()
-        # the tasks it runs at once (its pool's processes, ``-c``): the slots an
-        # inference job counts it for (fedq.inference.jobs.queue_limits)
+        # the tasks it runs at once (its pool's processes, ``-c``): the slots the round
+        # planner and an inference job count it for (fedq.engine.broker.registered_slots)
         report["concurrency"] = getattr(getattr(sender, "controller", None), "concurrency",
                                         None)
         args = (sender.hostname, _queues(sender.app), report, FEDQ_VERSION, MESSAGE_FORMAT)
