@@ -630,11 +630,13 @@ def test_a_worker_started_with_c_n_counts_n_times_when_a_round_is_planned(
     `queues: auto` count the slots it registered (its pool's concurrency), each slot at
     its tasks' measured rate; a claim that is not an integer in 1..64 counts once."""
     from fedq.coordinator.planning import plan_round, split_by_throughput
-    from fedq.coordinator.roster import LiveView, list_workers
+    from fedq.coordinator.roster import LiveView, hardware_text, list_workers
     from fedq.db import Worker, session_scope
     from fedq.db.session import ensure_schema
     from fedq.spec import JobSpec
 
+    assert hardware_text({"cpus": 16, "concurrency": 4}) == "cpu x16, 4 slots"
+    assert hardware_text({"cpus": 16, "concurrency": 1}) == "cpu x16"  # `fedq workers`
     db = f"sqlite:///{tmp_path / 'fedq.db'}"
     ensure_schema(db)
     with session_scope(db) as s:

@@ -425,6 +425,17 @@ class WorkerRow:
     available_since: str | None = None  # ISO time of its last change
 
 
+def hardware_text(hw: dict[str, Any]) -> str:
+    """A worker's registered hardware as `fedq workers` shows it: its GPUs with their
+    capability, or its CPU count, and its slots when it runs more than one task at once
+    (``-c N``)."""
+    text = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
+                     for g in hw.get("gpus") or []) \
+        or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
+    slots = registered_slots(hw)
+    return f"{text}, {slots} slots" if slots > 1 else text
+
+
 def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
     """Every worker live now or registered, by host name (asks the broker: raises
     ServiceUnavailable when it cannot be reached)."""
@@ -439,12 +450,7 @@ def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
     rows = []
     for host in sorted(set(queues) | set(known)):
         info = known.get(host, {})
-        hw = info.get("hardware") or {}
-        hardware = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})"
-                             for g in hw.get("gpus") or []) \
-            or (f"cpu x{hw.get('cpus', '?')}" if hw else "-")
-        if registered_slots(hw) > 1:  # started with -c N: N tasks at once
-            hardware += f", {registered_slots(hw)} slots"
+        hardware = hardware_text(info.get("hardware") or {})
         live = host in queues
         # a worker that stepped aside for its owner consumes nothing: its registered queues
         consuming = [q["name"] for q in queues[host]] if live else []
