@@ -450,7 +450,8 @@ def roster(settings: Settings, timeout: float = 1.0) -> list[WorkerRow]:
     rows = []
     for host in sorted(set(queues) | set(known)):
         info = known.get(host, {})
-        hardware = hardware_text(info.get("hardware") or {})
+        hw = info.get("hardware") or {}
+        hardware = hardware_text(hw)
         live = host in queues
         # a worker that stepped aside for its owner consumes nothing: its registered queues
         consuming = [q["name"] for q in queues[host]] if live else []
