@@ -648,6 +648,48 @@ def test_unset_in_flight_keeps_two_shards_out_per_worker_and_copies_only_to_a_fr
     jobs.cancel(settings, job)
 
 
+def test_an_answer_reads_the_shards_it_may_send_not_the_jobs_every_shard(
+        tmp_path: Path) -> None:
+    """Absorbing a shard's answer reads the shards out as a count per queue and only as
+    many waiting rows as the queue has room for (jobs._fill), so an answer costs the
+    same early in a job of many shards as late in it; the last answer still completes
+    the job."""
+    from sqlalchemy import event
+
+    from fedq.db.models import InferenceShard
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    store = open_store(settings.blob_url)
+    job = jobs.submit(settings, _classify_spec(tmp_path, 360, shard_size=1, in_flight=2),
+                      tmp_path)
+    loaded: list[int] = []
+
+    def on_load(row: InferenceShard, _: Any) -> None:
+        loaded.append(row.shard)
+
+    event.listen(InferenceShard, "load", on_load)
+    try:
+        for n in range(360):
+            with session_scope(settings.database_url) as s:
+                shard, attempt, start, stop = s.execute(select(
+                    InferenceShard.shard, InferenceShard.attempt, InferenceShard.start,
+                    InferenceShard.stop).where(InferenceShard.job_id == job,
+                                               InferenceShard.status == "running")
+                    .order_by(InferenceShard.shard).limit(1)).one()
+            loaded.clear()
+            result = _answer(store, job, shard, attempt, range(start, stop))
+            assert jobs.absorb(settings, result, job, shard, attempt)["status"] == "done"
+            # the answered shard (read to check it, then under the job's lock), the one
+            # sent next and one more (others wait); near the end the other shard out,
+            # which a free slot may copy
+            assert len(loaded) <= 5, (n, loaded)
+    finally:
+        event.remove(InferenceShard, "load", on_load)
+    view = jobs.find(settings, job)
+    assert view is not None and view.status == "completed"
+
+
 def test_repair_absorbs_a_lost_callbacks_answer_and_never_reads_a_huge_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The watchdog's pass over an inference job whose shards are past their timeout:
