@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from fedq.coordinator.buffered import _new_tasks, pick_client
 from fedq.coordinator.jobs import get_job
@@ -29,12 +29,12 @@ from fedq.coordinator.roster import (
     record_availability,
     record_worker,
 )
-from fedq.db import Job, WatchdogAction, Worker, session_scope
+from fedq.db import ClientUpdate, Job, WatchdogAction, Worker, session_scope
 from fedq.db.models import Availability, aware
 from fedq.db.session import ensure_schema
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
-from fedq.testing.cluster import DIGITS, Cluster, power_supply, record_outcome
+from fedq.testing.cluster import DIGITS, Cluster, base_env, power_supply, record_outcome
 from fedq.testing.procs import WorkerProcess, run_module
 from fedq.testing.wait import wait_until
 
@@ -118,6 +118,58 @@ def test_rounds_and_buffered_slots_take_the_clients_of_open_sites_first(
     with session_scope(db) as s:
         assert open_sites(s, SITES) == {"north", "south", "east"}
     assert {w["hostname"] for w in list_workers(db)} == {"n@a", "s@b", "e@c", "x@d"}
+
+
+def test_a_buffered_slot_follows_the_machines_that_can_train(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffered job with sites keeps clients_per_round tasks training on machines
+    that can train: a task waiting at a site whose machine is away holds no slot, so a
+    refill sends its slot to a free client of an open site; never to a client already
+    training, never to an away site (its waiting tasks are those queued before it went
+    away); with no site open, every task holds its slot."""
+    import fedq.coordinator.buffered as buffered
+
+    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    settings = cluster.settings
+    db = settings.database_url
+    ensure_schema(db)
+    spec = JobSpec.model_validate({**SPEC, "aggregation": {"mode": "buffered", "buffer": 2}})
+    with session_scope(db) as s:
+        s.add_all([Worker(hostname="n@a", queues=["site.north"], hardware={}, available=True),
+                   Worker(hostname="s@b", queues=["site.south"], hardware={}, available=True),
+                   Worker(hostname="e@c", queues=["site.east"], hardware={}, available=False,
+                          away_reason="on battery"),
+                   Job(id="jb", name="t", spec=spec.to_json(), status="running",
+                       total_rounds=9, global_key="k", global_sha256="0" * 64,
+                       global_size=1)])
+        s.flush()  # the job before its tasks' rows
+        # east went away with two tasks queued; north and south train one each
+        s.add_all([ClientUpdate(job_id="jb", round_number=0, client=c, queue=q,
+                                status=UpdateStatus.TRAINING, task_index=i, attempt=1,
+                                base_version=0)
+                   for i, (c, q) in enumerate(((4, "site.east"), (5, "site.east"),
+                                               (0, "site.north"), (2, "site.south")), 1)])
+    sent: list[list[int]] = []
+    monkeypatch.setattr(buffered, "_send", lambda _s, _j, _sp, tasks: sent.append(
+        [d.client for d in tasks]))
+    buffered.start(settings, "jb")  # two slots free at open sites: 1 and 3
+    assert sorted(sent[-1]) == [1, 3]
+    buffered.start(settings, "jb")  # every open client trains: nothing more
+    assert sent[-1] == []
+    with session_scope(db) as s:  # east is back: its two tasks hold slots again
+        s.get(Worker, "e@c").available = True  # type: ignore[union-attr]
+        s.get(Worker, "n@a").available = False  # type: ignore[union-attr]
+        s.get(Worker, "s@b").available = False  # type: ignore[union-attr]
+    buffered.start(settings, "jb")  # six training, two at the one open site
+    assert sent[-1] == []
+    with session_scope(db) as s:
+        for c in (0, 1, 2, 3):  # north's and south's answered
+            s.execute(update(ClientUpdate).where(ClientUpdate.job_id == "jb",
+                                                 ClientUpdate.client == c)
+                      .values(status=UpdateStatus.BUFFERED))
+        s.get(Worker, "e@c").available = False  # type: ignore[union-attr]
+    buffered.start(settings, "jb")  # no site open: east's two hold their slots
+    assert len(sent[-1]) == 2 and set(sent[-1]) <= {0, 1, 2, 3}  # two wait elsewhere
 
 
 def test_a_lost_claim_closes_only_a_site_its_worker_took_the_task_from(

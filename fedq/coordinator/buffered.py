@@ -211,7 +211,7 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         training = [q or "" for q in s.scalars(select(ClientUpdate.queue).where(
             ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING))]
         if spec.sites is not None:  # slots, not queues: each task goes to its client's site
-            wanted = Counter({"site": spec.clients_per_round - len(training)})
+            wanted = Counter({"site": site_room(s, job, spec, training)})
         else:
             wanted.subtract(training)
         full = _filling(s, job, spec) > spec.rounds
@@ -219,6 +219,26 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         _ensure_version(s, job, spec, job.committed_round + 1)
     _send(settings, job_id, spec, tasks)
     return {"status": "started", "version": job.committed_round + 1, "tasks": len(tasks)}
+
+
+def site_room(s: Session, job: Job, spec: JobSpec, training: Sequence[str]) -> int:
+    """New tasks a job with ``sites`` may send now: its ``clients_per_round`` slots
+    follow the machines that can train. A task waiting at a site whose machine is away
+    (its owner back at it, unplugged; fedq/worker/owner.py) holds no slot: it trains
+    when the machine is back, and meanwhile a client of an open site takes the slot.
+    New tasks go only to clients of open sites not training now (at most one task a
+    client), so the tasks left waiting at away sites are those queued when they went
+    away, never more. With no site open every task holds its slot (nothing could be
+    sent anywhere better). ``training``: the queues of the job's training tasks."""
+    opened = open_sites(s, spec.sites or {})
+    if not opened:
+        return spec.clients_per_round - len(training)
+    queues = {site_queue(n) for n in opened}
+    holding = sum(1 for q in training if q in queues)
+    busy = set(s.scalars(select(ClientUpdate.client).where(
+        ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.TRAINING)))
+    free = open_clients(spec, opened) or frozenset()
+    return min(spec.clients_per_round - holding, len(free - busy))
 
 
 def _filling(s: Session, job: Job, spec: JobSpec) -> int:
