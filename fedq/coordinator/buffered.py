@@ -208,12 +208,13 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
         spec = JobSpec.stored(job.spec)
         live = live_throughput(settings) if spec.queues == "auto" else None
         wanted = Counter(q for q, n in queue_counts(spec, live).items() for _ in range(n))
-        training = [q or "" for q in s.scalars(select(ClientUpdate.queue).where(
-            ClientUpdate.job_id == job_id, ClientUpdate.status == UpdateStatus.TRAINING))]
+        tasks_out = s.execute(select(ClientUpdate.client, ClientUpdate.queue).where(
+            ClientUpdate.job_id == job_id,
+            ClientUpdate.status == UpdateStatus.TRAINING)).tuples().all()
         if spec.sites is not None:  # slots, not queues: each task goes to its client's site
-            wanted = Counter({"site": site_room(s, job, spec, training)})
+            wanted = Counter({"site": site_room(s, spec, tasks_out)})
         else:
-            wanted.subtract(training)
+            wanted.subtract(q or "" for _, q in tasks_out)
         full = _filling(s, job, spec) > spec.rounds
         tasks = [] if full else _new_tasks(s, job, spec, sorted(wanted.elements()))
         _ensure_version(s, job, spec, job.committed_round + 1)
@@ -221,7 +222,7 @@ def start(settings: Settings, job_id: str) -> dict[str, Any]:
     return {"status": "started", "version": job.committed_round + 1, "tasks": len(tasks)}
 
 
-def site_room(s: Session, job: Job, spec: JobSpec, training: Sequence[str]) -> int:
+def site_room(s: Session, spec: JobSpec, training: Sequence[tuple[int, str | None]]) -> int:
     """New tasks a job with ``sites`` may send now: its ``clients_per_round`` slots
     follow the machines that can train. A task waiting at a site whose machine is away
     (its owner back at it, unplugged; fedq/worker/owner.py) holds no slot: it trains
@@ -229,16 +230,14 @@ def site_room(s: Session, job: Job, spec: JobSpec, training: Sequence[str]) -> i
     New tasks go only to clients of open sites not training now (at most one task a
     client), so the tasks left waiting at away sites are those queued when they went
     away, never more. With no site open every task holds its slot (nothing could be
-    sent anywhere better). ``training``: the queues of the job's training tasks."""
+    sent anywhere better). ``training``: (client, queue) of the job's training tasks."""
     opened = open_sites(s, spec.sites or {})
     if not opened:
         return spec.clients_per_round - len(training)
     queues = {site_queue(n) for n in opened}
-    holding = sum(1 for q in training if q in queues)
-    busy = set(s.scalars(select(ClientUpdate.client).where(
-        ClientUpdate.job_id == job.id, ClientUpdate.status == UpdateStatus.TRAINING)))
-    free = open_clients(spec, opened) or frozenset()
-    return min(spec.clients_per_round - holding, len(free - busy))
+    holding = sum(1 for _, q in training if q in queues)
+    free = (open_clients(spec, opened) or frozenset()) - {c for c, _ in training}
+    return min(spec.clients_per_round - holding, len(free))
 
 
 def _filling(s: Session, job: Job, spec: JobSpec) -> int:
