@@ -438,6 +438,8 @@ def test_forged_and_duplicate_answers_are_refused_and_a_shard_counts_once(
     assert short["status"] == "rejected" and "3 line(s)" in short["error"]
     # re-sent at once as attempt 2; an answer for an attempt never sent is dropped
     assert jobs.absorb(settings, {}, job, 0, 3)["status"] == "dropped"
+    # nor is one that checks out for an attempt not sent yet (its output under that key)
+    assert answer(0, 3, encode_rows(rows))["status"] == "dropped"
     other = answer(0, 2, encode_rows(rows), key=output_key(job, 1, 2))
     assert other["status"] == "rejected" and "is not" in other["error"]
     view = jobs.find(settings, job)

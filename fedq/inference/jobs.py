@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -556,7 +557,35 @@ class Verdict:
     result: Any = None
 
 
-def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShard,
+class JobFacts(NamedTuple):
+    """What an answer is checked against that never changes once its job is submitted:
+    the spec, the classes (or embedding width) and each shard's items."""
+    spec: dict[str, Any]
+    classes: int
+    shards: dict[int, tuple[int, int]]  # shard -> (start, stop)
+
+
+#: Jobs whose facts the control worker keeps (each a few bytes a shard).
+FACTS_KEPT = 8
+
+
+@lru_cache(maxsize=FACTS_KEPT)
+def job_facts(database_url: str, job_id: str) -> JobFacts | None:
+    """The job's :class:`JobFacts` (None when there is no such job), read once per
+    process: an answer is checked against them before any lock is taken, without a
+    transaction of its own (settle then decides, under the job's lock, whether the
+    shard still wants it)."""
+    with session_scope(database_url) as s:
+        job = s.get(InferenceJob, job_id)
+        if job is None:
+            return None
+        shards = {n: (start, stop) for n, start, stop in s.execute(select(
+            InferenceShard.shard, InferenceShard.start, InferenceShard.stop).where(
+            InferenceShard.job_id == job_id)).tuples()}
+        return JobFacts(job.spec, job.classes, shards)
+
+
+def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: int,
             attempt: int, registry: identity.Registry | None) -> Verdict:
     """What a worker's answer for (shard, attempt) is worth, checked to the last line;
     with ``registry`` (FEDQ_IDENTITY=required) it must be signed for its task id by an
@@ -565,32 +594,32 @@ def _verify(settings: Settings, data: Any, job: InferenceJob, row: InferenceShar
         r = parse_result(data)
     except FormatError as exc:
         return Verdict("rejected", str(exc))
-    if (r.job, r.shard, r.attempt) != (job.id, row.shard, attempt):
+    if (r.job, r.shard, r.attempt) != (job_id, shard, attempt):
         return Verdict("rejected", f"a result for job {r.job} shard {r.shard} attempt "
-                       f"{r.attempt}, sent as shard {row.shard} attempt {attempt}")
+                       f"{r.attempt}, sent as shard {shard} attempt {attempt}")
     if registry is not None:
         problem = identity.result_problem(data, r.signer, r.sig, r.worker,
-                                          task_id(job.id, row.shard, attempt), registry)
+                                          task_id(job_id, shard, attempt), registry)
         if problem:
             return Verdict("rejected", f"signature: {problem}", r)
     if r.status != "ok":
         return Verdict(r.status, redact_text(r.error or r.status), r)
-    expected = output_key(job.id, row.shard, attempt,
-                          r.signer if registry is not None else None)
+    expected = output_key(job_id, shard, attempt, r.signer if registry is not None else None)
     if r.key != expected or r.sha256 is None:
         return Verdict("rejected", f"output key {str(r.key)[:120]!r} is not {expected}", r)
-    items = row.stop - row.start
-    bound = LINE_BYTES[job.spec["op"]] * items
-    if r.items != items or not 0 < r.size <= bound:
+    start, stop = facts.shards[shard]
+    op = facts.spec["op"]
+    bound = LINE_BYTES[op] * (stop - start)
+    if r.items != stop - start or not 0 < r.size <= bound:
         return Verdict("rejected", f"{r.items} item(s) in {r.size} bytes for a shard of "
-                       f"{items} (at most {bound} bytes)", r)
+                       f"{stop - start} (at most {bound} bytes)", r)
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     try:
         body = store.get(BlobRef(r.key, r.sha256, r.size), limit=bound)
-        check_output(body, job.spec["op"], row.start, row.stop, job.classes,
-                     job.spec["generate"]["max_tokens"])
+        check_output(body, op, start, stop, facts.classes,
+                     facts.spec["generate"]["max_tokens"])
     except (BlobError, FormatError) as exc:
-        return Verdict("rejected", f"output of shard {row.shard}: {exc}", r)
+        return Verdict("rejected", f"output of shard {shard}: {exc}", r)
     return Verdict("ok", None, r)
 
 
@@ -598,19 +627,18 @@ def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int,
            registry: identity.Registry | None = None) -> dict[str, Any]:
     """A shard's answer: counted once if it checks out, else the shard is sent again
     (or, after ``max_redispatch`` failures, the job fails with the reason). ``registry``:
-    the registered workers when FEDQ_IDENTITY=required (the caller reads them)."""
-    with session_scope(settings.database_url) as s:
-        found = s.execute(select(InferenceJob, InferenceShard).join(
-            InferenceShard, InferenceShard.job_id == InferenceJob.id).where(
-            InferenceJob.id == job_id, InferenceShard.shard == shard)).first()
-        job, row = found if found is not None else (None, None)
-        if job is None or row is None or not 0 < attempt <= row.attempt:
-            return {"status": "dropped", "reason": "no such shard or attempt"}
-        if row.status == DONE or job.status != JobStatus.RUNNING:
-            return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
-        s.expunge_all()
+    the registered workers when FEDQ_IDENTITY=required (the caller reads them).
+
+    The answer is checked against the job's :func:`job_facts` (kept in this process)
+    with no transaction of its own; :func:`settle` then takes the job's lock and drops
+    it if the shard is done, the job not running or the attempt not one sent. Before
+    2026-12-01 a transaction read the job and the shard first (docs/inference.md,
+    "What an answer costs the control worker")."""
+    facts = job_facts(settings.database_url, job_id)
+    if facts is None or shard not in facts.shards or attempt < 1:
+        return {"status": "dropped", "reason": "no such shard or attempt"}
     return settle(settings, job_id, shard, attempt,
-                  _verify(settings, data, job, row, attempt, registry))
+                  _verify(settings, data, job_id, facts, shard, attempt, registry))
 
 
 def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: Verdict
@@ -619,9 +647,10 @@ def settle(settings: Settings, job_id: str, shard: int, attempt: int, verdict: V
     revoke: list[str] = []
     with session_scope(settings.database_url) as s:
         job = _lock(s, job_id)
-        row = s.scalar(select(InferenceShard).where(InferenceShard.job_id == job_id,
-                                                    InferenceShard.shard == shard))
-        assert job is not None and row is not None
+        row = None if job is None else s.scalar(select(InferenceShard).where(
+            InferenceShard.job_id == job_id, InferenceShard.shard == shard))
+        if job is None or row is None or not 0 < attempt <= row.attempt:
+            return {"status": "dropped", "reason": "no such shard or attempt"}
         if row.status == DONE or job.status != JobStatus.RUNNING:
             return {"status": "dropped", "reason": f"shard {row.status}, job {job.status}"}
         tasks: list[Take] = []
