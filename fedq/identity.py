@@ -192,13 +192,21 @@ class Registry:
 
     active: dict[str, str]
     revoked: frozenset[str]
+    #: each active name's registered queues (those its broker user may take tasks
+    #: from); None only where a registry is built by hand without them (tests of the
+    #: signature alone): then no queue is checked
+    queues: Mapping[str, frozenset[str]] | None = None
 
 
 def result_problem(raw: Mapping[str, Any], signer: str | None, sig: str | None, worker: str,
-                   task_id: str, registry: Registry) -> str | None:
+                   task_id: str, registry: Registry,
+                   queues: Collection[str] | None = None) -> str | None:
     """Why ``raw`` is not a result signed for task ``task_id`` by an active registered
-    worker, or None (training results: fedq/coordinator/intake.py; inference shards:
-    fedq/inference/jobs.py)."""
+    worker registered for one of ``queues`` (the queue the task was sent to; None: any),
+    or None (training results: fedq/coordinator/intake.py; inference shards:
+    fedq/inference/jobs.py; served batches: fedq/inference/serve.py). A worker takes
+    tasks only from its registered queues (its broker user's rules), so an answer from
+    a worker not registered for the task's queue answers a task it was not given."""
     if signer is None or sig is None:
         return (f"unsigned result from {worker[:60]}: with FEDQ_IDENTITY=required only "
                 f"registered workers' results count (fedq worker add / join)")
@@ -210,6 +218,12 @@ def result_problem(raw: Mapping[str, Any], signer: str | None, sig: str | None, 
     if not verify(public, result_fields(raw, task_id), sig):
         return (f"{signer}'s signature does not verify for task {task_id} "
                 f"(altered, or signed for another task)")
+    if queues is not None and registry.queues is not None:
+        own = registry.queues.get(signer, frozenset())
+        if not own & set(queues):
+            return (f"signed by {signer}, registered for {','.join(sorted(own)) or 'no queue'}"
+                    f", but the task was sent to {','.join(sorted(queues))[:80]}: a worker "
+                    f"answers only tasks sent to it")
     return None
 
 

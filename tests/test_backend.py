@@ -177,3 +177,35 @@ def test_task_states_are_read_a_batch_of_keys_per_round_trip_and_never_a_huge_on
             want = b.get_task_meta(tid, cache=False)
             assert meta["status"] == want["status"]
             assert repr(meta["result"]) == repr(want["result"])
+
+
+def test_a_state_that_does_not_decode_is_no_answer_for_that_task_alone(
+        backend: RedisBackend, tmp_path: Any) -> None:
+    """Whoever can write a task's key can write anything there. Each of the six forms
+    Celery's ``decode_result`` raises on (not JSON, a list, no status, nested 100,000
+    deep, a kombu marker that does not parse, an exception state naming os.system)
+    comes back from ``task_metas`` as ``UNDECODABLE`` with the reason, and the tasks
+    beside it are read as ever, on Redis and on the embedded default's file backend.
+    Remove the guard in decode_state and this raises."""
+    from celery.backends.filesystem import FilesystemBackend
+
+    import fedq.engine.backend as fb
+    from tests.hostile import UNDECODABLE
+
+    file_app = Celery("test-file-backend", broker="memory://")
+    file_app.conf.result_serializer = "json"
+    on_disk = FilesystemBackend(app=file_app, url=f"file://{tmp_path}")
+    ids = [f"bad{n}" for n in range(len(UNDECODABLE))]
+    for b in (backend, on_disk):
+        b.store_result("before", {"n": 1}, states.SUCCESS)
+        for tid, value in zip(ids, UNDECODABLE):
+            b.set(b.get_key_for_task(tid), value)
+        b.store_result("after", {"n": 2}, states.SUCCESS)
+        got = fb.task_metas(b, ["before", *ids, "after"])
+        assert got[0]["result"] == {"n": 1} and got[-1]["result"] == {"n": 2}
+        bad = got[1:-1]
+        assert {m["status"] for m in bad} == {fb.UNDECODABLE}, bad
+        reasons = [fb.unread_reason(m) or "" for m in bad]
+        assert all(r.startswith("the stored state does not decode (") for r in reasons)
+        assert {r.split("(")[1].split(":")[0] for r in reasons} >= {
+            "DecodeError", "TypeError", "KeyError", "SecurityError"}, reasons

@@ -76,7 +76,10 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
     w1, w2 = _joined(tmp_path, "w1", coord), _joined(tmp_path, "w2", coord)
     sent = Sent("j1", 2, 3, 1, 7, "cpu")
     other = Sent("j1", 2, 4, 1, 7, "cpu")
-    registry = enrol.Registry({"w1": identity.public_text(w1.key)}, frozenset({"w2"}))
+    w4 = _joined(tmp_path, "w4", coord)
+    registry = enrol.Registry({"w1": identity.public_text(w1.key),
+                               "w4": identity.public_text(w4.key)}, frozenset({"w2"}),
+                              {"w1": frozenset({"cpu"}), "w4": frozenset({"gpu_new"})})
 
     good = w1.sign_result(_result(sent), sent.task_id)
     ref = admit(good, sent, None, registry)
@@ -96,6 +99,8 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
             _joined(tmp_path, "w3", coord).sign_result(_result(sent), sent.task_id),
         "w1's signature does not verify": {**good, "samples": 9},  # altered after signing
         "w1's signature does not verify ": w1.sign_result(_result(sent), other.task_id),
+        "a worker answers only tasks sent to it":
+            w4.sign_result(_result(sent, "w4"), sent.task_id),
     }
     did = {
         "unsigned result from cpu1@host": "a worker that never joined sent a result",
@@ -105,6 +110,8 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
                                           "(samples 10 -> 9)",
         "w1's signature does not verify ": "a registered worker's result signed for "
                                            "another client's task",
+        "a worker answers only tasks sent to it": "a worker registered for gpu_new answers "
+                                                  "a task sent to cpu (its id learnt)",
     }
     for words, raw in cases.items():
         ref = admit(raw, sent, None, registry)

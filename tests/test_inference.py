@@ -117,6 +117,13 @@ def test_every_output_line_is_checked() -> None:
     with pytest.raises(FormatError, match="bytes"):
         check_output(json.dumps({"i": 0, "text": "x" * 5000}).encode() + b"\n", "generate",
                      0, 1, 256)
+    # a generated text is no longer than what was asked: one character a token at most
+    texts = encode_rows([{"i": 0, "text": "abcd"}, {"i": 1, "text": "x" * 4000}])
+    check_output(texts, "generate", 0, 2, 256, 4000)
+    check_output(texts, "generate", 0, 2, 256, [4, 4000])
+    for limit in (4, [4, 3999], [3, 4000]):
+        with pytest.raises(FormatError, match="more than its max_tokens"):
+            check_output(texts, "generate", 0, 2, 256, limit)
     unit = encode_rows([{"i": 0, "embedding": [0.6, 0.8, 0.0]}])
     check_output(unit, "embed", 0, 1, 3)  # ``classes``: the embedding width
     for what, data, width in (("another width", unit, 4),

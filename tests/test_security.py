@@ -82,6 +82,12 @@ SCENARIOS: dict[str, Scenario] = {
     "huge_result": Scenario("a result of 16 MiB (its error text padded)", "rejected",
                             "bytes in the result backend, more than",
                             "engine.backend.task_metas: the bound on a state's size"),
+    "undecodable": Scenario("its own task's final state replaced by one Celery cannot "
+                            "decode (round r: the r-th of six forms: not JSON, a list, no "
+                            "status, nested 100,000 deep, a bad kombu marker, an exception "
+                            "naming os.system)", "rejected", "the stored state does not decode",
+                            "engine.backend.decode_state: the guard around decode_result",
+                            rounds=(1, 2, 3, 4, 5, 6)),
     "never_sent": Scenario("planted results for tasks never sent (attempt 2 of every "
                            "client) and rang finalize with made-up results", "ok", None,
                            "finalize.collect: results read by the task ids sent, "

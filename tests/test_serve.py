@@ -77,7 +77,7 @@ def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused(
     the backend stored, published beside it), in the order published; a notice whose
     data does not decode to an object is a refused answer (a 502 for its requests),
     never a crash of the batch's waiter. Drop the payload from Notice and the first
-    assertion fails; drop ``decoded``'s guard and the last ones raise other errors."""
+    assertion fails; drop decode_state's guard and the last ones raise other errors."""
     import asyncio
 
     from fedq.engine.app import app
@@ -101,9 +101,12 @@ def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused(
     first, garbled, none = asyncio.run(run())
     assert first["status"] == "SUCCESS" and first["result"] == {"status": "ok"}
     assert garbled == 502 and none is None  # nothing more was published: read the key
-    for bad in (b"not json", b"[1, 2]", b'"text"'):
-        with pytest.raises(Refused) as refused:
-            decoded(app.backend.decode_result, bad)
+    from fedq.engine.backend import decode_state
+    from tests.hostile import UNDECODABLE
+
+    for bad in (b'"text"', *UNDECODABLE):
+        with pytest.raises(Refused, match="does not decode") as refused:
+            decoded(decode_state, app.backend, bad)
         assert refused.value.status == 502
 
 
@@ -185,6 +188,12 @@ def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path
     for what, data in refused.items():
         assert stream_texts(data, batch, registry, "t1") == [], what
     assert stream_texts(piece, batch) == ["to be"]  # identity off: shape checks only
+    # a piece signed by a worker not registered for the batch's queue is dropped
+    bound = identity.Registry(registry.active, registry.revoked,
+                              {"w1": frozenset({"cpu"}), "w2": frozenset({"cpu"})})
+    signed = w1.sign_result(piece, "t1")
+    assert stream_texts(signed, batch, bound, "t1", "cpu") == ["to be"]
+    assert stream_texts(signed, batch, bound, "t1", "gpu_new") == []
     loop.close()
 
 
@@ -321,6 +330,15 @@ def test_requests_and_answers_are_checked() -> None:
     unit = {"status": "ok", "worker": "w", "seconds": 0.1,
             "outputs": [{"i": 0, "embedding": [0.6, 0.8]}]}
     assert check_batch(unit, wide, 1, op="embed") == [{"embedding": [0.6, 0.8]}]
+    # a generated text no longer than its item's max_tokens (remove the length check in
+    # messages.check_output, or the bounds check_batch passes, and this fails)
+    text = {"status": "ok", "worker": "w", "seconds": 0.1,
+            "outputs": [{"i": 0, "text": "abcd"}, {"i": 1, "text": "x" * 4000}]}
+    assert len(check_batch(text, gpt, 2, op="generate", max_tokens=[4, 4000])) == 2
+    with pytest.raises(Refused, match="4000 characters, more than its max_tokens 4"):
+        check_batch(text, gpt, 2, op="generate", max_tokens=[4000, 4])
+    with pytest.raises(Refused, match="more than its max_tokens 256"):  # the served bound
+        check_batch(text, gpt, 2, op="generate")
     with pytest.raises(Refused, match="numbers of unit length"):
         check_batch({**unit, "outputs": [{"i": 0, "embedding": [0.6, 0.8, 0.0]}]}, wide, 1,
                     op="embed")

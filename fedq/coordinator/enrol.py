@@ -202,9 +202,10 @@ def registry(db_url: str) -> Registry:
     result on)."""
     with session_scope(db_url) as s:
         rows = list(s.scalars(select(RegisteredWorker)))
-        return Registry({r.name: r.public_key for r in rows
-                         if r.state == ACTIVE and r.public_key},
-                        frozenset(r.name for r in rows if r.state == REVOKED))
+        active = [(r, r.public_key) for r in rows if r.state == ACTIVE and r.public_key]
+        return Registry({r.name: key for r, key in active},
+                        frozenset(r.name for r in rows if r.state == REVOKED),
+                        {r.name: frozenset(r.queues.split(",")) for r, _ in active})
 
 
 def registry_if_required(settings: Settings) -> Registry | None:

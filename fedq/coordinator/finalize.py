@@ -34,7 +34,7 @@ from sqlalchemy import select, update
 from fedq.blobs import BlobRef
 from fedq.coordinator import commit
 from fedq.coordinator.enrol import registry_if_required
-from fedq.coordinator.intake import Sent, admit, known_limits, task_id, too_large
+from fedq.coordinator.intake import Sent, admit, known_limits, task_id, unread
 from fedq.coordinator.pipeline import (
     Outcome,
     UpdateRecord,
@@ -62,7 +62,7 @@ from fedq.db.models import aware, utcnow
 from fedq.db.rows import fill_row, insert_rows, new_row
 from fedq.db.session import lock_row
 from fedq.engine.app import app
-from fedq.engine.backend import STATE_BYTES, TOO_LARGE, task_metas
+from fedq.engine.backend import UNREAD, task_metas, unread_reason
 from fedq.engine.broker import live_queues
 from fedq.engine.revoke import revoke_quietly
 from fedq.phases import current_times, phase, recording, summary
@@ -84,10 +84,10 @@ def collect(job_id: str, number: int, gen: int, attempts: int,
     sent = [Sent(job_id, number, client, attempt, gen, queue)
             for client, queue in queues.items() for attempt in range(1, attempts + 1)]
     metas = task_metas(app.backend, [s.task_id for s in sent])  # a batch a round trip
-    return [too_large(s, meta["bytes"], STATE_BYTES) if meta.get("status") == TOO_LARGE
+    return [unread(s, why) if (why := unread_reason(meta)) is not None
             else admit(meta.get("result"), s, known_limits(spec, s.client), registry)
             for s, meta in zip(sent, metas, strict=True)
-            if meta.get("status") in ("SUCCESS", TOO_LARGE)]
+            if meta.get("status") in ("SUCCESS", *UNREAD)]
 
 
 @dataclass(frozen=True)

@@ -195,14 +195,12 @@ def _shard_sizes(dataset: str, data_dir: str, args: str, partition: str, num_cli
                                                    num_clients, seed))
 
 
-def too_large(sent: Sent, size: int, bound: int) -> UpdateRef:
-    """Task ``sent``'s result, rejected unread: ``size`` bytes in the result backend,
-    over the ``bound`` a result may have (fedq.engine.backend.task_metas)."""
+def unread(sent: Sent, why: str) -> UpdateRef:
+    """Task ``sent``'s result, rejected unread: its stored state is over the bound a
+    result may have, or does not decode (``why``: fedq.engine.backend.unread_reason)."""
     return UpdateRef(status=UpdateStatus.REJECTED, job=sent.job, round=sent.round,
                      task=sent.task, client=sent.client, queue=sent.queue, worker="?",
-                     attempt=sent.attempt, gen=sent.gen,
-                     error=f"result: {size} bytes in the result backend, more than the "
-                           f"{bound} a result may have; not read")
+                     attempt=sent.attempt, gen=sent.gen, error=f"result: {why}")
 
 
 def admit(raw: Any, sent: Sent, bound: Limits | None,
@@ -262,7 +260,7 @@ def admit(raw: Any, sent: Sent, bound: Limits | None,
 def _unsigned(raw: dict[str, Any], signer: str | None, sig: str | None, worker: str,
               sent: Sent, registry: Registry) -> str | None:
     """Why ``raw`` is not a result signed for ``sent`` by an active registered worker."""
-    return result_problem(raw, signer, sig, worker, sent.task_id, registry)
+    return result_problem(raw, signer, sig, worker, sent.task_id, registry, [sent.queue])
 
 
 def _show(value: object) -> str:

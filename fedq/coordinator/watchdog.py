@@ -177,17 +177,23 @@ def _rescue_shards(settings: Settings) -> list[dict[str, Any]]:
 
     actions: list[dict[str, Any]] = []
     for job_id, tasks, latest in inference.running_tasks(settings):
-        holders = liveness.observe(settings, job_id, tasks)
-        lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], latest,
-                            settings.worker_lost_s)
-        for shard in lost:
-            mine = [h for h in holders if h.client == shard]
-            hosts = ", ".join(sorted({h.host for h in mine}))
-            out = inference.settle(settings, job_id, shard, latest[shard], inference.Verdict(
-                "error", f"heartbeat lost ({hosts}) for {settings.worker_lost_s:g} s"))
-            liveness.mark_resent(settings, [h.task_id for h in mine])
-            actions.append({"job": job_id, "shard": shard, "action": f"resend (lost {hosts})",
-                            "result": out["status"]})
+        try:
+            holders = liveness.observe(settings, job_id, tasks)
+            lost = lost_clients([(h.client, h.silent_s, h.resent) for h in holders], latest,
+                                settings.worker_lost_s)
+            for shard in lost:
+                mine = [h for h in holders if h.client == shard]
+                hosts = ", ".join(sorted({h.host for h in mine}))
+                out = inference.settle(settings, job_id, shard, latest[shard],
+                                       inference.Verdict("error", f"heartbeat lost ({hosts}) "
+                                                         f"for {settings.worker_lost_s:g} s"))
+                liveness.mark_resent(settings, [h.task_id for h in mine])
+                actions.append({"job": job_id, "shard": shard,
+                                "action": f"resend (lost {hosts})", "result": out["status"]})
+        except Exception as exc:  # noqa: BLE001 - one job's error never stops the others
+            log.exception("fedq watchdog: rescuing inference job %s's shards failed", job_id)
+            actions.append({"job": job_id, "action": "error (repair)", "result": "error",
+                            "error": _why(exc)})
     return actions
 
 

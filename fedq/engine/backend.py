@@ -109,7 +109,12 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         value = self._state_value(task_id, self.encode_result(result, state), state)
         stored = self.ensure(self._store, (self.get_key_for_task(task_id), value,
                                            self.expires or 0, True))
-        return self.decode(stored) if isinstance(stored, bytes) else None
+        if not isinstance(stored, bytes):
+            return None
+        try:
+            return self.decode(stored)
+        except Exception:  # noqa: BLE001 - the script read it as a REVOKED object
+            return {"status": states.REVOKED, "result": None}
 
     def _state_value(self, task_id: str, result: Any, state: str, traceback: Any = None,
                      request: Any = None) -> str | bytes:
@@ -155,6 +160,14 @@ STATE_BYTES = 256 << 10
 #: The status :func:`task_metas` gives a state over :data:`STATE_BYTES` (not read;
 #: ``bytes``: its length).
 TOO_LARGE = "FEDQ_TOO_LARGE"
+#: The status :func:`task_metas` gives a state that does not decode (``error``: why).
+#: Whoever can write a task's key can write anything there: not JSON, JSON nested past
+#: the recursion limit, an object without Celery's keys, an exception state naming a
+#: class Celery refuses to rebuild. Each is no answer for that one task.
+UNDECODABLE = "FEDQ_UNDECODABLE"
+#: The statuses of a state :func:`task_metas` did not decode: the task has an answer
+#: that counts for nothing (:func:`unread_reason` says why).
+UNREAD = (TOO_LARGE, UNDECODABLE)
 
 
 def task_metas(backend: Any, task_ids: Sequence[str],
@@ -184,7 +197,36 @@ def _meta(backend: Any, value: bytes | int | None) -> dict[str, Any]:
     bound, unread)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return {"status": TOO_LARGE, "result": None, "bytes": value}
-    return backend.decode_result(value) if value else {"status": states.PENDING, "result": None}
+    if not isinstance(value, (bytes, str)) or not value:
+        return {"status": states.PENDING, "result": None}
+    return decode_state(backend, value)
+
+
+def decode_state(backend: Any, value: bytes | str) -> dict[str, Any]:
+    """A stored (or published) state as Celery's ``decode_result`` reads it, or
+    ``{"status": UNDECODABLE, "error": why}``: never raises, whatever ``value`` holds
+    (Celery raises DecodeError, TypeError, KeyError, RecursionError, kombu's errors and
+    SecurityError for different malformed states)."""
+    try:
+        meta = backend.decode_result(value)
+    except Exception as exc:  # noqa: BLE001 - anything a writer put there
+        return {"status": UNDECODABLE, "result": None,
+                "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+    if not isinstance(meta, dict) or not isinstance(meta.get("status"), str):
+        return {"status": UNDECODABLE, "result": None,
+                "error": "not an object with a status"}
+    return meta
+
+
+def unread_reason(meta: dict[str, Any], bound: int = STATE_BYTES) -> str | None:
+    """Why a state :func:`task_metas` returned counts as no answer (over its bound, or
+    undecodable), or None for a state that was read."""
+    if meta.get("status") == TOO_LARGE:
+        return (f"{meta.get('bytes')} bytes in the result backend, more than the {bound} a "
+                f"result may have; not read")
+    if meta.get("status") == UNDECODABLE:
+        return f"the stored state does not decode ({meta.get('error')})"
+    return None
 
 
 def _read_file(backend: FilesystemBackend, task_id: str, bound: int) -> bytes | int | None:

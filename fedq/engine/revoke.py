@@ -132,7 +132,10 @@ def revoked(backend: Any, task_id: str) -> str | None:
     if hasattr(backend, "get") and hasattr(backend, "get_key_for_task"):
         if backend.get(backend.get_key_for_task(task_id)) is None:
             return None
-    meta = backend.get_task_meta(task_id)
+    try:
+        meta = backend.get_task_meta(task_id)
+    except Exception:  # noqa: BLE001 - a state that does not decode is not fedq's revocation
+        return None
     if not isinstance(meta, dict) or meta.get("status") != states.REVOKED:
         return None
     return str(meta.get("result") or "revoked")[:200]

@@ -43,7 +43,7 @@ from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, Worker, aware, utcnow, worker_time
 from fedq.db.session import ensure_schema, lock_row
 from fedq.engine.app import app, broker_errors, refusal, sending
-from fedq.engine.backend import task_metas
+from fedq.engine.backend import task_metas, unread_reason
 from fedq.engine.broker import check_broker, registered_slots
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
@@ -598,8 +598,10 @@ def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: 
         return Verdict("rejected", f"a result for job {r.job} shard {r.shard} attempt "
                        f"{r.attempt}, sent as shard {shard} attempt {attempt}")
     if registry is not None:
+        # a shard's copies may go to any of the job's queues (backups elsewhere)
         problem = identity.result_problem(data, r.signer, r.sig, r.worker,
-                                          task_id(job_id, shard, attempt), registry)
+                                          task_id(job_id, shard, attempt), registry,
+                                          facts.spec["queues"])
         if problem:
             return Verdict("rejected", f"signature: {problem}", r)
     if r.status != "ok":
@@ -747,23 +749,39 @@ def repair(settings: Settings, registry: identity.Registry | None = None
             aware(r.sent_at) < now - timedelta(seconds=spec["shard_timeout_s"])]
             for j, spec in jobs}
     for job_id, _ in jobs:
-        for shard, attempt in late[job_id]:
-            # read up to STATE_BYTES: a longer result is no answer (fedq.engine.backend)
-            meta = task_metas(app.backend, [task_id(job_id, shard, attempt)])[0]
-            if meta.get("status") == "SUCCESS":
-                out = absorb(settings, meta.get("result"), job_id, shard, attempt,
-                             registry)
-                actions.append({"job": job_id, "shard": shard, "action": "absorb (lost callback)",
-                                "result": out["status"]})
-                continue
-            out = settle(settings, job_id, shard, attempt, Verdict(
-                "error", "no answer within shard_timeout_s"))
-            actions.append({"job": job_id, "shard": shard, "action": "resend (timeout)",
+        try:
+            actions += _repair_job(settings, job_id, late[job_id], registry)
+        except Exception as exc:  # noqa: BLE001 - one job's error never stops the others
+            log.exception("fedq watchdog: repairing inference job %s failed", job_id)
+            actions.append({"job": job_id, "action": "error (repair)", "result": "error",
+                            "error": redact_text(f"{type(exc).__name__}: {exc}"
+                                                 .splitlines()[0])[:500]})
+    return actions
+
+
+def _repair_job(settings: Settings, job_id: str, late: list[tuple[int, int]],
+                registry: identity.Registry | None) -> list[dict[str, Any]]:
+    """:func:`repair` of one job: its ``late`` shards (shard, attempt) absorbed or sent
+    again, its queues filled."""
+    actions: list[dict[str, Any]] = []
+    for shard, attempt in late:
+        # read up to STATE_BYTES: a longer or undecodable state is no answer
+        # (fedq.engine.backend)
+        meta = task_metas(app.backend, [task_id(job_id, shard, attempt)])[0]
+        if meta.get("status") == "SUCCESS":
+            out = absorb(settings, meta.get("result"), job_id, shard, attempt, registry)
+            actions.append({"job": job_id, "shard": shard, "action": "absorb (lost callback)",
                             "result": out["status"]})
-        sent, refused = _refill(settings, job_id)
-        if sent:
-            actions.append({"job": job_id, "action": "fill", "result": f"{sent} sent"
-                            if refused is None else f"{sent} refused: {refused}"})
+            continue
+        why = unread_reason(meta)
+        out = settle(settings, job_id, shard, attempt, Verdict(
+            "error", "no answer within shard_timeout_s" if why is None else f"result: {why}"))
+        actions.append({"job": job_id, "shard": shard, "action": "resend (timeout)",
+                        "result": out["status"]})
+    sent, refused = _refill(settings, job_id)
+    if sent:
+        actions.append({"job": job_id, "action": "fill", "result": f"{sent} sent"
+                        if refused is None else f"{sent} refused: {refused}"})
     return actions
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -168,14 +169,20 @@ def _finite(value: Any) -> bool:
 
 
 def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
-                 max_tokens: int = 0) -> None:
+                 max_tokens: int | Sequence[int] = 0) -> None:
     """Raise :class:`FormatError` unless ``data`` is exactly one JSON line per item
-    ``start..stop-1``, in order, each in the shape ``op`` writes."""
+    ``start..stop-1``, in order, each in the shape ``op`` writes; a generated text no
+    longer than its item's ``max_tokens`` (one number for every item, or one an item;
+    a byte-level model writes one byte a token, and decoded text has at most one
+    character a byte)."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     if len(lines) != stop - start:
         raise FormatError(f"output has {len(lines)} line(s), the shard {stop - start} item(s)")
+    limits = [max_tokens] * (stop - start) if isinstance(max_tokens, int) else list(max_tokens)
+    if op == "generate" and len(limits) != stop - start:
+        raise FormatError(f"{len(limits)} max_tokens for {stop - start} item(s)")
     for n, raw in enumerate(lines):
         i = start + n
         if len(raw) > LINE_BYTES[op]:
@@ -212,6 +219,9 @@ def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
             text = row.get("text")
             if set(row) != {"i", "text"} or not isinstance(text, str):
                 raise FormatError(f"output line {n + 1}: not {{i, text}}")
+            if len(text) > limits[n]:
+                raise FormatError(f"output line {n + 1}: a text of {len(text)} characters, "
+                                  f"more than its max_tokens {limits[n]}")
 
 
 def parse_batch(data: Any) -> ServeBatch:

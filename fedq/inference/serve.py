@@ -49,14 +49,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kombu.exceptions import KombuError
-
 import fedq.identity as identity
 from fedq.engine.app import app
-from fedq.engine.backend import TOO_LARGE, task_metas
+from fedq.engine.backend import TOO_LARGE, UNDECODABLE, decode_state, task_metas
 from fedq.engine.names import SERVE_TASK, STREAM_STATE, TRAINING_QUEUES
 from fedq.inference.messages import LINE_BYTES, check_output
 from fedq.inference.run import encode_rows
+from fedq.redaction import redact_text
 from fedq.wire import MESSAGE_FORMAT, FormatError
 
 log = logging.getLogger(__name__)
@@ -65,6 +64,7 @@ ROUTE_EVERY_S = 15.0
 KEYS_EVERY_S = 3.0
 MAX_ITEMS_PER_REQUEST = 256
 MAX_PROMPT_BYTES = 16_384
+SEND_GRACE_S = 2.0  # beyond batch_timeout_s, for a batch's send and its revocation
 DECODE_INLINE_BYTES = 65_536  # a published state up to this size is decoded in the loop
 #: Room in a batch's stored state beside its output lines: Celery's envelope, the
 #: worker's name and time, a signature (about 200 bytes), JSON's keys between lines.
@@ -147,8 +147,8 @@ class Notice:
         if len(data) > bound:
             raise too_long(len(data), bound)
         if len(data) > DECODE_INLINE_BYTES:  # a large answer: off the event loop
-            return await asyncio.to_thread(decoded, app.backend.decode_result, data)
-        return decoded(app.backend.decode_result, data)
+            return await asyncio.to_thread(decoded, decode_state, app.backend, data)
+        return decoded(decode_state, app.backend, data)
 
 
 def too_long(size: int, bound: int) -> Refused:
@@ -167,13 +167,13 @@ def read_state(task_id: str, bound: int) -> dict[str, Any]:
 
 def decoded(read: Any, *args: Any) -> dict[str, Any]:
     """A task's state as the result backend decodes it (``read(*args)``); a state that
-    does not decode (not JSON, not an object) is a refused answer, never a crash."""
-    try:
-        meta = read(*args)
-    except (KombuError, ValueError, TypeError, KeyError) as exc:  # not JSON; not an object
-        raise Refused(502, f"the batch's answer does not decode: {exc}") from None
+    does not decode (fedq.engine.backend.decode_state) is a refused answer, never a
+    crash."""
+    meta = read(*args)
     if not isinstance(meta, dict):
         raise Refused(502, f"the batch's answer is a {type(meta).__name__}, not an object")
+    if meta.get("status") == UNDECODABLE:
+        raise Refused(502, f"the batch's answer does not decode: {meta.get('error')}")
     return meta
 
 
@@ -424,11 +424,21 @@ class Batcher:
         error = Refused(504, "no answer")
         try:
             for attempt in (1, 2):
-                try:
-                    outputs = await self._send(batch, attempt)
+                try:  # a send that hangs (a broker away) ends with the batch's timeout
+                    outputs = await asyncio.wait_for(self._send(batch, attempt),
+                                                     self.served.batch_timeout_s + SEND_GRACE_S)
+                except asyncio.TimeoutError:
+                    error = Refused(504, f"no answer within {self.served.batch_timeout_s:g}s")
+                    log.warning("fedq serve: batch of %d, attempt %d: %s", n, attempt, error)
+                    continue
                 except Refused as exc:
                     error = exc
                     log.warning("fedq serve: batch of %d, attempt %d: %s", n, attempt, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the broker away, anything: a 502
+                    error = Refused(502, f"the batch could not be sent or read: "
+                                         f"{type(exc).__name__}: {redact_text(str(exc))[:200]}")
+                    log.warning("fedq serve: batch of %d, attempt %d: %s", n, attempt, error)
                     continue
                 for item, out in zip(batch, outputs):
                     if not item.future.done():
@@ -470,9 +480,11 @@ class Batcher:
                 else:  # no notice (polled, or one lost): read the key
                     meta = await asyncio.to_thread(read_state, tid, bound)
                 if meta.get("status") == STREAM_STATE:
-                    _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid))
+                    _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid,
+                                                 queue))
                 if meta.get("status") == "SUCCESS":
-                    outputs = check_batch(meta.get("result"), s, len(batch), tid, self.op)
+                    outputs = check_batch(meta.get("result"), s, len(batch), tid, self.op,
+                                          queue, [_max_tokens(item.body) for item in batch])
                     took = time.perf_counter() - sent
                     return outputs
                 if meta.get("status") in ("FAILURE", "REVOKED"):
@@ -512,7 +524,7 @@ class Batcher:
 
 
 def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | None = None,
-                 task_id: str = "") -> list[str]:
+                 task_id: str = "", queue: str | None = None) -> list[str]:
     """A worker's progress on a batch of completions (its ``STREAMING`` state): the text
     so far of its first items; anything else, or a text longer than its item's
     ``max_tokens`` (one character per byte at most), is ignored. With identity required
@@ -522,7 +534,7 @@ def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | No
     if registry is not None and (not isinstance(data, dict) or identity.result_problem(
             data, data.get("signer") if isinstance(data.get("signer"), str) else None,
             data.get("sig") if isinstance(data.get("sig"), str) else None, "?", task_id,
-            registry) is not None):
+            registry, None if queue is None else [queue]) is not None):
         return []
     texts = data.get("stream") if isinstance(data, dict) else None
     if not isinstance(texts, list) or len(texts) > len(batch) or not all(
@@ -577,11 +589,20 @@ async def stream_events(item: _Item, head: dict[str, Any]) -> AsyncIterator[str]
         return
 
 
+def _max_tokens(body: Any) -> int:
+    """The ``max_tokens`` a batch item asked for (0 for an item that is no completion)."""
+    value = body.get("max_tokens", 0) if isinstance(body, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def check_batch(data: Any, served: Served, n: int, task_id: str = "",
-                op: str | None = None) -> list[dict[str, Any]]:
+                op: str | None = None, queue: str | None = None,
+                max_tokens: list[int] | None = None) -> list[dict[str, Any]]:
     """A worker's answer to a batch of ``n`` items (task ``task_id``; ``op``: what the
-    batch asked, the served op by default), checked item by item; with identity
-    required, signed for that task by an active registered worker."""
+    batch asked, the served op by default), checked item by item, each generated text
+    no longer than its item's ``max_tokens`` (default: the served bound); with identity
+    required, signed for that task by an active registered worker registered for
+    ``queue``, the queue the batch was sent to."""
     op = op or served.op
     if not isinstance(data, dict) or set(data) - {"status", "outputs", "worker", "seconds",
                                                   "error", "signer", "sig"}:
@@ -591,7 +612,8 @@ def check_batch(data: Any, served: Served, n: int, task_id: str = "",
         problem = identity.result_problem(
             data, signer if isinstance(signer, str) else None,
             sig if isinstance(sig, str) else None,
-            worker if isinstance(worker, str) else "?", task_id, served.registry)
+            worker if isinstance(worker, str) else "?", task_id, served.registry,
+            None if queue is None else [queue])
         if problem:
             raise Refused(502, f"signature: {problem}")
     if data.get("status") != "ok":
@@ -602,7 +624,8 @@ def check_batch(data: Any, served: Served, n: int, task_id: str = "",
                       f"for {n} items")
     try:
         check_output(encode_rows(outputs), op, 0, n,
-                     served.width or 0 if op == "embed" else served.classes)
+                     served.width or 0 if op == "embed" else served.classes,
+                     max_tokens if max_tokens is not None else served.max_tokens)
     except FormatError as exc:
         raise Refused(502, str(exc)) from None
     return [{k: v for k, v in out.items() if k != "i"} for out in outputs]

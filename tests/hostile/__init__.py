@@ -145,9 +145,66 @@ def never_sent(task: dict, result: dict, store: BlobStore) -> dict:
     return result
 
 
+#: Stored states Celery's ``decode_result`` raises on, one a round (``undecodable``):
+#: not JSON, a list, no status, nested past the recursion limit, a kombu marker that
+#: does not parse, an exception state naming a class Celery refuses to rebuild.
+UNDECODABLE = (
+    b"\x00not json{",
+    b"[1, 2]",
+    b'{"result": 1}',
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"status": "SUCCESS", "result": {"__type__": "datetime", "__value__": "no date"}}',
+    b'{"status": "FAILURE", "result": {"exc_type": "system", "exc_module": "os", '
+    b'"exc_message": ["id"]}}',
+)
+#: task id -> the bytes its final state is replaced with (:func:`_poisoned`)
+_POISON: dict[str, bytes] = {}
+
+
+def undecodable(task: dict, result: dict, store: BlobStore) -> dict:
+    """Its own task's final state replaced, as stored, by one of :data:`UNDECODABLE`
+    (the round's)."""
+    from celery import current_task
+
+    _POISON[current_task.request.id] = UNDECODABLE[(task["round"] - 1) % len(UNDECODABLE)]
+    return result
+
+
+def _poisoned(key: Any, value: Any) -> Any:
+    """``value``, or the poison of the task whose state key ``key`` is (its final
+    SUCCESS only: its claim and heartbeats stay honest)."""
+    name = key.decode() if isinstance(key, bytes) else str(key)
+    tid = name.removeprefix("celery-task-meta-")
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    if tid in _POISON and '"SUCCESS"' in text:
+        return _POISON.pop(tid)
+    return value
+
+
+def _patch_backends() -> None:
+    from celery.backends.filesystem import FilesystemBackend
+
+    from fedq.engine.backend import RedisBackend
+
+    store, put = RedisBackend._store, FilesystemBackend.set
+
+    def redis_store(self: Any, key: Any, value: Any, *args: Any) -> Any:
+        return store(self, key, _poisoned(key, value), *args)
+
+    def file_set(self: Any, key: Any, value: Any) -> Any:
+        return put(self, key, _poisoned(key, value))
+
+    RedisBackend._store = redis_store  # type: ignore[method-assign]
+    FilesystemBackend.set = file_set  # type: ignore[method-assign]
+
+
+_patch_backends()
+
+
 ATTACKS: dict[str, Attack] = {f.__name__: f for f in (
     int8_chunk0, int8_length, zstd_garbage, zstd_bomb, oversize, nan, huge_norm, samples,
-    other_client, finished_round, replay, version, malformed, huge_result, never_sent)}
+    other_client, finished_round, replay, version, malformed, huge_result, never_sent,
+    undecodable)}
 
 
 def run_training(data: dict, store: BlobStore, worker: str) -> dict:
