@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedq.errors import ConfigError
+from fedq.files import write_whole
 
 VALID_DAYS = 825  # the longest TLS server certificate lifetime browsers still accept
 CA_NAME = "fedq CA"
@@ -129,8 +130,4 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_whole(path, data, 0o600 if private else 0o644)

@@ -124,6 +124,9 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
         "KEYS": ("KEYS", "*"),
         "a remote-control command": ("PUBLISH", "/0.celery.pidbox", b"{}"),
         "ACL": ("ACL", "LIST"),
+        # what another task's channel says (its id, claim, answer): never heard
+        "another task's channel (pattern)": ("PSUBSCRIBE", "celery-task-meta-*"),
+        "another task's channel": ("SUBSCRIBE", f"celery-task-meta-fedq-{job}-g1-r1-c0-a1"),
     }
     for what, command in refusals.items():
         said = _refused(mine, *command)

@@ -344,3 +344,30 @@ def test_buffered_job_whose_tasks_all_fail_stops_with_a_reason(redis_cluster: Cl
     if status == "error":
         workers = {w["hostname"]: w for w in list_workers(cluster.settings.database_url)}
         assert workers["w1@test"]["tasks_failed"] == [u.status for u in rows].count("error")
+
+
+def test_an_update_absorbed_before_its_signer_was_revoked_is_not_applied(
+        tmp_path: Path) -> None:
+    """A buffered version applies only updates whose signer is still active when it is
+    applied (FEDQ_IDENTITY=required): one absorbed from a worker revoked since is
+    rejected then, saying so, and the version waits for another. Remove _still_signed
+    from apply_version and this fails."""
+    from fedq.coordinator.buffered import _still_signed
+    from fedq.db import upgrade
+    from fedq.db.models import ClientUpdate, RegisteredWorker
+    from fedq.settings import load_settings
+
+    settings = load_settings({"FEDQ_HOME": str(tmp_path / ".fedq"), "FEDQ_IDENTITY": "required",
+                              "FEDQ_KEYS_DIR": str(tmp_path / "keys")})
+    upgrade(settings.database_url)
+    with session_scope(settings.database_url) as s:
+        s.add_all([RegisteredWorker(name="w1", queues="cpu", state="active", public_key="k1"),
+                   RegisteredWorker(name="w2", queues="cpu", state="revoked", public_key="k2")])
+    rows = [ClientUpdate(task_index=i, signer=signer, status="buffered")
+            for i, signer in enumerate(["w1", "w2", "w1"])]
+    kept = _still_signed(settings, rows, 3)
+    assert [r.task_index for r in kept] == [0, 2]
+    assert (rows[1].status, rows[1].error) == (
+        "rejected", "signature: signed by w2, which was revoked before version 3 was applied")
+    off = load_settings({"FEDQ_HOME": str(tmp_path / ".fedq")})  # identity off: all kept
+    assert len(_still_signed(off, [ClientUpdate(task_index=0, signer="w2")], 3)) == 1

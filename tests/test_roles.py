@@ -77,12 +77,40 @@ REFUSED_TO_SUBMITTERS = {
     "erase the watchdog's record": "DELETE FROM watchdog_actions",
     "forge a worker's row": "UPDATE workers SET tasks_done = 0",
     "erase a claim": "DELETE FROM claims",
+    # registered workers (rows 'live', active, and 'gone', revoked: _registered)
+    "re-activate a revoked worker": "UPDATE registered_workers SET state = 'active' "
+                                    "WHERE name = 'gone'",
+    "give an active worker its own key": "UPDATE registered_workers SET public_key = "
+                                         "'AAAA' WHERE name = 'live'",
+    "take over an active worker's name": "UPDATE registered_workers SET state = 'invited', "
+                                         "token_sha256 = 'x' WHERE name = 'live'",
+    "register a key without a token": "INSERT INTO registered_workers (name, queues, state, "
+                                      "public_key) VALUES ('evil', 'cpu', 'active', 'AAAA')",
 }
+
+
+def _registered(owner_url: str) -> None:
+    """An active worker 'live' and a revoked one 'gone', as `fedq worker add`, `join`
+    and `revoke` leave them."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    plain = make_url(owner_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        for name in ("live", "gone"):
+            conn.execute("INSERT INTO registered_workers (name, queues, state, token_sha256, "
+                         "created_at) VALUES (%s, 'cpu', 'invited', 't', now())", (name,))
+            conn.execute("UPDATE registered_workers SET state = 'active', public_key = %s, "
+                         "token_sha256 = NULL WHERE name = %s", (f"key-{name}", name))
+        conn.execute("UPDATE registered_workers SET state = 'revoked', revoked_at = now() "
+                     "WHERE name = 'gone'")
 
 
 def test_each_role_is_refused_what_it_does_not_need(
         roles: tuple[str, dict[str, str]]) -> None:
-    _, urls = roles
+    owner, urls = roles
+    _registered(owner)
     for kind, url in urls.items():
         assert url.startswith("postgresql+psycopg://fedq_") and kind in url
         refused = {**REFUSED_TO_BOTH, **(REFUSED_TO_SUBMITTERS if kind == "submitter" else {})}

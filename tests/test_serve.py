@@ -4,6 +4,7 @@ process, 503 past the bound, a stopped worker's batch sent again, API keys."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -472,7 +473,7 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
     cluster.by_name("w1").kill()
     cluster.by_name("w2").kill()
     gateway = Gateway(cluster, [*args, "--max-queue", "2", "--max-wait-ms", "200",
-                                "--batch-timeout-s", "1"])
+                                "--batch-timeout-s", "1", "--read-timeout-s", "2"])
     try:
         with ThreadPoolExecutor(5) as pool:
             answers = list(pool.map(lambda i: _post(gateway.port, "/v1/predict",
@@ -481,10 +482,99 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
         assert codes == [503, 503, 503, 504, 504], codes
         busy = next(h for s, _, h in answers if s == 503)
         assert {k.lower(): v for k, v in busy.items()}.get("retry-after") == "1"
+        _bodies_are_bounded(gateway)
     finally:
         gateway.stop()
     bad = cluster.fedq("serve", *args, "--queues", "gpu9", check=False)
     assert bad.returncode == 2 and "--queues: gpu9" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _raw(port: int, head: bytes, chunks: Iterator[bytes], pause_s: float = 0.0
+         ) -> tuple[int, float]:
+    """Send ``head`` then ``chunks`` (pausing ``pause_s`` after the first) on one
+    connection, while another thread reads the answer; its status code and the seconds
+    it took, whether or not the server read the whole body."""
+    import socket
+    import threading
+    import time
+
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    got: list[bytes] = []
+    answered: list[float] = []
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                got.append(data)
+                if b"\r\n" in b"".join(got):
+                    answered.append(time.monotonic())
+                    return
+
+    began = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with contextlib.suppress(OSError):
+        conn.sendall(head)
+        for n, chunk in enumerate(chunks):
+            if not reader.is_alive():
+                break  # answered: stop sending
+            conn.sendall(chunk)
+            if n == 0 and pause_s:
+                reader.join(pause_s)  # the pause, cut short by an answer
+    reader.join(30)
+    took = (answered[0] if answered else time.monotonic()) - began
+    conn.close()
+    line = b"".join(got).split(b"\r\n", 1)[0].split()
+    return (int(line[1]) if len(line) > 1 else 0), took
+
+
+def _bodies_are_bounded(gateway: Gateway) -> None:
+    """What the gateway reads of a request is bounded (fedq.inference.serve.read_json):
+    a 128 MiB body, declared or chunked, is refused (413) long before it is read; a body
+    that stops arriving is refused (408) after --read-timeout-s; JSON nested 100,000
+    deep is a 400, never a 500. Remove the bound or the timeout and this fails."""
+    from fedq.testing.cluster import record
+
+    size = 128 << 20
+    mib = b"x" * (1 << 20)
+    declared = (f"POST /v1/predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {size}\r\n\r\n").encode()
+    status, took = _raw(gateway.port, declared, iter([mib] * 128))
+    assert status == 413, status
+    chunked = (b"POST /v1/predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+               b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = f"{len(mib):x}\r\n".encode() + mib + b"\r\n"
+    status, took = _raw(gateway.port, chunked, iter([piece] * 128))
+    assert status == 413, status
+    record("security", scenario="gateway: a 128 MiB request body",
+           did="POST /v1/predict with 128 MiB, declared and chunked",
+           fedq="413 after at most the largest legal request's bytes (read_json)",
+           guard="serve.read_json: the body limit", outcome="refused, nothing parsed")
+    slow = (b"POST /v1/predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 1000\r\n\r\n")
+    status, took = _raw(gateway.port, slow, iter([b'{"inputs": ', b"[1]}"]), pause_s=60)
+    assert status == 408 and took < 30, (status, took)
+    record("security", scenario="gateway: a body that stops arriving",
+           did="declares 1,000 bytes, sends 11, then waits",
+           fedq="408 after --read-timeout-s (2 s here)",
+           guard="serve.read_json: the read timeout", outcome="the connection freed")
+    deep = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body, _ = _post_raw(gateway.port, "/v1/predict", deep)
+    assert status == 400 and "nests deeper" in body["error"]["message"], (status, body)
+    record("security", scenario="gateway: JSON nested 100,000 deep",
+           did="POST /v1/predict with a list nested 100,000 deep",
+           fedq="400: the request's JSON nests deeper than 16",
+           guard="serve.read_json: the nesting bound", outcome="refused, no 500")
+
+
+def _post_raw(port: int, path: str, data: bytes) -> tuple[int, dict[str, Any], Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers
 
 
 def test_each_user_has_an_api_key_of_their_own_and_a_revoked_one_is_refused(

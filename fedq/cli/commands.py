@@ -195,11 +195,16 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
               help="items waiting or out before requests get 503")
 @click.option("--batch-timeout-s", default=30.0, show_default=True,
               help="a batch with no answer by then is sent once more, then fails (504)")
+@click.option("--max-body-bytes", type=int, default=None,
+              help="a request body larger than this is refused (413); default: the largest "
+                   "legal request for the model")
+@click.option("--read-timeout-s", default=10.0, show_default=True,
+              help="a request body not received whole by then is refused (408)")
 @expected_errors
 def serve(job_id: str | None, weights: Path | None, model_name: str | None,
           dataset: str | None, model_args: str, dataset_args: str, queues: str, host: str,
           port: int, max_batch: int, max_wait_ms: float, max_queue: int,
-          batch_timeout_s: float) -> None:
+          batch_timeout_s: float, max_body_bytes: int | None, read_timeout_s: float) -> None:
     """Serve a trained model over HTTP: JOB (a completed training job's id, or latest)
     or --weights. POST /v1/predict (classifiers) or /v1/completions (GPT, OpenAI-style);
     GET /health, /metrics. FEDQ_SERVE_API_KEY set: requests need
@@ -230,10 +235,13 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
             raise SpecError(f"{name}: at least 1")
     if max_wait_ms < 0 or batch_timeout_s <= 0:
         raise SpecError("--max-wait-ms: 0 or more; --batch-timeout-s: more than 0")
+    if (max_body_bytes is not None and max_body_bytes < 1) or read_timeout_s <= 0:
+        raise SpecError("--max-body-bytes: at least 1; --read-timeout-s: more than 0")
     settings = _settings()
     served = prepare(settings, src, Path("."), wanted, max_batch=max_batch,
                      max_wait_ms=max_wait_ms, max_queue=max_queue,
                      batch_timeout_s=batch_timeout_s, api_key=settings.serve_api_key,
+                     max_body=max_body_bytes, read_timeout_s=read_timeout_s,
                      read_registry=lambda: registry(settings.database_url),
                      read_key_table=lambda: read_keys(settings.database_url))
     err.print(f"fedq serve: {served.name} ({served.op}, {served.arch['name']}) on "

@@ -179,6 +179,7 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
 
     from fedq.coordinator.rabbit import is_amqp
     from fedq.engine.app import app
+    from fedq.engine.backend import send_and_poll
     from fedq.engine.names import CONTROL_QUEUE, JOIN_WORKER_TASK
 
     if is_amqp(app.conf.broker_url):
@@ -188,10 +189,11 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
         app.conf.broker_transport_options = {**app.conf.broker_transport_options,
                                              "confirm_publish": True}
     try:
-        # not declared: the bundle's broker user may send to the control queue only
-        result = app.send_task(JOIN_WORKER_TASK, args=(proof,), queue=CONTROL_QUEUE,
+        # not declared: the bundle's broker user may send to the control queue only; its
+        # answer is polled by its key, as a worker's user may not subscribe to any task's
+        # channel (fedq/coordinator/acl.py)
+        answer = send_and_poll(app, JOIN_WORKER_TASK, (proof,), CONTROL_QUEUE, timeout,
                                declare=[])
-        answer = result.get(timeout=timeout)
     except CeleryTimeout:
         raise ServiceUnavailable(f"no answer from the coordinator's control worker in "
                                  f"{timeout:.0f} s (is it running, and is this the broker "
@@ -222,14 +224,11 @@ def _store(keys_dir: Path, key: Any, bundle: dict[str, Any]) -> None:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """``text`` into ``path`` readable by its owner only, written whole (a temporary
-    file renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """``text`` into ``path`` readable by its owner only, written whole
+    (fedq.files.write_whole: O_EXCL, mode 600 whatever the umask)."""
+    from fedq.files import write_whole
+
+    write_whole(path, text)
 
 
 @main.command("provision")

@@ -10,7 +10,9 @@ A worker's user may:
   send tasks to the ``control`` queue (the chord's doorbell, a buffered job's callback,
   registration) without reading it or declaring it;
 - write and read result-backend entries (Celery's task results, chord counters) and
-  publish their notifications;
+  publish their notifications, never subscribe to them: a task's id (with identity
+  required it carries a tag only the coordinator computes) reaches only the worker the
+  task was sent to;
 - listen for remote-control commands and answer them, and send task events (the
   dashboard), but never publish a command itself (no ``shutdown`` of the control
   worker, no ``revoke``, no ``cancel_consumer``);
@@ -86,11 +88,13 @@ def worker_rules(name: str, queues: Iterable[str], password: str, db: int = 0) -
         f"%R~{KEY_PREFIX}jobs/*/infer/model*", f"%R~{KEY_PREFIX}jobs/*/infer/inputs*",
         f"~{KEY_PREFIX}jobs/*/infer/out/{name}/*",
     ]
-    # listen on the remote-control channel; publish only events and result notices
+    # listen on the remote-control channel only; publish only events and result notices
+    # (Redis's channel rules admit PUBLISH and SUBSCRIBE alike: the task channels are in
+    # the selector that allows PUBLISH alone, so no worker hears another task's claim,
+    # heartbeat or answer, nor learns its id)
     publish = "(+publish resetchannels &/*.celeryev/* &celery-task-meta-*)"
     return ["reset", "on", f">{password}", "resetchannels", "-@all",
-            *(f"+{c}" for c in COMMANDS), *keys, f"&/{db}.celery.pidbox", "&celery-task-meta-*",
-            publish]
+            *(f"+{c}" for c in COMMANDS), *keys, f"&/{db}.celery.pidbox", publish]
 
 
 def redis_admin(url: str) -> Any:

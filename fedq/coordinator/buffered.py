@@ -373,6 +373,25 @@ def apply_ready(settings: Settings, job_id: str) -> list[dict[str, Any]]:
             return done
 
 
+def _still_signed(settings: Settings, rows: list[ClientUpdate],
+                  version: int) -> list[ClientUpdate]:
+    """``rows`` (buffered updates) less those whose signer was revoked since they were
+    absorbed: those are rejected now, saying so (with FEDQ_IDENTITY=required; the
+    version then waits for as many more)."""
+    registry = registry_if_required(settings)
+    if registry is None:
+        return rows
+    kept = []
+    for row in rows:
+        if row.signer is not None and row.signer not in registry.active:
+            row.status = UpdateStatus.REJECTED
+            row.error = (f"signature: signed by {row.signer}, which was revoked before "
+                         f"version {version} was applied")
+        else:
+            kept.append(row)
+    return kept
+
+
 def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, Any]:
     """Aggregate version ``version``'s K buffered updates and commit it (exactly once)."""
     started = time.perf_counter()
@@ -384,7 +403,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
         rows = s.scalars(select(ClientUpdate).where(
             ClientUpdate.job_id == job_id, ClientUpdate.round_number == version,
             ClientUpdate.status == UpdateStatus.BUFFERED).order_by(ClientUpdate.task_index)).all()
-        rows = list(rows)[:spec.aggregation.buffer]
+        rows = _still_signed(settings, list(rows), version)[:spec.aggregation.buffer]
         if len(rows) < spec.aggregation.buffer:
             return {"status": "waiting", "buffered": len(rows)}
         model = _model(job)

@@ -11,10 +11,15 @@ coordinator    SELECT, INSERT, UPDATE, DELETE on every table of the schema but
                alembic_version (SELECT: only migrations move the revision)
 submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds,
                client_updates, inference_jobs and inference_shards (submit, infer,
-               cancel, resume); INSERT, UPDATE on
-               registered_workers (``fedq worker add`` / ``revoke``) and
-               serve_keys (``fedq serve-key add`` / ``revoke``)
+               cancel, resume); INSERT, UPDATE on serve_keys (``fedq serve-key add``
+               / ``revoke``); on registered_workers INSERT and UPDATE of the
+               columns ``fedq worker add`` / ``revoke`` write (never ``public_key`` or ``joined_at``: only a join, in the
+               control worker, sets a key)
 =============  =================================================================
+
+Whoever writes registered_workers, a trigger (migration 0020) keeps each worker's
+state moving forward only: a revoked name never comes back, an active worker's key
+never changes.
 
 Tables a later migration adds get the same rights (``ALTER DEFAULT PRIVILEGES`` for
 the owner); run the command again after an upgrade to be sure.
@@ -35,7 +40,9 @@ from fedq.errors import ConfigError
 Kind = Literal["coordinator", "submitter"]
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 SUBMITTER_WRITES = ("jobs", "rounds", "client_updates", "inference_jobs", "inference_shards")
-SUBMITTER_ADDS = ("registered_workers", "serve_keys")
+SUBMITTER_ADDS = ("serve_keys",)
+#: registered_workers: what `fedq worker add` (invite, withdraw) and `revoke` write
+WORKER_COLUMNS = ("queues", "state", "token_sha256", "created_at", "revoked_at")
 
 
 def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) -> str:
@@ -79,6 +86,10 @@ def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) ->
                 t=sql.SQL(", ").join(map(sql.Identifier, SUBMITTER_WRITES)), r=role),
             sql.SQL("GRANT INSERT, UPDATE ON {t} TO {r}").format(
                 t=sql.SQL(", ").join(map(sql.Identifier, SUBMITTER_ADDS)), r=role),
+            # a role made before: its table-wide UPDATE goes, the columns stay
+            sql.SQL("REVOKE UPDATE ON registered_workers FROM {r}").format(r=role),
+            sql.SQL("GRANT INSERT, UPDATE ({c}) ON registered_workers TO {r}").format(
+                c=sql.SQL(", ").join(map(sql.Identifier, WORKER_COLUMNS)), r=role),
             sql.SQL("ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES "
                     "TO {r}").format(r=role),
         ]

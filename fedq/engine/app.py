@@ -38,6 +38,7 @@ from fedq.engine.names import (
     WATCHDOG_TASK,
     WORKER_STATE_TASK,
 )
+from fedq.files import private_folder
 from fedq.redaction import redact_text
 from fedq.settings import Settings, get_settings
 
@@ -45,6 +46,9 @@ from fedq.settings import Settings, get_settings
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for ``settings``; see docs/architecture.md for the why of each."""
     transport_options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    if settings.embedded_broker or settings.result_backend.startswith("file://") or \
+            settings.database_url.startswith("sqlite"):
+        private_folder(settings.home)  # its database, tasks and results: the owner's only
     if settings.embedded_broker:
         folder = settings.broker_folder
         for sub in ("queue", "control"):

@@ -239,3 +239,34 @@ def _read_file(backend: FilesystemBackend, task_id: str, bound: int) -> bytes | 
             return os.fstat(f.fileno()).st_size if len(value) > bound else value
     except FileNotFoundError:
         return None
+
+
+def send_and_poll(app: Any, name: str, args: tuple[Any, ...], queue: str, timeout: float,
+                  **options: Any) -> Any:
+    """Send task ``name`` and wait up to ``timeout`` seconds for its result by reading
+    its state (no subscription to its channel: a registered worker's broker user may
+    not subscribe to any task's channel). Raises Celery's TimeoutError when none came,
+    and the task's own error when it failed."""
+    import time
+
+    from celery import _state
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    before = _state.task_join_will_block()
+    _state._set_task_join_will_block(True)  # the backend subscribes to nothing
+    try:
+        result = app.send_task(name, args=args, queue=queue, **options)
+    finally:
+        _state._set_task_join_will_block(before)
+    deadline = time.monotonic() + timeout
+    wait = 0.02
+    while time.monotonic() < deadline:
+        meta = task_metas(app.backend, [result.id])[0]
+        if meta.get("status") == states.SUCCESS:
+            return meta.get("result")
+        if meta.get("status") in states.PROPAGATE_STATES or meta.get("status") in UNREAD:
+            raise RuntimeError(f"task {name} ended {meta.get('status')}: "
+                               f"{str(meta.get('result') or meta.get('error'))[:200]}")
+        time.sleep(wait)
+        wait = min(wait * 1.5, 0.25)
+    raise CeleryTimeout(f"no answer to {name} within {timeout:g} s")

@@ -71,6 +71,80 @@ DECODE_INLINE_BYTES = 65_536  # a published state up to this size is decoded in 
 ANSWER_ROOM_BYTES = 16_384
 
 
+READ_TIMEOUT_S = 10.0  # a request body not whole by then: 408
+#: How deep a request's JSON may nest (the deepest legal one, a batch of images, is
+#: the image's dimensions plus two).
+MAX_JSON_DEPTH = 16
+#: The most characters one number or one prompt byte takes in a legal request's JSON
+#: (a float's repr with its separator; a control byte escaped as \u00XX).
+NUMBER_CHARS = 32
+ESCAPE_CHARS = 6
+BODY_ROOM_BYTES = 65_536  # a request's keys, options and whitespace
+
+
+def body_bound(served: Served) -> int:
+    """The largest legal request body for ``served``: :data:`MAX_ITEMS_PER_REQUEST`
+    inputs of the model's shape (classifiers) or prompts of :data:`MAX_PROMPT_BYTES`
+    (language models), each at its longest in JSON."""
+    if served.op == "classify":
+        item = math.prod(served.input_shape) * NUMBER_CHARS
+    else:
+        item = MAX_PROMPT_BYTES * ESCAPE_CHARS
+    return MAX_ITEMS_PER_REQUEST * item + BODY_ROOM_BYTES
+
+
+class BadBody(Exception):
+    """A request body refused before it is parsed: too large (413), too slow (408), or
+    not JSON within :data:`MAX_JSON_DEPTH` (400)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json(request: Any, limit: int, timeout_s: float) -> Any:
+    """A request's body parsed as JSON, read no further than ``limit`` bytes (a
+    ``Content-Length`` over it is refused unread) and within ``timeout_s`` seconds."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadBody(413, f"the request body is {int(declared)} bytes, more than the "
+                           f"{limit} a request may have")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadBody(413, f"the request body is more than the {limit} bytes a "
+                                   f"request may have")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        data = await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise BadBody(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    try:
+        body = json.loads(data)
+    except RecursionError:
+        raise BadBody(400, f"the request's JSON nests deeper than {MAX_JSON_DEPTH}") from None
+    except ValueError as exc:
+        raise BadBody(400, f"the request body is not JSON: {str(exc)[:100]}") from None
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise BadBody(400, f"the request's JSON nests deeper than {MAX_JSON_DEPTH}")
+    return body
+
+
+def _depth_over(value: Any, bound: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests deeper than ``bound`` (no recursion)."""
+    level: list[Any] = [value] if isinstance(value, (list, dict)) else []
+    for _ in range(bound):  # level: the containers at depth 1, 2, ...
+        level = [v for x in level if isinstance(x, (list, dict))
+                 for v in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(v, (list, dict))]
+    return bool(level)
+
+
 def answer_bytes(op: str, n: int) -> int:
     """The most bytes the stored state of a batch of ``n`` items for ``op`` may have:
     each output is one of a shard's lines (``LINE_BYTES``), which a streamed piece
@@ -114,6 +188,14 @@ class Served:
     # start and every KEYS_EVERY_S, and what it last read
     read_key_table: Any = None
     key_table: Any = None
+    # what a request body may be: bytes at most (None: :func:`body_bound`, the largest
+    # legal request), seconds to arrive whole
+    max_body: int | None = None
+    read_timeout_s: float = READ_TIMEOUT_S
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body if self.max_body is not None else body_bound(self)
 
 
 @dataclass
@@ -768,8 +850,10 @@ def build_app(served: Served) -> Any:
         if not authorised(request):
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
         try:
-            body = json.loads(await request.body())
+            body = await read_json(request, served.body_limit, served.read_timeout_s)
             items = parse(body, served)
+        except BadBody as exc:
+            return error(exc.status, str(exc))
         except ValueError as exc:
             return error(400, str(exc))
         streamed = stream is not None and body.get("stream") is True
