@@ -13,8 +13,9 @@ submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds,
                client_updates, inference_jobs and inference_shards (submit, infer,
                cancel, resume); INSERT, UPDATE on serve_keys (``fedq serve-key add``
                / ``revoke``); on registered_workers INSERT and UPDATE of the
-               columns ``fedq worker add`` / ``revoke`` write (never ``public_key`` or ``joined_at``: only a join, in the
-               control worker, sets a key)
+               columns ``fedq worker add`` / ``revoke`` write (never
+               ``public_key`` or ``joined_at``: only a join, in the control
+               worker, sets a key)
 =============  =================================================================
 
 Whoever writes registered_workers, a trigger (migration 0020) keeps each worker's
