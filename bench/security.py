@@ -6,7 +6,8 @@ tests/test_security.py runs one real hostile ``celery worker`` (tests/hostile) b
 honest ones, one attack per job, on Redis + PostgreSQL and on the embedded default,
 with a password in every URL, and then searches every table, log, result and CLI
 output for it; tests/test_identity.py, test_acl.py, test_tls.py and test_roles.py
-add the identity, least-privilege and TLS refusals. Each records one row (scenario, what
+add the identity, least-privilege and TLS refusals, test_paths.py the private files and
+test_serve.py the gateway's bounds on what it reads. Each records one row (scenario, what
 the worker did, what fedq did, the check that caught it, the job's outcome); this
 script renders them above the marker in docs/security.md, keeping the prose below it.
 """
@@ -26,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "security.md"
 MARKER = "<!-- end of generated table -->"
 TESTS = ["tests/test_security.py", "tests/test_identity.py", "tests/test_acl.py",
-         "tests/test_tls.py", "tests/test_roles.py", "tests/test_presigned.py"]
+         "tests/test_tls.py", "tests/test_roles.py", "tests/test_presigned.py",
+         "tests/test_paths.py",
+         "tests/test_serve.py::test_served_requests_are_batched_bounded_and_survive_a_stopped_worker"]
 
 
 def render(rows: list[dict], memory: list[dict]) -> list[str]:

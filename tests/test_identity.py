@@ -151,7 +151,7 @@ def test_a_token_joins_once_and_a_revoked_name_never_comes_back(tmp_path: Path) 
 
     member, hosts = enrol.revoke(settings, "w1")
     assert (member.state, hosts) == ("revoked", [])
-    assert enrol.registry(db) == enrol.Registry({}, frozenset({"w1"}))
+    assert enrol.registry(db) == enrol.Registry({}, frozenset({"w1"}), {})
     with pytest.raises(ConfigError, match="w1 is revoked"):
         enrol.invite(settings, "w1", ["cpu"])
     with pytest.raises(ConfigError, match="worker name"):
