@@ -9,7 +9,6 @@ normalised samples x s(staleness)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from collections import Counter
@@ -30,7 +29,7 @@ from fedq.errors import SpecError
 from fedq.observe.plots import close, figures
 from fedq.spec import parse_spec
 from fedq.testing.cluster import DIGITS, SLOWED, Cluster, base_env, record_outcome
-from fedq.testing.procs import WorkerProcess
+from fedq.testing.hold import Holds
 from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, private_redis
 
@@ -211,39 +210,35 @@ def test_buffered_on_redis_with_max_staleness_cancel_and_resume(redis_cluster: C
     assert [u for u in rows if u.status == "stale"], "with C > K some update must go stale"
 
 
-def _task_in_hand(worker: WorkerProcess, job: str) -> int | None:
-    """The task index of a first-attempt training task of ``job`` the worker's log shows
-    received and not finished, or None."""
-    log = worker.log_path.read_text(errors="replace")
-    received = re.findall(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] received", log)
-    finished = set(re.findall(rf"Task fedq\.train\[fedq-{job}-b(\d+)-a1\] succeeded", log))
-    open_ = [int(i) for i in received if i not in finished]
-    return open_[-1] if open_ else None
-
-
 @pytest.mark.slow
 def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.env.update(SLOWED)
+    # task 3 (of the first four sent) is held at the start of its training, claimed and
+    # beating, by whichever worker takes it (fedq.testing.hold), until its worker is
+    # killed there
+    holds = Holds(cluster.home / "holds")
+    cluster.env.update(holds.env("training", r"-b3-a1$"))
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
     cluster.start_beat()
     # The shipped 600 s deadline and 30 versions (~45 s): only the lost worker's
     # heartbeat (never the deadline, never the job completing first) can settle the
     # killed task's row.
     job = cluster.submit({**SLOW, "rounds": 30, "round_timeout_s": 600})
-    victim = cluster.by_name("w1")
-    def held() -> int | None:  # a task w1 holds (received, not finished), 0.5 s later too
-        killed = _task_in_hand(victim, job)
-        if killed is None:
-            return None
-        time.sleep(0.5)  # inside its 1.5 s of training
-        return killed if _task_in_hand(victim, job) == killed else None
-
-    killed = wait_until(held, 60, what=victim.tail)
-    victim.kill()
-    killed_at = time.time()
-    cluster.replace("w1")
-    view = cluster.wait(job, timeout=240)
+    pattern = rf"^fedq-{job}-b3-a1$"
+    try:
+        held = wait_until(lambda: holds.waiting(pattern), 60,
+                          what=lambda: "\n".join(w.tail() for w in cluster.workers))
+        name = next(iter(held.values())).split("@")[0]
+        victim = cluster.by_name(name)
+        killed = 3
+        victim.kill()
+        killed_at = time.time()
+        holds.let_go(pattern)
+        cluster.replace(name)
+        view = cluster.wait(job, timeout=240)
+    finally:
+        holds.close()
     assert view.status == "completed", view.error
     rows = _assert_versions(cluster, job, versions=30)
     # Redis redelivers the killed task only after its visibility timeout: the watchdog
@@ -253,7 +248,8 @@ def test_buffered_worker_killed_mid_task(redis_cluster: Cluster) -> None:
     with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
         resent = [aware(a.at).timestamp() - killed_at for a in s.scalars(
             select(WatchdogAction).where(WatchdogAction.job_id == job,
-                                         WatchdogAction.action.contains("(lost w1@test)")))]
+                                         WatchdogAction.action.contains(
+                                             f"(lost {name}@test)")))]
     assert len(resent) == 1 and 0 < resent[0] <= 30, resent
     lost = sum(1 for u in rows if u.status in ("training", "buffered"))  # 0: asserted
     record_outcome("buffered job (K=2, C=4), default 600 s deadline, a worker SIGKILLed "

@@ -24,6 +24,7 @@ from fedq.db import ClientUpdate, WatchdogAction, session_scope
 from fedq.db.models import aware
 from fedq.inference import jobs
 from fedq.testing.cluster import DIGITS, SLOWED, Cluster, record_outcome
+from fedq.testing.hold import Holds
 from fedq.testing.procs import WorkerProcess
 from fedq.testing.wait import wait_until
 from tests.conftest import migrated_cluster, missing, private_redis
@@ -85,25 +86,25 @@ def _claimed(cluster: Cluster, worker: WorkerProcess, job: str, number: int,
         (meta.get("result") or {}).get("hostname") == worker.name
 
 
-def _kill_mid_round(cluster: Cluster, job: str, number: int, victim: str
+def _kill_mid_round(cluster: Cluster, holds: Holds, job: str, number: int, victim: str
                     ) -> tuple[int, str, float]:
-    """SIGKILL a training worker while it trains a client of round ``number`` (``victim``
-    if it holds one, else whichever does: the broker's prefetch may hand a round's
-    tasks to the other workers); returns the client, the worker and when (epoch s)."""
-    cluster.wait_for_round(job, number)
-    names = [victim] + sorted({w.name.split("@")[0] for w in cluster.workers
-                               if w.name.startswith("w")} - {victim})
-    held = wait_until(lambda: [
-        (name, client) for name in names
-        if (client := _task_in_hand(cluster.by_name(name), job, number)) is not None], 30,
-        what=lambda: "a worker mid-task\n" + "\n".join(cluster.by_name(n).tail()
-                                                       for n in names))
-    name, client = held[0]
+    """SIGKILL a training worker while it holds a client of round ``number`` at the
+    start of its training, claimed and beating (fedq.testing.hold: the tasks of the
+    round are held there until the kill; ``victim`` if it holds one, else whichever
+    does: the broker's prefetch may hand a round's tasks to the other workers); the
+    round's other tasks are let go. Returns the client, the worker and when (epoch s)."""
+    pattern = rf"^fedq-{job}-g\d+-r{number}-c\d+-a1$"
+    held = wait_until(lambda: holds.waiting(pattern), 60,
+                      what=lambda: f"a task of round {number} held\n" +
+                      "\n".join(w.tail() for w in cluster.workers))
+    by_worker = {w.split("@")[0]: t for t, w in sorted(held.items())}
+    name = victim if victim in by_worker else sorted(by_worker)[0]
+    task = by_worker[name]
+    client = int(re.search(r"-c(\d+)-a1$", task).group(1))  # type: ignore[union-attr]
     worker = cluster.by_name(name)
-    time.sleep(0.5)  # well inside its 1.5 s of training
-    assert _task_in_hand(worker, job, number) == client  # still mid-task
-    worker.kill()
+    worker.kill()  # mid-task: claimed, beating, not trained
     killed_at = time.time()
+    holds.let_go(pattern)  # the round's other tasks train on
     cluster.replace(name)
     return client, worker.name, killed_at
 
@@ -125,13 +126,19 @@ def _worker_kill_scenario(cluster: Cluster, broker: str, rounds: int,
     killed worker's client is re-dispatched once its heartbeat stops (Redis redelivers
     an unacked task only after its visibility timeout, 2 h; RabbitMQ at once)."""
     cluster.env.update(SLOWED)
+    holds = Holds(cluster.home / "holds")
+    rounds_held = "|".join(str(n) for n in kills)
+    cluster.env.update(holds.env("training", rf"-r({rounds_held})-c\d+-a1$"))
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     cluster.start_beat()
     spec = {k: v for k, v in SLOW_TASKS.items() if k != "round_timeout_s"}
     job = cluster.submit({**spec, "rounds": rounds})
-    killed = {number: _kill_mid_round(cluster, job, number, victim)
-              for number, victim in kills.items()}
-    view = cluster.wait(job, timeout=240)
+    try:
+        killed = {number: _kill_mid_round(cluster, holds, job, number, victim)
+                  for number, victim in kills.items()}
+        view = cluster.wait(job, timeout=240)
+    finally:
+        holds.close()
     assert view.status == "completed", view.error
     lost = _assert_each_round_once(cluster, job, rounds=rounds, per_round=3)
     assert lost == 0

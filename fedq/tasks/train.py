@@ -13,6 +13,7 @@ from fedq.engine.app import app
 from fedq.engine.names import TRAIN_SOFT_TIME_LIMIT, TRAIN_TASK, TRAIN_TIME_LIMIT
 from fedq.process import PROCESS
 from fedq.settings import get_settings
+from fedq.testing import hold
 from fedq.worker import owner
 from fedq.worker.heartbeat import claim, claim_unless_revoked
 
@@ -56,6 +57,7 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     # the claim's heartbeat (fedq/worker/heartbeat.py): a dead worker's task is sent
     # again in seconds, not at the round's deadline
     with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s, written=True):
+        hold.at("training", task_id, worker)  # fault tests only (FEDQ_TEST_HOLD)
         result = run_training(ref, store, worker)
     if result.get("status") == "yielded":  # take nothing more until the owner is done
         owner.stepped_aside()
