@@ -10,13 +10,8 @@
 # inference) beside everything else, on disjoint Redis database numbers and temporary
 # folders, with ruff and mypy beside them too; then the two tests marked quiet, which
 # read the machine's CPU load, alone. The tests' workers and `fedq` commands are forked
-# from a process that has imported torch once (fedq/testing/zygote.py). On the evening
-# of 2026-11-30, about 9 min in all: the main 586 tests in 6 min 59 s, beside them 33
-# in 7 min 26 s and 74 in 7 min 51 s, then the quiet 2 in 25 s. In a session that
-# afternoon, on a machine about twice as slow, 15 min 52 s (the main process 14 min
-# 50 s); before, with two processes, lint first and workers importing torch._dynamo in
-# their first task: about 24 min (the main process 22 min 8 s). The goal is 15
-# minutes. With arguments, ruff, mypy and one pytest process with them:
+# from a process that has imported torch once (fedq/testing/zygote.py). The budget is
+# 15 minutes on 2 cores. With arguments, ruff, mypy and one pytest process with them:
 # `bash scripts/test.sh tests/test_spec.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +22,8 @@ if [ "$#" -gt 0 ]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 # Two groups of slow end-to-end files run in pytest processes of their own beside the
-# rest (the suite waits on deadlines, heartbeats and killed processes more than it
-# computes: on 2026-11-30 its Python processes kept the two cores 52% busy with two).
+# rest: the suite waits on deadlines, heartbeats and killed processes more than it
+# computes.
 side_a=(tests/test_faults.py tests/test_buffered.py tests/test_finalize.py
         tests/test_strategy_jobs.py tests/test_presigned.py)
 side_b=(tests/test_identity.py tests/test_owner.py tests/test_sites.py tests/test_wan.py

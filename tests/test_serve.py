@@ -678,6 +678,9 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
                                 {"prompt": "Good my lord", "max_tokens": 5, "seed": 1})
         assert status == 200 and body["object"] == "text_completion", body
         assert 0 < len(body["choices"][0]["text"]) <= 5  # 5 bytes (an untrained model's)
+        made = len(body["choices"][0]["text"].encode())  # a byte a token
+        assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": made,
+                                 "total_tokens": 12 + made}, body
         # streamed (server-sent events): pieces while the worker generates, which add up
         # to the text the same request gets whole, then the finish and [DONE]
         ask = {"prompt": "Good my lord", "max_tokens": 256, "seed": 3}
@@ -701,7 +704,55 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
             assert torch.allclose(torch.tensor(row["embedding"], dtype=torch.float64),
                                   F.normalize(total, dim=-1), atol=1e-5), text
         assert [row["index"] for row in body["data"]] == [0, 1, 2]
+        size = sum(len(t.encode()) for t in texts)
+        assert body["usage"] == {"prompt_tokens": size, "total_tokens": size}
+        # OpenAI's clients send encoding_format (base64 by default in its Python client):
+        # float is the same answer, base64 the same numbers as little-endian float32
+        import base64
+        import struct
+
+        floats = [row["embedding"] for row in body["data"]]
+        status, same, _ = _post(gateway.port, "/v1/embeddings",
+                                {"input": texts, "encoding_format": "float", "user": "u1"})
+        assert status == 200 and [r["embedding"] for r in same["data"]] == floats, same
+        status, packed, _ = _post(gateway.port, "/v1/embeddings",
+                                  {"input": texts, "encoding_format": "base64"})
+        assert status == 200, packed
+        for row, want in zip(packed["data"], floats, strict=True):
+            raw = base64.b64decode(row["embedding"])
+            got = struct.unpack(f"<{len(raw) // 4}f", raw)
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-6
+        status, refused, _ = _post(gateway.port, "/v1/embeddings",
+                                   {"input": texts, "dimensions": 8})
+        assert status == 400 and "dimensions: not supported" in \
+            refused["error"]["message"], refused
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/v1/models",
+                                    timeout=10) as resp:
+            listed = json.loads(resp.read())
+        assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == \
+            [str(weights)], listed
         status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [[0.0]]})
         assert status == 404 and "/v1/completions" in body["error"]["message"]
+    finally:
+        gateway.stop()
+
+
+def test_serve_in_a_fresh_folder_migrates_the_embedded_default(tmp_path: Path,
+                                                                weights: Path) -> None:
+    """`fedq serve --weights ...` where nothing ran before: the embedded default's
+    database is made on the way (its API keys live there), as `fedq submit` makes it.
+    Without ensure_schema in prepare it stopped with `no such table: serve_keys`."""
+    from fedq.testing.cluster import base_env
+
+    home = tmp_path / "fresh" / ".fedq"
+    home.parent.mkdir()
+    cluster = Cluster(home.parent, base_env(home))
+    gateway = Gateway(cluster, ["--weights", str(weights), "--model", "small_cnn",
+                                "--dataset", "digits"])
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/health",
+                                    timeout=10) as resp:
+            assert json.loads(resp.read())["status"] == "ok"
+        assert (home / "fedq.db").exists()
     finally:
         gateway.stop()

@@ -772,10 +772,25 @@ def parse_completion(body: Any, served: Served) -> dict[str, Any]:
     return item
 
 
+#: The fields of OpenAI's embeddings request fedq takes (``user`` names the end user
+#: and changes nothing); any other is refused by name.
+EMBEDDING_FIELDS = ("input", "model", "encoding_format", "user")
+
+
 def parse_embeddings(body: Any, served: Served) -> list[str]:
-    """An OpenAI-style embeddings request: ``input``, a string or a list of strings."""
-    if not isinstance(body, dict) or "input" not in body or set(body) - {"input", "model"}:
+    """An OpenAI-style embeddings request: ``input``, a string or a list of strings;
+    ``encoding_format`` float (the default) or base64 (:func:`embedding_out` reads it
+    from the request again)."""
+    if not isinstance(body, dict) or "input" not in body:
         raise ValueError('expected {"input": "text" or ["text", ...]}')
+    unknown = sorted(set(body) - set(EMBEDDING_FIELDS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported by fedq serve (fields: "
+                         f"{', '.join(EMBEDDING_FIELDS)})")
+    if body.get("encoding_format", "float") not in ("float", "base64"):
+        raise ValueError("encoding_format: float or base64")
+    if "user" in body and not isinstance(body["user"], str):
+        raise ValueError("user: a string")
     texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
     if not 0 < len(texts) <= MAX_ITEMS_PER_REQUEST:
         raise ValueError(f"input: 1 to {MAX_ITEMS_PER_REQUEST} strings")
@@ -785,6 +800,23 @@ def parse_embeddings(body: Any, served: Served) -> list[str]:
         if len(text.encode()) > MAX_PROMPT_BYTES:
             raise ValueError(f"input[{n}]: more than {MAX_PROMPT_BYTES} bytes")
     return texts
+
+
+def usage(prompt: str, text: str) -> dict[str, int]:
+    """OpenAI's ``usage`` of a completion, in the byte-level model's tokens (bytes)."""
+    n, m = len(prompt.encode()), len(text.encode())
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def embedding_out(vector: list[float], encoding: str) -> list[float] | str:
+    """One embedding as OpenAI's API returns it: a list of floats, or with
+    ``encoding_format: base64`` the base64 of its little-endian float32 values."""
+    if encoding != "base64":
+        return vector
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 class _Metrics:
@@ -820,6 +852,7 @@ def build_app(served: Served) -> Any:
     embedder = Batcher(served, op="embed", metrics=batcher.metrics) \
         if served.width else None
     batchers = [b for b in (batcher, embedder) if b is not None]
+    started = int(time.time())
 
     def error(status: int, message: str, **headers: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "code": status}}, status_code=status,
@@ -901,20 +934,45 @@ def build_app(served: Served) -> Any:
     async def completions(request: Request) -> Response:
         if served.op != "generate":
             return error(404, f"{served.name} is a classifier: POST /v1/predict")
-        return await answer(request, "completions", parse_completion, lambda done: {
+        prompts: list[str] = []
+
+        def parse(body: Any, s: Served) -> dict[str, Any]:
+            item = parse_completion(body, s)
+            prompts.append(item["prompt"])
+            return item
+
+        return await answer(request, "completions", parse, lambda done: {
             "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
             "created": int(time.time()), "model": served.name,
             "choices": [{"text": done[0][0]["text"], "index": 0, "finish_reason": "length"}],
+            "usage": usage(prompts[0], done[0][0]["text"]),
             "batch_size": done[0][1]}, stream=completion_stream)
 
     async def embeddings(request: Request) -> Response:
         if embedder is None:
             return error(404, f"{served.name} is a classifier: POST /v1/predict")
-        return await answer(request, "embeddings", parse_embeddings, lambda done: {
+        encoding: list[str] = []
+
+        def parse(body: Any, s: Served) -> list[str]:
+            texts = parse_embeddings(body, s)
+            encoding.append(body.get("encoding_format", "float"))
+            tokens.append(sum(len(t.encode()) for t in texts))  # a byte a token
+            return texts
+
+        tokens: list[int] = []
+        return await answer(request, "embeddings", parse, lambda done: {
             "object": "list", "model": served.name,
-            "data": [{"object": "embedding", "index": k, "embedding": out["embedding"]}
+            "data": [{"object": "embedding", "index": k,
+                      "embedding": embedding_out(out["embedding"], encoding[0])}
                      for k, (out, _) in enumerate(done)],
+            "usage": {"prompt_tokens": tokens[0], "total_tokens": tokens[0]},
             "batch_sizes": [n for _, n in done]}, embedder)
+
+    async def models(request: Request) -> Response:
+        if not authorised(request):
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        return JSONResponse({"object": "list", "data": [
+            {"id": served.name, "object": "model", "created": started, "owned_by": "fedq"}]})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": served.name, "op": served.op,
@@ -993,6 +1051,7 @@ def build_app(served: Served) -> Any:
         Route("/v1/predict", predict, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models),
         Route("/health", health), Route("/metrics", metrics)], lifespan=lifespan)
     application.state.batcher = batcher
     return application
@@ -1018,8 +1077,9 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     check_broker()
     store = open_store(settings.blob_url, settings.s3_endpoint_url)
     store.check()
-    if src.job is not None:
-        ensure_schema(settings.database_url)
+    # its API keys live in the database, as a job's model does: the embedded default is
+    # migrated here (another database names `fedq db upgrade` in one line)
+    ensure_schema(settings.database_url)
     arch, blob, data = model_source(settings, src, base)
     ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
     if data is not None:
