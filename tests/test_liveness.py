@@ -128,3 +128,37 @@ def test_silence_is_timed_by_the_coordinators_clock(tmp_path: Path,
         assert liveness.held(settings, "j") == []
     finally:
         get_settings.cache_clear()
+
+
+def test_two_watchdog_passes_at_once_repair_once(redis_cluster: Any) -> None:
+    """A watchdog pass holds the database-wide pass lock (watchdog.single_pass): a
+    second pass started while one runs does nothing, so a lost client is never sent
+    twice by two passes (beat's tick landing on two control processes). Here a job
+    whose round no worker takes needs repairing; a pass run inside another's lock
+    does nothing, the next one repairs. Remove single_pass from run_watchdog and the
+    nested pass repairs too: this fails."""
+    import json
+    import subprocess
+    import sys
+
+    from fedq.testing.cluster import DIGITS
+
+    cluster = redis_cluster
+    job = cluster.submit({**DIGITS, "rounds": 1, "round_timeout_s": 1})
+    time.sleep(2.5)  # its round's deadline passed; no worker ever ran
+    script = (
+        "import json\n"
+        "from fedq.settings import get_settings\n"
+        "from fedq.coordinator.watchdog import run_watchdog, single_pass\n"
+        "s = get_settings()\n"
+        "with single_pass(s) as mine:\n"
+        "    nested = run_watchdog(s)\n"
+        "after = run_watchdog(s)\n"
+        "print(json.dumps({'mine': mine, 'nested': nested,\n"
+        "                  'after': [a['job'] for a in after]}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=cluster.env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["mine"] is True and got["nested"] == [], got
+    assert job in got["after"], got

@@ -26,6 +26,8 @@ running at once, or a watchdog racing a chord, do no harm.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -207,9 +209,64 @@ def _close_lost_sites(settings: Settings, job_id: str, lost: list[tuple[str, int
             mark_lost(s, [(host, spec.site_queue_of(client) or "") for host, client in lost])
 
 
+#: The PostgreSQL advisory lock a watchdog pass holds (any number; fedq's own).
+PASS_LOCK = 0x66656471  # "fedq"
+
+
+@contextmanager
+def single_pass(settings: Settings) -> Iterator[bool]:
+    """Whether this process may run a watchdog pass now: True while it holds the
+    database-wide pass lock (PostgreSQL: a session advisory lock, released with its
+    connection if the process dies; SQLite: a lock file beside the database), False
+    when another pass holds it. Two passes at once (beat's tick landing on two control
+    processes, or a restarted control worker beside the old one) would each see the
+    same lost client and send it twice, spending two of its re-dispatches on one
+    loss."""
+    url = settings.database_url
+    if url.startswith("postgresql"):
+        from sqlalchemy import text
+
+        from fedq.db.session import connect
+
+        with connect(url).connect() as conn:
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
+                                    {"k": PASS_LOCK}).scalar())
+            conn.commit()
+            try:
+                yield got
+            finally:
+                if got:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PASS_LOCK})
+                    conn.commit()
+        return
+    import fcntl
+
+    path = settings.home / "watchdog.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
-    """One pass over the running jobs; returns what it did, one dict per action."""
+    """One pass over the running jobs; returns what it did, one dict per action. A
+    pass that finds another running (:func:`single_pass`) does nothing."""
     ensure_schema(settings.database_url)
+    with single_pass(settings) as mine:
+        if not mine:
+            log.info("fedq watchdog: another pass is running; this one does nothing")
+            return []
+        return _pass(settings)
+
+
+def _pass(settings: Settings) -> list[dict[str, Any]]:
     grace = timedelta(seconds=max(2 * settings.watchdog_interval, 5.0))
     now = utcnow()
     actions: list[dict[str, Any]] = []
