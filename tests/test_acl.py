@@ -184,6 +184,82 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
     assert acl.username("w1") in {u.decode() for u in root.execute_command("ACL", "USERS")}
 
 
+@pytest.mark.slow
+def test_a_restarted_redis_gets_its_joined_workers_users_back(tmp_path: Path,
+                                                                pg_url: str) -> None:
+    """The registry is the source of truth for broker users: a Redis restarted without
+    its ACL (as a container restart does) loses every worker's user, and the watchdog's
+    next pass makes each one again from the registry (its queues and its password's
+    SHA-256, all that fedq keeps of it). The worker joined before reconnects with its own
+    user and trains the next job. Remove restore_users from the watchdog's pass and the
+    worker stays locked out: this fails."""
+    import subprocess
+
+    import redis
+
+    from tests.conftest import free_port, migrated_cluster, missing
+    from tests.test_security import SECRET
+
+    port = free_port()
+
+    def start() -> subprocess.Popen[bytes]:
+        try:
+            proc = subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--requirepass", SECRET, "--dir", str(tmp_path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except FileNotFoundError as exc:
+            missing("redis-server", exc)
+        root = redis.Redis.from_url(url)
+        wait_until(lambda: _pings(root), 30, what="redis-server to answer")
+        return proc
+
+    url = f"redis://:{SECRET}@127.0.0.1:{port}/0"
+    server = start()
+    cluster = migrated_cluster(tmp_path, url, url, pg_url)
+    try:
+        cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"),
+                           FEDQ_BLOB_URL=url, FEDQ_WATCHDOG_INTERVAL="1")
+        cluster.start(control=["control"])
+        cluster.start_beat()
+        cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",
+                     str(cluster.home / "w1.bundle"))
+        _join(cluster, "w1", cluster.home / "w1.bundle")
+        w1 = cluster.add("w1", ["cpu"], **_joined_worker(cluster, "w1"))
+        before = cluster.wait(cluster.submit({**SPEC, "name": "before"}))
+        assert before.status == "completed", f"{before.error}\n{w1.tail(30)}"
+
+        server.terminate()
+        server.wait(10)
+        server = start()  # no ACL kept: only the admin's requirepass
+        root = redis.Redis.from_url(url)
+        wait_until(lambda: acl.username("w1") in _users(root), 60,
+                   what=lambda: "the watchdog to make w1's Redis user again\n" +
+                   cluster.by_name("control").tail(20))
+        job = cluster.submit({**SPEC, "name": "after"})
+        after = cluster.wait(job, timeout=240)
+        assert after.status == "completed", f"{after.error}\n{w1.tail(40)}"
+        rows = [u for u in cluster.updates(job) if u.status == "ok"]
+        assert rows and {u.signer for u in rows} == {"w1"}, [(u.signer, u.error) for u in rows]
+    finally:
+        cluster.stop()
+        server.terminate()
+        server.wait(10)
+
+
+def _pings(client: object) -> bool:
+    import redis
+
+    try:
+        return bool(client.ping())  # type: ignore[attr-defined]
+    except redis.RedisError:
+        return False
+
+
+def _users(client: object) -> set[str]:
+    return {u.decode() for u in client.execute_command("ACL", "USERS")}  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 def rabbit_admin(tmp_path: Path, pg_url: str) -> Iterator[tuple[Cluster, str, str]]:
     """RabbitMQ (a vhost of the test's own, guest as its administrator, the management

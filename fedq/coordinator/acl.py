@@ -66,10 +66,18 @@ def username(name: str) -> str:
     return USER_PREFIX + name
 
 
-def worker_rules(name: str, queues: Iterable[str], password: str, db: int = 0) -> list[str]:
+def secret(password: str) -> str:
+    """How Redis keeps ``password``: its SHA-256 in hex (``ACL SETUSER name #HEX``)."""
+    import hashlib
+
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def worker_rules(name: str, queues: Iterable[str], hashed: str, db: int = 0) -> list[str]:
     """The ``ACL SETUSER`` rules of worker ``name``'s user, for Redis database ``db``
     (kombu prefixes its fanout channels with it; a PSUBSCRIBE pattern must match the
-    rule literally)."""
+    rule literally). ``hashed``: its password's :func:`secret`, which is all the
+    registry keeps of it."""
     keys = [f"~{q}" for q in queues] + [f"~{q}\x06\x16*" for q in queues]  # priorities
     keys += [
         f"%W~{CONTROL_QUEUE}", f"%W~{CONTROL_QUEUE}\x06\x16*",  # send, never read
@@ -93,7 +101,7 @@ def worker_rules(name: str, queues: Iterable[str], password: str, db: int = 0) -
     # the selector that allows PUBLISH alone, so no worker hears another task's claim,
     # heartbeat or answer, nor learns its id)
     publish = "(+publish resetchannels &/*.celeryev/* &celery-task-meta-*)"
-    return ["reset", "on", f">{password}", "resetchannels", "-@all",
+    return ["reset", "on", f"#{hashed}", "resetchannels", "-@all",
             *(f"+{c}" for c in COMMANDS), *keys, f"&/{db}.celery.pidbox", publish]
 
 
@@ -103,20 +111,35 @@ def redis_admin(url: str) -> Any:
     return redis.Redis.from_url(url, socket_connect_timeout=5)
 
 
-def create_user(admin_url: str, name: str, queues: Iterable[str], password: str) -> None:
-    """Create (or reset) worker ``name``'s Redis user with its rules."""
+def create_user(admin_url: str, name: str, queues: Iterable[str], hashed: str) -> None:
+    """Create (or reset) worker ``name``'s Redis user with its rules and the password
+    whose :func:`secret` is ``hashed``."""
     import redis
 
+    rules = worker_rules(name, queues, hashed, database(admin_url))
     try:
-        redis_admin(admin_url).execute_command(
-            "ACL", "SETUSER", username(name), *worker_rules(name, queues, password,
-                                                            database(admin_url)))
+        redis_admin(admin_url).execute_command("ACL", "SETUSER", username(name), *rules)
     except redis.ConnectionError as exc:
         raise ServiceUnavailable(f"cannot reach Redis to create {username(name)}: {exc}") \
             from None
     except redis.ResponseError as exc:
         raise ConfigError(f"Redis refused to create the user {username(name)} ({exc}); "
                           f"the coordinator's broker URL must be Redis's admin user") from None
+
+
+def missing_users(admin_url: str, names: Iterable[str]) -> list[str]:
+    """Which of workers ``names`` have no Redis user on ``admin_url``'s server."""
+    import redis
+
+    try:
+        users = {u.decode() if isinstance(u, bytes) else str(u)
+                 for u in redis_admin(admin_url).execute_command("ACL", "USERS")}
+    except redis.ConnectionError as exc:
+        raise ServiceUnavailable(f"cannot reach Redis to read its users: {exc}") from None
+    except redis.ResponseError as exc:
+        raise ConfigError(f"Redis refused to list its users ({exc}): the coordinator's "
+                          f"broker URL must be Redis's admin user") from None
+    return [n for n in names if username(n) not in users]
 
 
 def disable_user(admin_url: str, name: str) -> bool:

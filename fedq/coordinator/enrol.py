@@ -109,12 +109,46 @@ def own_users(settings: Settings, name: str, queues: tuple[str, ...] | list[str]
         if not (acl.is_redis(mine) and acl.is_redis(theirs)):
             continue
         if acl.server(mine) not in servers:
-            acl.create_user(mine, name, queues, password)
+            acl.create_user(mine, name, queues, acl.secret(password))
             servers.add(acl.server(mine))
         out[key] = acl.with_user(str(theirs), acl.username(name), password)
     if servers:
         made.append(f"{acl.username(name)} (Redis)")
+        with session_scope(settings.database_url) as s:  # its user can be made again
+            row = s.get(RegisteredWorker, name)
+            if row is not None:
+                row.redis_secret = acl.secret(password)
     return out, made
+
+
+def restore_users(settings: Settings) -> list[str]:
+    """Make again the Redis user of every active or invited worker that its Redis
+    server lost (restarted without its ACL), from the registry (its queues and its
+    password's hash); the names restored. The registry is the source of truth for
+    broker users."""
+    from fedq.coordinator import acl
+
+    servers = {acl.server(u): u for u in (settings.broker_url, settings.result_backend,
+                                          settings.blob_url) if acl.is_redis(u)}
+    if not servers:
+        return []
+    with session_scope(settings.database_url) as s:
+        rows = [(r.name, r.queues.split(","), r.redis_secret) for r in s.scalars(
+            select(RegisteredWorker).where(RegisteredWorker.state.in_((ACTIVE, INVITED)),
+                                           RegisteredWorker.redis_secret.is_not(None)))]
+    if not rows:
+        return []
+    restored: list[str] = []
+    for url in servers.values():
+        lost = set(acl.missing_users(url, [name for name, _, _ in rows]))
+        for name, queues, hashed in rows:
+            if name in lost and hashed:
+                acl.create_user(url, name, queues, hashed)
+                restored.append(name)
+    if restored:
+        log.warning("made again the Redis users of %s (their Redis lost them)",
+                    ", ".join(sorted(set(restored))))
+    return sorted(set(restored))
 
 
 def join(db_url: str, proof: Any) -> dict[str, Any]:

@@ -266,10 +266,24 @@ def run_watchdog(settings: Settings) -> list[dict[str, Any]]:
         return _pass(settings)
 
 
+def _restore_users(settings: Settings) -> list[dict[str, Any]]:
+    """The registered workers' Redis users made again where Redis lost them (a restart
+    without its ACL): joined workers reconnect with their own users."""
+    from fedq.coordinator.enrol import restore_users
+
+    try:
+        restored = restore_users(settings)
+    except Exception as exc:  # noqa: BLE001 - never stops the repairs
+        log.warning("fedq watchdog: could not check the workers' Redis users: %s", _why(exc))
+        return []
+    return [{"job": "workers", "action": "restore broker users",
+             "result": ",".join(restored)[:32]}] if restored else []
+
+
 def _pass(settings: Settings) -> list[dict[str, Any]]:
     grace = timedelta(seconds=max(2 * settings.watchdog_interval, 5.0))
     now = utcnow()
-    actions: list[dict[str, Any]] = []
+    actions: list[dict[str, Any]] = _restore_users(settings)
     liveness.forget_stopped(settings)
     for item in scan(settings):
         if isinstance(item, tuple):

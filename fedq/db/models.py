@@ -223,6 +223,9 @@ class RegisteredWorker(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     joined_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    # the SHA-256 (hex) of its Redis user's password: the user is made again from it
+    # when Redis lost its ACL (migration 0021)
+    redis_secret: Mapped[str | None] = mapped_column(String(64), default=None)
 
 
 class Claim(Base):

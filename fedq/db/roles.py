@@ -43,7 +43,8 @@ ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 SUBMITTER_WRITES = ("jobs", "rounds", "client_updates", "inference_jobs", "inference_shards")
 SUBMITTER_ADDS = ("serve_keys",)
 #: registered_workers: what `fedq worker add` (invite, withdraw) and `revoke` write
-WORKER_COLUMNS = ("queues", "state", "token_sha256", "created_at", "revoked_at")
+WORKER_COLUMNS = ("queues", "state", "token_sha256", "created_at", "revoked_at",
+                  "redis_secret")
 
 
 def grant(owner_url: str, name: str, kind: Kind, password: str | None = None) -> str:
