@@ -625,3 +625,34 @@ def test_a_bundle_that_is_not_one_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "the bundle has no token" in proc.stderr
     assert not (tmp_path / "keys").exists()
+
+
+@pytest.mark.slow
+def test_a_join_that_cannot_keep_its_key_spends_nothing(coordinator: Cluster) -> None:
+    """`fedq worker join` checks that this machine's key can be kept before it spends
+    the bundle's token: a keys folder it cannot write is one line and exit 2, and the
+    same bundle then joins from a folder it can. Before, the coordinator accepted the
+    join first and the write failed after: the token was spent, the name stuck active.
+    Remove _check_writable and the second join is refused: this fails."""
+    import subprocess
+
+    cluster = coordinator
+    bundle = cluster.home / "w9.bundle"
+    cluster.fedq("worker", "add", "w9", "--queues", "cpu", "--out", str(bundle))
+    # a keys folder that exists and reads, but takes no file (as a volume another user
+    # owns; the tests run as root, whom only the immutable flag stops)
+    locked = cluster.home / "locked-keys"
+    locked.mkdir()
+    subprocess.run(["chattr", "+i", str(locked)], check=True)
+    try:
+        env = {**cluster.env, "FEDQ_KEYS_DIR": str(locked), "FEDQ_IDENTITY": "",
+               "FEDQ_BROKER_URL": "", "FEDQ_RESULT_BACKEND": "", "FEDQ_BLOB_URL": ""}
+        proc = run_module("fedq.cli", ["worker", "join", str(bundle), "--timeout", "30"], env,
+                          120)
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot keep this machine's key there (Operation not permitted)" in proc.stderr, \
+        proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "joined as w9" in _join(cluster, "w9", bundle)  # the invitation was unused

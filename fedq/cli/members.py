@@ -92,6 +92,7 @@ def join(bundle_path: Path, timeout: float) -> None:
     if (keys_dir / identity.WORKER_FILE).exists():
         raise ConfigError(f"this machine joined already ({keys_dir / identity.WORKER_FILE}); "
                           f"remove {keys_dir} to join again")
+    _check_writable(keys_dir)  # before the token is spent: a failed join burns nothing
     for key, value in bundle["services"].items():  # this process talks to that coordinator
         os.environ["FEDQ_" + key.upper()] = value
     get_settings.cache_clear()
@@ -205,6 +206,22 @@ def _ask_to_join(proof: dict[str, str], timeout: float) -> dict[str, Any]:
     except (OSError, OperationalError, RedisError) as exc:
         raise ServiceUnavailable(f"cannot reach the bundle's broker: {exc}") from None
     return answer if isinstance(answer, dict) else {"ok": False, "error": "no answer"}
+
+
+def _check_writable(keys_dir: Path) -> None:
+    """Raise a one-line ConfigError unless this machine's key can be kept in
+    ``keys_dir`` (made mode 700 if missing; a file written there and removed)."""
+    from fedq.files import write_whole
+
+    probe = keys_dir / ".fedq-join-probe"
+    try:
+        keys_dir.mkdir(parents=True, exist_ok=True)
+        write_whole(probe, "")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{keys_dir}: cannot keep this machine's key there "
+                          f"({exc.strerror or exc}); the invitation is unused: make the "
+                          f"folder writable (or set FEDQ_KEYS_DIR) and join again") from None
 
 
 def _store(keys_dir: Path, key: Any, bundle: dict[str, Any]) -> None:
