@@ -29,6 +29,7 @@ from fedq.inference.serve import (
     parse_completion,
     parse_embeddings,
     parse_predict,
+    stopped,
 )
 from fedq.models import build_model, seeded_model
 from fedq.testing.cluster import Cluster
@@ -308,11 +309,24 @@ def test_requests_and_answers_are_checked() -> None:
         with pytest.raises(ValueError):
             parse_predict(bad, SERVED)
     gpt = Served(**{**SERVED.__dict__, "op": "generate"})
-    assert parse_completion({"prompt": "Hi", "max_tokens": 4}, gpt)["max_tokens"] == 4
+    assert parse_completion({"prompt": "Hi", "max_tokens": 4}, gpt)[0]["max_tokens"] == 4
+    # a list of prompts, n of each (item k of a prompt: seed + k), prompt by prompt
+    items = parse_completion({"prompt": ["a", "b"], "n": 2, "seed": 7}, gpt)
+    assert [(i["prompt"], i["seed"]) for i in items] == [("a", 7), ("a", 8), ("b", 7), ("b", 8)]
     for bad_c in ({"prompt": 3}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_k": -1},
-                  {"prompt": "a", "temperature": 0}, {"prompt": "a", "stream": "yes"}):
+                  {"prompt": "a", "temperature": 0}, {"prompt": "a", "stream": "yes"},
+                  {"prompt": "a", "n": 0}, {"prompt": ["a", 1]}, {"prompt": []},
+                  {"prompt": "a", "stop": ["x"] * 5}, {"prompt": "a", "stop": [""]},
+                  {"prompt": ["a", "b"], "stream": True}, {"prompt": "a", "n": 2, "stream": True},
+                  {"prompt": "a", "stop": "x", "stream": True}):
         with pytest.raises(ValueError):
             parse_completion(bad_c, gpt)
+    # a field of OpenAI's API fedq does not take is refused by name, never ignored
+    for field in ("echo", "logprobs", "top_p", "best_of", "suffix"):
+        with pytest.raises(ValueError, match=f"{field}: not supported by fedq serve"):
+            parse_completion({"prompt": "a", field: 1}, gpt)
+    assert stopped("to be, or not", [", ", "not"]) == ("to be", "stop")
+    assert stopped("to be", ["xyz"]) == ("to be", "length")
     good = {"status": "ok", "worker": "w", "seconds": 0.1,
             "outputs": [{"i": 0, "label": 2, "probs": [0.1, 0.2, 0.7]}]}
     assert check_batch(good, SERVED, 1) == [{"label": 2, "probs": [0.1, 0.2, 0.7]}]
@@ -681,6 +695,28 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
         made = len(body["choices"][0]["text"].encode())  # a byte a token
         assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": made,
                                  "total_tokens": 12 + made}, body
+        # a list of prompts and n of each: one choice per prompt and sample, in order,
+        # sample k of a prompt with seed + k (the text that seed gets alone)
+        many = {"prompt": ["Good my lord", "To be"], "n": 2, "max_tokens": 8, "seed": 1}
+        status, body, _ = _post(gateway.port, "/v1/completions", many)
+        assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3], body
+        alone = _post(gateway.port, "/v1/completions",
+                      {"prompt": "To be", "max_tokens": 8, "seed": 2})[1]
+        assert body["choices"][3]["text"] == alone["choices"][0]["text"]
+        assert body["usage"]["prompt_tokens"] == 12 + 5
+        # stop: each text cut before the first stop sequence in it, finish_reason "stop"
+        whole = body["choices"][0]["text"]
+        if len(whole) >= 2:
+            cut = whole[1]
+            status, stop, _ = _post(gateway.port, "/v1/completions",
+                                    {"prompt": "Good my lord", "max_tokens": 8, "seed": 1,
+                                     "stop": cut})
+            assert status == 200 and stop["choices"][0] == {
+                "text": whole[:whole.find(cut)], "index": 0, "logprobs": None,
+                "finish_reason": "stop"}, (whole, stop)
+        status, refused, _ = _post(gateway.port, "/v1/completions",
+                                   {"prompt": "a", "echo": True})
+        assert status == 400 and "echo: not supported" in refused["error"]["message"]
         # streamed (server-sent events): pieces while the worker generates, which add up
         # to the text the same request gets whole, then the finish and [DONE]
         ask = {"prompt": "Good my lord", "max_tokens": 256, "seed": 3}

@@ -744,32 +744,77 @@ def parse_predict(body: Any, served: Served) -> list[list[float]]:
     return out
 
 
-def parse_completion(body: Any, served: Served) -> dict[str, Any]:
-    """An OpenAI-style completion request: prompt, max_tokens, temperature, top_k, seed
-    (and ``stream``, which the endpoint reads: not part of the item)."""
-    allowed = {"prompt", "max_tokens", "temperature", "top_k", "seed", "model", "stream"}
-    if isinstance(body, dict) and not isinstance(body.get("stream", False), bool):
+#: The fields of OpenAI's completions request fedq takes (``user`` names the end user
+#: and changes nothing); any other (``echo``, ``logprobs``, ``top_p``, ...) is refused
+#: by name.
+COMPLETION_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "seed", "model",
+                     "stream", "n", "stop", "user")
+MAX_N = 16
+MAX_STOPS = 4  # OpenAI's bound on stop sequences
+
+
+def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
+    """An OpenAI-style completion request: ``prompt`` (a string or a list of them),
+    max_tokens, temperature, top_k, seed, ``n`` completions of each prompt (item k of a
+    prompt samples with seed + k) and ``stream`` (read by the endpoint: not part of an
+    item); ``stop`` is applied to the answers (:func:`parse_stops`). One item per
+    prompt and completion, prompt by prompt."""
+    if not isinstance(body, dict) or "prompt" not in body:
+        raise ValueError('expected an object with a "prompt": a string or a list of strings')
+    unknown = sorted(set(body) - set(COMPLETION_FIELDS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported by fedq serve (fields: "
+                         f"{', '.join(COMPLETION_FIELDS)})")
+    if not isinstance(body.get("stream", False), bool):
         raise ValueError("stream: true or false")
-    if not isinstance(body, dict) or not isinstance(body.get("prompt"), str) or \
-            set(body) - allowed:
-        raise ValueError(f"expected an object with a \"prompt\" string (fields: "
-                         f"{', '.join(sorted(allowed))})")
-    prompt = body["prompt"]
-    if len(prompt.encode()) > MAX_PROMPT_BYTES:
-        raise ValueError(f"prompt: more than {MAX_PROMPT_BYTES} bytes")
-    item = {"prompt": prompt, "max_tokens": body.get("max_tokens", 16),
-            "temperature": body.get("temperature", 1.0), "top_k": body.get("top_k", 0),
-            "seed": body.get("seed", 0)}
+    if "user" in body and not isinstance(body["user"], str):
+        raise ValueError("user: a string")
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n: an integer in 1..{MAX_N}")
+    if not prompts or len(prompts) * n > MAX_ITEMS_PER_REQUEST:
+        raise ValueError(f"prompt: 1 or more strings, times n at most {MAX_ITEMS_PER_REQUEST}")
+    for k, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt[{k}]: not a string")
+        if len(prompt.encode()) > MAX_PROMPT_BYTES:
+            raise ValueError(f"prompt[{k}]: more than {MAX_PROMPT_BYTES} bytes")
+    stops = parse_stops(body)
+    if body.get("stream") is True and (len(prompts) * n > 1 or stops):
+        raise ValueError("stream: one prompt, n 1 and no stop")
+    base = {"max_tokens": body.get("max_tokens", 16), "temperature": body.get("temperature", 1.0),
+            "top_k": body.get("top_k", 0), "seed": body.get("seed", 0)}
     for key, lo, hi in (("max_tokens", 1, served.max_tokens), ("top_k", 0, 1_000_000),
-                        ("seed", 0, 2**31 - 1)):
-        value = item[key]
+                        ("seed", 0, 2**31 - n)):
+        value = base[key]
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise ValueError(f"{key}: an integer in {lo}..{hi}")
-    temp = item["temperature"]
+    temp = base["temperature"]
     if not isinstance(temp, (int, float)) or isinstance(temp, bool) or not 0 < temp <= 10:
         raise ValueError("temperature: a number in (0, 10]")
-    item["temperature"] = float(temp)
-    return item
+    base["temperature"] = float(temp)
+    return [{"prompt": prompt, **base, "seed": base["seed"] + k}
+            for prompt in prompts for k in range(n)]
+
+
+def parse_stops(body: dict[str, Any]) -> list[str]:
+    """A completion request's ``stop``: a string or up to :data:`MAX_STOPS` of them."""
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = stop if isinstance(stop, list) else [stop]
+    if len(stops) > MAX_STOPS or not all(isinstance(x, str) and 0 < len(x) <= 256
+                                         for x in stops):
+        raise ValueError(f"stop: a string or a list of at most {MAX_STOPS} non-empty strings")
+    return stops
+
+
+def stopped(text: str, stops: list[str]) -> tuple[str, str]:
+    """``text`` cut before the first of ``stops`` in it, and its finish reason (``stop``
+    where one was found, else ``length``)."""
+    cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=-1)
+    return (text[:cut], "stop") if cut >= 0 else (text, "length")
 
 
 #: The fields of OpenAI's embeddings request fedq takes (``user`` names the end user
@@ -802,9 +847,11 @@ def parse_embeddings(body: Any, served: Served) -> list[str]:
     return texts
 
 
-def usage(prompt: str, text: str) -> dict[str, int]:
-    """OpenAI's ``usage`` of a completion, in the byte-level model's tokens (bytes)."""
-    n, m = len(prompt.encode()), len(text.encode())
+def usage(prompts: list[str], texts: list[str]) -> dict[str, int]:
+    """OpenAI's ``usage`` of a completion request (each prompt counted once, every
+    choice's text), in the byte-level model's tokens (bytes)."""
+    n = sum(len(p.encode()) for p in prompts)
+    m = sum(len(t.encode()) for t in texts)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 
@@ -934,19 +981,27 @@ def build_app(served: Served) -> Any:
     async def completions(request: Request) -> Response:
         if served.op != "generate":
             return error(404, f"{served.name} is a classifier: POST /v1/predict")
-        prompts: list[str] = []
+        asked: list[tuple[list[str], list[str]]] = []  # (each prompt once, stops)
 
-        def parse(body: Any, s: Served) -> dict[str, Any]:
-            item = parse_completion(body, s)
-            prompts.append(item["prompt"])
-            return item
+        def parse(body: Any, s: Served) -> list[dict[str, Any]]:
+            items = parse_completion(body, s)
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            asked.append((prompts, parse_stops(body)))
+            return items
 
-        return await answer(request, "completions", parse, lambda done: {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
-            "created": int(time.time()), "model": served.name,
-            "choices": [{"text": done[0][0]["text"], "index": 0, "finish_reason": "length"}],
-            "usage": usage(prompts[0], done[0][0]["text"]),
-            "batch_size": done[0][1]}, stream=completion_stream)
+        def shape(done: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+            prompts, stops = asked[0]
+            texts, choices = [], []
+            for k, (out, _) in enumerate(done):
+                text, finish = stopped(out["text"], stops)
+                texts.append(text)
+                choices.append({"text": text, "index": k, "logprobs": None,
+                                "finish_reason": finish})
+            return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+                    "created": int(time.time()), "model": served.name, "choices": choices,
+                    "usage": usage(prompts, texts), "batch_size": done[0][1]}
+
+        return await answer(request, "completions", parse, shape, stream=completion_stream)
 
     async def embeddings(request: Request) -> Response:
         if embedder is None:
