@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import sys
@@ -15,17 +14,8 @@ from kombu.exceptions import BatchPublishError, OperationalError
 from rich.markup import escape
 from rich.table import Table
 
-from fedq.cli.output import (
-    buffered_summary,
-    clients_table,
-    err,
-    fmt,
-    follow,
-    job_json,
-    out,
-    results_table,
-    status_style,
-)
+from fedq.cli.kinds import kind_of
+from fedq.cli.output import err, fmt, job_json, out, status_style
 from fedq.errors import ConfigError, FedqError, JobCancelled, JobFailed, ServiceUnavailable
 from fedq.status import JobStatus
 from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
@@ -117,13 +107,6 @@ def _warn_idle(queues: list[str], sent: dict[str, int] | None = None) -> None:
                       f"(celery -A fedq worker -Q {queue})", highlight=False)
 
 
-def _inference(job_id: str) -> Any:
-    """The inference job ``job_id``'s view, or None (a training job, or none)."""
-    from fedq.inference.jobs import find
-
-    return find(_settings(), job_id)
-
-
 @main.command(epilog=EXIT_CODES)
 @click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--wait/--no-wait", default=True, show_default=True,
@@ -137,14 +120,14 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     """Start a batch inference job from SPEC (kind: inference); prints its id.
 
     Its shards run on the training queues' workers; paths in SPEC are relative to it."""
-    from fedq.cli.infer import follow as follow_inference
+    from fedq.cli import infer as infer_cli
+    from fedq.inference import jobs as infer_jobs
     from fedq.inference.jobs import REFUSED, find, merge
-    from fedq.inference.jobs import submit as submit_inference
-    from fedq.inference.spec import load_inference
+    from fedq.inference.spec import load_inference as load_infer_spec
 
-    spec = load_inference(spec_path)
+    spec = load_infer_spec(spec_path)
     settings = _settings()
-    job_id = submit_inference(settings, spec, spec_path.parent)
+    job_id = infer_jobs.submit(settings, spec, spec_path.parent)
     click.echo(job_id)
     view = find(settings, job_id)
     sent: dict[str, int] = {}
@@ -161,7 +144,7 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
     _warn_idle(list(spec.queues), sent)
     if not wait:
         return
-    view = follow_inference(settings, job_id, timeout=timeout or None, console=err)
+    view = infer_cli.follow(settings, job_id, timeout=timeout or None, console=err)
     if view.status == JobStatus.FAILED:
         raise JobFailed(f"job {job_id} failed: {view.error}")
     if view.status == JobStatus.CANCELLED:
@@ -305,28 +288,15 @@ def serve_key_revoke(name: str) -> None:
 @expected_errors
 def status(job_id: str | None, as_json: bool) -> None:
     """Show one job, or the most recent jobs (training, then inference)."""
-    from fedq.coordinator.jobs import get_job, list_jobs
+    from fedq.coordinator.jobs import list_jobs
     from fedq.inference.jobs import recent
 
     settings = _settings()
-    if job_id and (inference := _inference(job_id)) is not None:
-        from fedq.cli.infer import summary as inference_table
-
-        if as_json:
-            click.echo(json.dumps([{"kind": "inference", **inference.to_json()}], indent=2))
-            return
-        out.print(inference_table(inference))
-        from fedq.coordinator.jobs import repairs
-        from fedq.coordinator.liveness import describe, held
-
-        for claim in held(settings, job_id):  # each shard out: its worker and heartbeat
-            out.print(describe(claim, settings.worker_lost_s, "shard", "running"),
-                      highlight=False)
-        for line in repairs(settings, job_id):  # what the watchdog did
-            out.print(line, highlight=False)
+    if job_id:
+        kind, view = kind_of(settings, job_id)
+        kind.show(settings, job_id, view, as_json)
         return
-    jobs = [get_job(settings, job_id)] if job_id else list_jobs(settings)
-    inferences = [] if job_id else recent(settings)
+    jobs, inferences = list_jobs(settings), recent(settings)
     if as_json:
         click.echo(json.dumps([job_json(j) for j in jobs] + inferences, indent=2))
         return
@@ -347,14 +317,6 @@ def status(job_id: str | None, as_json: bool) -> None:
                          f"{r['done_items']}/{r['items']}", r["created_at"],
                          (r["error"] or "")[:80])
         out.print(rows)
-    if job_id:  # what its open round waits for: each started task's worker and heartbeat
-        from fedq.coordinator.jobs import repairs
-        from fedq.coordinator.liveness import describe, held
-
-        for claim in held(settings, job_id):
-            out.print(describe(claim, settings.worker_lost_s), highlight=False)
-        for line in repairs(settings, job_id):  # what the watchdog and finalize did
-            out.print(line, highlight=False)
 
 
 @main.command()
@@ -382,17 +344,13 @@ def generate(job_id: str, prompt: str, tokens: int, temperature: float, top_k: i
 def watch(job_id: str, interval: float, timeout: float) -> None:
     """Follow JOB round by round until it finishes. Exits 0 when it completed, 5 when
     it failed, 6 when it was cancelled, 7 on --timeout, 4 for an unknown JOB."""
-    inference = _inference(job_id)
-    if inference is not None:
-        from fedq.cli.infer import follow as follow_inference
+    settings = _settings()
+    kind, _ = kind_of(settings, job_id)
+    view = kind.follow(settings, job_id, interval, timeout or None)
+    if view.status == JobStatus.RUNNING:
+        from fedq.errors import WatchTimeout
 
-        view = follow_inference(_settings(), job_id, interval=interval, timeout=timeout or None)
-        if view.status == JobStatus.RUNNING:
-            from fedq.errors import WatchTimeout
-
-            raise WatchTimeout(f"job {job_id} still running after {timeout:g}s")
-    else:
-        view = follow(job_id, interval=interval, timeout=timeout or None)
+        raise WatchTimeout(f"job {job_id} still running after {timeout:g}s")
     if view.status == JobStatus.FAILED:
         raise JobFailed(f"job {job_id} failed: {view.error}")
     if view.status == JobStatus.CANCELLED:
@@ -404,16 +362,9 @@ def watch(job_id: str, interval: float, timeout: float) -> None:
 @expected_errors
 def cancel(job_id: str) -> None:
     """Stop JOB: no more rounds (or shards), outstanding tasks revoked."""
-    from fedq.coordinator.jobs import cancel as cancel_job
-
-    if _inference(job_id) is not None:
-        from fedq.inference.jobs import cancel as cancel_inference
-
-        revoked = cancel_inference(_settings(), job_id)
-        click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
-        return
-
-    revoked = cancel_job(_settings(), job_id)
+    settings = _settings()
+    kind, _ = kind_of(settings, job_id)
+    revoked = kind.cancel(settings, job_id)
     click.echo(f"job {job_id} cancelled; {revoked} task(s) revoked")
 
 
@@ -423,17 +374,9 @@ def cancel(job_id: str) -> None:
 def resume(job_id: str) -> None:
     """Restart a failed or cancelled JOB from its last committed round (an inference
     job: its unfinished shards)."""
-    from fedq.coordinator.jobs import resume as resume_job
-
-    if _inference(job_id) is not None:
-        from fedq.inference.jobs import resume as resume_inference
-
-        left = resume_inference(_settings(), job_id)
-        click.echo(f"job {job_id} resumed: {left} shard(s) to go")
-        return
-
-    start = resume_job(_settings(), job_id)
-    click.echo(f"job {job_id} resumed at round {start}")
+    settings = _settings()
+    kind, _ = kind_of(settings, job_id)
+    click.echo(kind.resume(settings, job_id))
 
 
 @main.command()
@@ -450,42 +393,10 @@ def results(job_id: str, as_json: bool, as_csv: bool, per_client: bool,
             out_path: Path | None) -> None:
     """Per-round table of JOB: accuracy, loss, seconds, participants, bytes. For an
     inference job: items and throughput per worker; --out FILE merges its outputs."""
-    from fedq.coordinator.jobs import ROUND_FIELDS, client_results, get_job, round_results
-
     settings = _settings()
-    inference = _inference(job_id)
-    if inference is not None:
-        from fedq.cli.infer import summary as inference_table
-        from fedq.inference.jobs import merge
-
-        if out_path is not None:
-            lines = merge(settings, job_id, out_path)
-            click.echo(f"{lines} outputs of job {job_id} written to {out_path}")
-        elif as_json:
-            click.echo(json.dumps(inference.to_json(), indent=2))
-        else:
-            out.print(inference_table(inference))
-        return
-    view = get_job(settings, job_id)
-    if out_path is not None:
-        raise FedqError(f"--out: job {job_id} is a training job; --out writes an inference "
-                        "job's outputs")
-    rows = round_results(settings, job_id)
-    if as_json:
-        click.echo(json.dumps({"job": job_json(view), "rounds": rows,
-                               "clients": client_results(settings, job_id)}, indent=2))
-    elif as_csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=ROUND_FIELDS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    else:
-        out.print(results_table(view, rows))
-        clients = client_results(settings, job_id)
-        summary = buffered_summary(clients, sum(r["seconds"] or 0 for r in rows))
-        if summary:
-            out.print(summary, highlight=False)
-        if per_client:
-            out.print(clients_table(clients))
+    kind, view = kind_of(settings, job_id)
+    kind.results(settings, job_id, view, as_json=as_json, as_csv=as_csv, per_client=per_client,
+                 out_path=out_path)
 
 
 def _print_links(links: dict[str, Any]) -> None:

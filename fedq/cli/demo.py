@@ -115,17 +115,17 @@ def run_demo(home: Path, *, rounds: int | None = None, n_workers: int = 3,
 def _use_the_model(settings: Settings, job_id: str, home: Path, console: Console) -> bool:
     """The trained model classifies the test images on the same workers (a batch
     inference job, docs/inference.md); the predictions go to ``home``."""
-    from fedq.cli.infer import follow as follow_inference
+    from fedq.cli import infer as infer_cli
     from fedq.data import load_dataset
+    from fedq.inference import jobs as infer_jobs
     from fedq.inference.jobs import merge
-    from fedq.inference.jobs import submit as submit_inference
-    from fedq.inference.spec import parse_inference
+    from fedq.inference.spec import parse_inference as parse_infer_spec
 
-    spec = parse_inference({"kind": "inference", "name": "digits-demo-predictions",
+    spec = parse_infer_spec({"kind": "inference", "name": "digits-demo-predictions",
                             "model": {"job": job_id}, "op": "classify", "shard_size": 32,
                             "inputs": {"dataset": "digits", "split": "test"}}, "demo spec")
-    infer_id = submit_inference(settings, spec)
-    view = follow_inference(settings, infer_id, interval=0.2, timeout=300, console=console)
+    infer_id = infer_jobs.submit(settings, spec)
+    view = infer_cli.follow(settings, infer_id, interval=0.2, timeout=300, console=console)
     if view.status != JobStatus.COMPLETED:
         return False
     out = home / "predictions.jsonl"

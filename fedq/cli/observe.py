@@ -9,32 +9,10 @@ from pathlib import Path
 
 import click
 
-from fedq.cli.commands import _inference, _settings, expected_errors, main
+from fedq.cli.commands import _settings, expected_errors, main
+from fedq.cli.kinds import kind_of
 from fedq.cli.output import out
 from fedq.errors import ConfigError, require_extra
-
-
-def _job_data(job_id: str) -> tuple[dict, list[dict], list[dict]]:
-    from fedq.coordinator.jobs import client_results, job_record, round_results
-
-    settings = _settings()
-    job = job_record(settings, job_id)
-    return job, round_results(settings, job_id), client_results(settings, job_id)
-
-
-def _availability(job: dict) -> dict:
-    """Each worker's availability changes from the job's start (workers with a run
-    policy; docs/owners.md), with the state it was in when the job began."""
-    from datetime import datetime
-
-    from fedq.coordinator.roster import availability
-
-    begun = datetime.fromisoformat(job["created_at"])
-    bands = availability(_settings().database_url)
-    return {host: [c for i, c in enumerate(changes)
-                   if c[0] >= begun or (i + 1 < len(changes) and changes[i + 1][0] > begun)
-                   or i + 1 == len(changes)]
-            for host, changes in bands.items()}
 
 
 @main.command()
@@ -47,7 +25,7 @@ def _availability(job: dict) -> dict:
 def plot(job_id: str, folder: Path, formats: str) -> None:
     """Write the job's figures: progress, task timeline, bytes, staleness (buffered),
     and when each worker's owner let it train (workers with a run policy)."""
-    from fedq.observe.plots import figures, write_figures
+    from fedq.observe.plots import write_figures
 
     require_extra("matplotlib", "plot", "fedq plot")
     wanted = tuple(f.strip().lower() for f in formats.split(",") if f.strip())
@@ -55,18 +33,9 @@ def plot(job_id: str, folder: Path, formats: str) -> None:
     if bad or not wanted:
         raise ConfigError(f"--format: {', '.join(bad) or 'nothing'} is not one of png, svg, "
                           "pdf")
-    inference = _inference(job_id)
-    if inference is not None:
-        from fedq.observe.plots import inference_figures
-
-        if not any(r.get("started") for r in inference.shard_rows):
-            raise ConfigError(f"job {job_id} has no shard started yet: nothing to plot")
-        figs = inference_figures(inference)
-    else:
-        job, rounds, clients = _job_data(job_id)
-        if not rounds:
-            raise ConfigError(f"job {job_id} has no rounds yet: nothing to plot")
-        figs = figures(job, rounds, clients, _availability(job))
+    settings = _settings()
+    kind, view = kind_of(settings, job_id)
+    figs = kind.figures(settings, job_id, view, required=True)
     for path in write_figures(figs, folder, job_id, wanted):
         click.echo(path)
 
@@ -78,23 +47,13 @@ def plot(job_id: str, folder: Path, formats: str) -> None:
 @expected_errors
 def report(job_id: str, path: Path | None) -> None:
     """Write one self-contained HTML page about the job: figures, spec, tables, workers."""
-    from fedq.coordinator.roster import list_workers
-    from fedq.observe.plots import close, figures
-    from fedq.observe.report import render
+    from fedq.observe.plots import close
 
     require_extra("matplotlib", "plot", "fedq report")
-    inference = _inference(job_id)
-    if inference is not None:
-        from fedq.observe.plots import inference_figures
-        from fedq.observe.report import render_inference
-
-        figs = inference_figures(inference) \
-            if any(r.get("started") for r in inference.shard_rows) else {}
-        page = render_inference(inference, figs)
-    else:
-        job, rounds, clients = _job_data(job_id)
-        figs = figures(job, rounds, clients, _availability(job)) if rounds else {}
-        page = render(job, rounds, clients, list_workers(_settings().database_url), figs)
+    settings = _settings()
+    kind, view = kind_of(settings, job_id)
+    figs = kind.figures(settings, job_id, view, required=False)
+    page = kind.page(settings, job_id, view, figs)
     close(figs)
     path = path or Path(f"fedq-report-{job_id}.html")
     partial = path.with_name(f".{path.name}.partial")
