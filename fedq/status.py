@@ -1,5 +1,5 @@
-"""Every status a job, a round (a buffered job's model version) or a client update can
-be in. str-valued: the database columns and JSON hold these words, and a member
+"""Every status a job, a round (a buffered job's model version), a client update or an
+inference shard can be in. str-valued: the database columns and JSON hold these words, and a member
 compares equal to its word (``JobStatus.RUNNING == "running"``).
 
 How a row moves from one to the next is written where it moves: synchronous rounds in
@@ -54,3 +54,13 @@ def failed_status(reported: str) -> UpdateStatus:
     if reported == UpdateStatus.YIELDED:
         return UpdateStatus.YIELDED
     return UpdateStatus.REJECTED if reported == UpdateStatus.REJECTED else UpdateStatus.ERROR
+
+
+class ShardStatus(StrEnum):
+    """An inference job's shard (fedq/inference/jobs.py)."""
+
+    QUEUED = "queued"  # waiting to be sent (or to be sent again)
+    RUNNING = "running"  # sent: a copy is out
+    DONE = "done"  # an answer checked out: its output counts
+    FAILED = "failed"  # failed max_redispatch + 1 times: its job failed
+    CANCELLED = "cancelled"  # its job was cancelled or failed first

@@ -60,12 +60,14 @@ from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
 from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import Settings, get_settings
-from fedq.status import JobStatus
+from fedq.status import JobStatus, ShardStatus
 from fedq.wire import MESSAGE_FORMAT, FormatError
 
 log = logging.getLogger(__name__)
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = (
+    ShardStatus.QUEUED, ShardStatus.RUNNING, ShardStatus.DONE, ShardStatus.FAILED,
+    ShardStatus.CANCELLED)
 #: Yields to an owner a shard may take before they count as failures.
 MAX_YIELDS = 100
 
