@@ -39,7 +39,6 @@ FEDQ_WORKER_LOST_S         a started task whose heartbeat has not moved for this
 FEDQ_PRESENCE_S            seconds between an idle worker's "still here" messages, which
                            reopen a site whose worker was recorded lost once it is back
                            (a paused laptop woken; default 30, 0: never)
-FEDQ_FINALIZE_DELAY        fault injection: seconds finalize waits before aggregating
 FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
                            with the job, round, client, task, worker and queue
 FEDQ_BLOB_CACHE            a folder the workers of one machine share: each global model
@@ -131,7 +130,6 @@ class Settings(BaseModel):
     heartbeat_s: float = Field(default=5.0, gt=0)
     worker_lost_s: float = Field(default=15.0, gt=0)
     presence_s: float = Field(default=30.0, ge=0)
-    finalize_delay: float = Field(default=0.0, ge=0)
     image_class: str | None = None
     image_torch: Literal["release", "default_index"] = "release"
     log_format: Literal["text", "json"] = "text"
@@ -171,7 +169,7 @@ class Settings(BaseModel):
 _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
     "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN", "AMP",
-    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL", "FINALIZE_DELAY",
+    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
     "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
@@ -239,7 +237,6 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "heartbeat_s": get("HEARTBEAT_S") or 5.0,
         "worker_lost_s": get("WORKER_LOST_S") or 15.0,
         "presence_s": 30.0 if get("PRESENCE_S") is None else get("PRESENCE_S"),
-        "finalize_delay": get("FINALIZE_DELAY") or 0.0,
         "image_class": get("IMAGE_CLASS"),
         "image_torch": get("IMAGE_TORCH") or "release",
         "log_format": get("LOG_FORMAT") or "text",

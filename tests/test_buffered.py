@@ -262,16 +262,21 @@ def test_buffered_control_killed_mid_apply(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"])
-    control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
+    # version 2's apply is held where it would aggregate (fedq.testing.hold) until the
+    # control worker is killed there
+    holds = Holds(cluster.home / "holds")
+    control = cluster.add("control", ["control"], **holds.env("apply", r"-v2$"))
     cluster.start_beat()
     job = cluster.submit({**SLOW, "time_budget_s": 0.5, "rounds": 3, "round_timeout_s": 60})
-    marker = f"applying job {job} version 2".encode()
-    wait_until(lambda: marker in control.log_path.read_bytes(), 120,
-               what=lambda: f"the control worker to apply\n{control.tail()}")
-    control.kill()  # mid-apply: the version aggregated or not, nothing committed yet
+    try:
+        wait_until(lambda: holds.waiting(rf"^{job}-v2$"), 120,
+                   what=lambda: f"the control worker to apply\n{control.tail()}")
+        control.kill()  # mid-apply: nothing committed yet
+    finally:
+        holds.close()
     assert [r.status for r in cluster.rounds(job)][:2] == ["committed", "training"]
     time.sleep(1.0)
-    cluster.replace("control")  # restarted without the delay
+    cluster.replace("control")  # restarted without the hold
     view = cluster.wait(job, timeout=180)
     assert view.status == "completed", view.error
     rows = _assert_versions(cluster, job, versions=3)

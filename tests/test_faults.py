@@ -204,19 +204,24 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
     cluster = redis_cluster
     cluster.env.update(SLOWED)
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
-    control = cluster.add("control", ["control"], FEDQ_FINALIZE_DELAY="3")
+    # round 2's finalize is held where it would aggregate (fedq.testing.hold) until the
+    # control worker is killed there
+    holds = Holds(cluster.home / "holds")
+    control = cluster.add("control", ["control"], **holds.env("finalize", r"-r2$"))
     cluster.start_beat()
     # A long deadline: only the watchdog's stuck-round check can repair round 2 (with
     # the 6 s deadline a slow restart would leave it to the deadline path instead).
     job = cluster.submit({**SLOW_TASKS, "rounds": 3, "time_budget_s": 0.5,
                           "round_timeout_s": 60})
-    marker = f"finalizing job {job} round 2".encode()
-    wait_until(lambda: marker in control.log_path.read_bytes(), 120,
-               what=lambda: f"the control worker to aggregate\n{control.tail()}")
-    control.kill()  # mid-finalize: aggregated or not, nothing committed yet
+    try:
+        wait_until(lambda: holds.waiting(rf"^{job}-r2$"), 120,
+                   what=lambda: f"the control worker to aggregate\n{control.tail()}")
+        control.kill()  # mid-finalize: nothing committed yet
+    finally:
+        holds.close()
     assert [r.status for r in cluster.rounds(job)] == ["committed", "training"]
     time.sleep(1.0)
-    cluster.replace("control")  # restarted without the delay
+    cluster.replace("control")  # restarted without the hold
     view = cluster.wait(job, timeout=180)
     assert view.status == "completed", view.error
     lost = _assert_each_round_once(cluster, job, rounds=3, per_round=3)

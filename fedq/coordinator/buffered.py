@@ -79,6 +79,7 @@ from fedq.refs import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import FAILED_UPDATES, JobStatus, RoundStatus, UpdateStatus
+from fedq.testing import hold
 
 log = logging.getLogger(__name__)
 BUFFERED_TASKS = "task(s) of a buffered job"  # as revoke_quietly's warning names them
@@ -416,8 +417,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
     store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     current = commit.current_model(store, model)
     outcome = Outcome()
-    if settings.finalize_delay:  # fault injection: widen the window for crash tests
-        time.sleep(settings.finalize_delay)
+    hold.at("apply", f"{job_id}-v{version}", "control")  # fault tests only
     new = commit.aggregate(spec, store, job_id, version, [row_ref(r) for r in rows], current,
                            model.sha256, state, outcome, settings.home / "scratch",
                            PROCESS.accumulator, factors, tag=secrets.token_hex(4))

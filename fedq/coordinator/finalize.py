@@ -71,6 +71,7 @@ from fedq.refs import UpdateRef
 from fedq.settings import Settings, get_settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus, UpdateStatus, failed_status
+from fedq.testing import hold
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,7 @@ def _finalize_round(settings: Settings, job_id: str, round_number: int) -> dict[
              rnd.state.attempt, len(chosen), type(decision).__name__.lower())
     outcome = Outcome()
     if isinstance(decision, Commit):
-        if settings.finalize_delay:  # fault injection: widen the window for crash tests
-            time.sleep(settings.finalize_delay)
+        hold.at("finalize", f"{job_id}-r{round_number}", "control")  # fault tests only
         done = _aggregate_and_commit(settings, rnd, chosen, decision, outcome, started)
         if done is not None:
             return done

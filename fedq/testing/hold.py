@@ -8,7 +8,9 @@ workers they start; a job's spec cannot reach it. With ``FEDQ_TEST_HOLD`` unset,
 ``FEDQ_TEST_HOLD=POINT:FOLDER:REGEX``: a task whose id matches ``REGEX`` (``re.search``)
 reaching ``POINT`` writes ``FOLDER/TASK_ID.held`` (holding the worker's name) and
 waits until ``FOLDER/TASK_ID.go`` exists. Points: ``training`` (a training task,
-claimed and beating, before its first step).
+claimed and beating, before its first step; named by its task id), ``finalize`` (a
+round about to be aggregated and committed: ``JOB-rROUND``), ``apply`` (a buffered
+version about to be aggregated and committed: ``JOB-vVERSION``).
 """
 
 from __future__ import annotations
