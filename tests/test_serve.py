@@ -301,6 +301,51 @@ def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
     assert busy.capacity() == 2
 
 
+def test_a_dispatch_that_fails_any_way_answers_within_the_batch_timeout() -> None:
+    """fedq.inference.serve.Batcher._dispatch: a send that raises anything (the broker
+    away: kombu's OperationalError) is a 502 for the batch's requests, and a send that
+    never returns (a publish retrying against a dead broker) a 504 after the batch
+    timeout and its grace, each attempt; never a request left waiting. Catch only
+    Refused again (as before) and the first raises through; drop the wait_for and the
+    second waits for ever."""
+    import asyncio
+    import time
+    from dataclasses import replace
+
+    from kombu.exceptions import OperationalError
+
+    from fedq.inference.serve import SEND_GRACE_S, Batcher
+
+    async def scenario(send: Any) -> tuple[int, float]:
+        batcher = Batcher(replace(SERVED, batch_timeout_s=0.2))
+        assert batcher.router is not None
+        batcher.router.live = {"cpu": 1}
+        batcher._send = send  # type: ignore[method-assign]
+        runner = asyncio.create_task(batcher.run())
+        began = time.monotonic()
+        item = batcher.admit([{}])
+        assert item is not None
+        try:
+            await item[0].future
+        except Refused as exc:
+            return exc.status, time.monotonic() - began
+        finally:
+            runner.cancel()
+        raise AssertionError("answered")
+
+    async def broker_away(batch: list[Any], attempt: int) -> list[dict[str, Any]]:
+        raise OperationalError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    async def hangs(batch: list[Any], attempt: int) -> list[dict[str, Any]]:
+        await asyncio.Event().wait()
+        return []
+
+    status, took = asyncio.run(scenario(broker_away))
+    assert status == 502 and took < 5, (status, took)
+    status, took = asyncio.run(asyncio.wait_for(scenario(hangs), 30))
+    assert status == 504 and took <= 2 * (0.2 + SEND_GRACE_S) + 2, (status, took)
+
+
 def test_requests_and_answers_are_checked() -> None:
     assert parse_predict({"inputs": [[[[1, 2], [3, 4]]], [0.5, 0, 0, 1]]}, SERVED) == \
         [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 0.0, 1.0]]
