@@ -204,3 +204,24 @@ def test_write_hashing_hashes_small_blobs_first_and_large_ones_beside_the_write(
         assert digest == _b3(b"".join(bytes(p) for p in parts))
         assert writes == [1] and len(started) == threads, size
         started.clear()
+
+
+def test_a_blob_redis_cannot_keep_is_refused_before_anything_is_sent(redis_db: str) -> None:
+    """A blob over Redis's 512 MiB value limit (a model of about 135M float32
+    parameters) is one line naming its size and what to use instead, before a byte is
+    sent; before, `fedq submit` stopped on 'Error 104 while writing to socket'. The
+    parts are one 64 MiB buffer nine times over (576 MiB named, 64 MiB held)."""
+    import redis
+
+    from fedq.blobs.redis import RedisBlobStore
+    from fedq.errors import BlobTooLarge
+
+    store = RedisBlobStore(redis_db)
+    chunk = bytes(64 << 20)
+    for write in (lambda: store.put_parts("jobs/big/r00000/global.safetensors", [chunk] * 9),
+                  lambda: store.put("jobs/big/r00000/global.safetensors", b"".join([chunk] * 9))):
+        with pytest.raises(BlobTooLarge, match=r"576 MiB, more than the 512 MiB Redis keeps"):
+            write()
+    key = "fedq:blob:jobs/big/r00000/global.safetensors"
+    assert redis.Redis.from_url(redis_db).exists(key) == 0
+    assert store.put_parts("jobs/big/small", [chunk]).size == 64 << 20  # under it: written

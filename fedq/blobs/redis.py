@@ -1,4 +1,5 @@
-"""Blobs as Redis string values (one SET per blob; Redis caps a value at 512 MB).
+"""Blobs as Redis string values (one SET per blob; Redis caps a value at 512 MB, and a
+larger blob is refused before anything is sent, naming the sizes).
 
 Reads of large values bypass redis-py's parser: it assembles a bulk reply in a
 BytesIO, chunk by chunk, and moves a 45 MB value at about 0.3-0.5 GB/s here, while
@@ -19,10 +20,13 @@ from typing import Any
 
 import fedq.digest as digests
 from fedq.blobs.base import BlobRef, BlobStore, too_large, write_hashing
-from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
+from fedq.errors import BlobError, BlobNotFound, BlobTooLarge, ServiceUnavailable
 from fedq.redaction import redact
 
 KEY_PREFIX = "fedq:blob:"
+#: The most bytes Redis keeps in one string value (its ``proto-max-bulk-len``, 512 MB
+#: unless raised): a larger blob is refused before anything is sent.
+MAX_VALUE_BYTES = 512 << 20
 
 
 class RedisBlobStore(BlobStore):
@@ -40,9 +44,18 @@ class RedisBlobStore(BlobStore):
                                        opts.get("password"))
             self.bounds_reads = True  # the reply's length comes before its bytes
 
+    def _fits(self, key: str, size: int) -> None:
+        """Raise a one-line BlobTooLarge for a blob Redis cannot keep in one value."""
+        if size > MAX_VALUE_BYTES:
+            raise BlobTooLarge(
+                f"blob store {self.url}: {key} is {size / 2**20:,.0f} MiB, more than the "
+                f"{MAX_VALUE_BYTES >> 20} MiB Redis keeps in one value: use an S3 or local "
+                f"blob store for this model (FEDQ_BLOB_URL=s3://... or a folder)")
+
     def _write(self, key: str, data: bytes) -> None:
         import redis
 
+        self._fits(key, len(data))
         try:
             self._client.set(KEY_PREFIX + key, data)
         except redis.RedisError as exc:
@@ -51,12 +64,13 @@ class RedisBlobStore(BlobStore):
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """SET the parts one after the other on the raw connection (no joined copy),
         hashing them on a second thread meanwhile."""
+        size = sum(memoryview(p).nbytes for p in parts)
+        self._fits(key, size)  # before anything is joined or sent
         reader = self._reader
         if reader is None:
             return super().put_parts(key, parts)
         import redis
 
-        size = sum(memoryview(p).nbytes for p in parts)
         try:
             sha = write_hashing(
                 lambda: reader.set_parts((KEY_PREFIX + key).encode(), parts, size), parts)
