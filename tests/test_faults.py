@@ -338,6 +338,8 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
         as_ctl = url.replace("redis://", "redis://ctl:ctl-pw@")
         cluster = migrated_cluster(tmp_path, url, url, pg_url)
         cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="3", **SLOWED)
+        holds = Holds(cluster.home / "holds")  # round 2's tasks held until the kill
+        cluster.env.update(holds.env("training", r"-r2-c\d+-a1$"))
         try:
             cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
             cluster.add("control", ["control"], FEDQ_BROKER_URL=as_ctl,
@@ -347,7 +349,7 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
             job = cluster.submit({**spec, "rounds": 3})
             # round 2, not 1: round 1's tasks once all ended before `fedq submit`'s
             # process had exited on a loaded machine, leaving no worker mid-task to kill
-            client, _, _ = _kill_mid_round(cluster, job, 2, "w1")
+            client, _, _ = _kill_mid_round(cluster, holds, job, 2, "w1")
             _deny_cpu(admin)  # before the re-dispatch: the heartbeat is lost after 3 s
 
             def refusals() -> int:
@@ -374,6 +376,7 @@ def test_a_redispatch_the_broker_refuses_is_undone_and_tried_again(tmp_path: Pat
                            "completed: the client went out once the broker answered, as "
                            "attempt 2", len(cluster.rounds(job)), 0)
         finally:
+            holds.close()
             cluster.stop()
 
 
