@@ -36,6 +36,8 @@ from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
+from fedq.errors import FedqError
+
 #: KEYS[1] the task's key; ARGV[1] the encoded state, ARGV[2] its lifetime in seconds
 #: (0: none), ARGV[3] "1" to leave a stored REVOKED in place and answer it. Celery's
 #: rule: a stored SUCCESS is never overwritten (Celery 5.7,
@@ -246,7 +248,7 @@ def send_and_poll(app: Any, name: str, args: tuple[Any, ...], queue: str, timeou
     """Send task ``name`` and wait up to ``timeout`` seconds for its result by reading
     its state (no subscription to its channel: a registered worker's broker user may
     not subscribe to any task's channel). Raises Celery's TimeoutError when none came,
-    and the task's own error when it failed."""
+    and a one-line FedqError when the task failed."""
     import time
 
     from celery import _state
@@ -265,8 +267,8 @@ def send_and_poll(app: Any, name: str, args: tuple[Any, ...], queue: str, timeou
         if meta.get("status") == states.SUCCESS:
             return meta.get("result")
         if meta.get("status") in states.PROPAGATE_STATES or meta.get("status") in UNREAD:
-            raise RuntimeError(f"task {name} ended {meta.get('status')}: "
-                               f"{str(meta.get('result') or meta.get('error'))[:200]}")
+            raise FedqError(f"task {name} ended {meta.get('status')}: "
+                            f"{str(meta.get('result') or meta.get('error'))[:200]}")
         time.sleep(wait)
         wait = min(wait * 1.5, 0.25)
     raise CeleryTimeout(f"no answer to {name} within {timeout:g} s")
