@@ -86,8 +86,6 @@ class Training(JobKind):
         from rich.table import Table
 
         from fedq.cli.output import fmt, status_style
-        from fedq.coordinator.jobs import repairs
-        from fedq.coordinator.liveness import describe, held
 
         if as_json:
             click.echo(json.dumps([job_json(view)], indent=2))
@@ -97,11 +95,7 @@ class Training(JobKind):
                       f"{view.committed_round}/{view.total_rounds}", fmt(view.accuracy, ".4f"),
                       view.created_at, (view.error or "")[:80])
         out.print(table)
-        # what its open round waits for: each started task's worker and heartbeat
-        for claim in held(settings, job_id):
-            out.print(describe(claim, settings.worker_lost_s), highlight=False)
-        for line in repairs(settings, job_id):  # what the watchdog and finalize did
-            out.print(line, highlight=False)
+        _waits(settings, job_id)  # each started task's worker and heartbeat
 
     def follow(self, settings: Settings, job_id: str, interval: float,
                timeout: float | None) -> Any:
@@ -178,18 +172,12 @@ class Inference(JobKind):
 
     def show(self, settings: Settings, job_id: str, view: Any, as_json: bool) -> None:
         from fedq.cli.infer import summary
-        from fedq.coordinator.jobs import repairs
-        from fedq.coordinator.liveness import describe, held
 
         if as_json:
             click.echo(json.dumps([{"kind": "inference", **view.to_json()}], indent=2))
             return
         out.print(summary(view))
-        for claim in held(settings, job_id):  # each shard out: its worker and heartbeat
-            out.print(describe(claim, settings.worker_lost_s, "shard", "running"),
-                      highlight=False)
-        for line in repairs(settings, job_id):  # what the watchdog did
-            out.print(line, highlight=False)
+        _waits(settings, job_id, "shard", "running")  # each shard out: worker, heartbeat
 
     def follow(self, settings: Settings, job_id: str, interval: float,
                timeout: float | None) -> Any:
@@ -249,6 +237,19 @@ def kind_of(settings: Settings, job_id: str) -> tuple[JobKind, Any]:
         if view is not None:
             return kind, view
     raise JobNotFound(f"no job {job_id!r} in {settings.database_url.split('@')[-1]}")
+
+
+def _waits(settings: Settings, job_id: str, *what: str) -> None:
+    """What a job waits for (each claimed task's worker and heartbeat; ``what``: how a
+    task is named, fedq.coordinator.liveness.describe) and what the watchdog and
+    finalize did to it."""
+    from fedq.coordinator.jobs import repairs
+    from fedq.coordinator.liveness import describe, held
+
+    for claim in held(settings, job_id):
+        out.print(describe(claim, settings.worker_lost_s, *what), highlight=False)
+    for line in repairs(settings, job_id):
+        out.print(line, highlight=False)
 
 
 def _availability(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from celery.exceptions import TaskRevokedError
 from kombu.exceptions import DecodeError
 
 from fedq.engine.app import app
+from fedq.engine.backend import decode_state
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +127,15 @@ def _reason(meta: Any) -> str:
 def revoked(backend: Any, task_id: str) -> str | None:
     """Why task ``task_id`` was revoked, if :func:`revoke` marked it; else None.
 
-    On a key-value backend (Redis) a task nobody wrote yet, nearly every task, costs
-    one GET: Celery's ``get_task_meta`` also decodes what it reads and builds its
-    answer, several times the GET's cost on a busy worker."""
+    On a key-value backend (Redis) it is one GET, decoded only when there is a state
+    (nearly every task has none yet), by :func:`fedq.engine.backend.decode_state`."""
     if hasattr(backend, "get") and hasattr(backend, "get_key_for_task"):
-        if backend.get(backend.get_key_for_task(task_id)) is None:
+        raw = backend.get(backend.get_key_for_task(task_id))
+        if raw is None:
             return None
-    try:
+        meta = decode_state(backend, raw)  # one that does not decode is no revocation
+    else:
         meta = backend.get_task_meta(task_id)
-    except Exception:  # noqa: BLE001 - a state that does not decode is not fedq's revocation
-        return None
     if not isinstance(meta, dict) or meta.get("status") != states.REVOKED:
         return None
     return str(meta.get("result") or "revoked")[:200]

@@ -761,14 +761,9 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
     prompt and completion, prompt by prompt."""
     if not isinstance(body, dict) or "prompt" not in body:
         raise ValueError('expected an object with a "prompt": a string or a list of strings')
-    unknown = sorted(set(body) - set(COMPLETION_FIELDS))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not supported by fedq serve (fields: "
-                         f"{', '.join(COMPLETION_FIELDS)})")
+    _check_fields(body, COMPLETION_FIELDS)
     if not isinstance(body.get("stream", False), bool):
         raise ValueError("stream: true or false")
-    if "user" in body and not isinstance(body["user"], str):
-        raise ValueError("user: a string")
     prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
@@ -796,6 +791,17 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
     base["temperature"] = float(temp)
     return [{"prompt": prompt, **base, "seed": base["seed"] + k}
             for prompt in prompts for k in range(n)]
+
+
+def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    """Refuse, by name, a field of OpenAI's request that fedq does not take (never
+    ignored in silence); ``user`` (the end user's name) must be a string."""
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported by fedq serve (fields: "
+                         f"{', '.join(allowed)})")
+    if "user" in body and not isinstance(body["user"], str):
+        raise ValueError("user: a string")
 
 
 def parse_stops(body: dict[str, Any]) -> list[str]:
@@ -828,14 +834,9 @@ def parse_embeddings(body: Any, served: Served) -> list[str]:
     from the request again)."""
     if not isinstance(body, dict) or "input" not in body:
         raise ValueError('expected {"input": "text" or ["text", ...]}')
-    unknown = sorted(set(body) - set(EMBEDDING_FIELDS))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)}: not supported by fedq serve (fields: "
-                         f"{', '.join(EMBEDDING_FIELDS)})")
+    _check_fields(body, EMBEDDING_FIELDS)
     if body.get("encoding_format", "float") not in ("float", "base64"):
         raise ValueError("encoding_format: float or base64")
-    if "user" in body and not isinstance(body["user"], str):
-        raise ValueError("user: a string")
     texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
     if not 0 < len(texts) <= MAX_ITEMS_PER_REQUEST:
         raise ValueError(f"input: 1 to {MAX_ITEMS_PER_REQUEST} strings")
