@@ -13,6 +13,7 @@ import redis
 from celery import Celery, states
 
 from fedq.engine.backend import RedisBackend
+from fedq.testing.wait import wait_until
 
 
 @pytest.fixture
@@ -111,6 +112,36 @@ def test_a_claim_is_stored_unless_the_task_was_revoked_in_one_round_trip(
     assert revoke_mod.revoked_else_claim(backend, "done", claim, "STARTED") is None
     assert json.loads(plain.get(backend.get_key_for_task("done")))["status"] == "SUCCESS"
     assert len(sent) == 3
+
+
+def test_a_heartbeat_ends_at_a_stopping_revocation_and_beats_over_any_other(
+        backend: RedisBackend, redis_db: str) -> None:
+    """A running task's beats (fedq/worker/heartbeat.py): a job cancelled or failed marks
+    its tasks ``stop``; the next beat writes nothing, ends the beats and says why, so
+    training stops (fedq/worker/update.py). A straggler's revocation (no ``stop``)
+    is beaten over as before: it trains on and is recorded late."""
+    from fedq.engine import revoke as revoke_mod
+    from fedq.worker.heartbeat import claim
+
+    plain = redis.Redis.from_url(redis_db)
+    straggler = claim(backend, "late", "w1@test", 0.05)
+    with straggler:
+        revoke_mod._mark_redis(backend, ["late"], "round 3 committed without it")
+        wait_until(lambda: json.loads(plain.get(backend.get_key_for_task("late")))
+                   ["status"] == "STARTED", 10, what="the straggler's beat over its mark")
+    assert straggler.stopped() is None
+    beat = claim(backend, "run", "w1@test", 0.05)
+    with beat:
+        wait_until(lambda: beat.beats >= 2, 10, what="two beats")
+        revoke_mod._mark_redis(backend, ["run"], "its job was cancelled", stop=True)
+        why = wait_until(beat.stopped, 10, what="the beat to read the stopping mark")
+        after = beat.beats
+        time.sleep(0.3)  # six intervals: no beat follows the mark
+        assert beat.beats == after
+    assert why == "its job was cancelled"
+    stored = json.loads(plain.get(backend.get_key_for_task("run")))
+    assert stored["status"] == "REVOKED" and stored["stop"] is True
+    assert revoke_mod.revoked(backend, "run") == "its job was cancelled"
 
 
 @pytest.mark.parametrize(("message", "reason"), [

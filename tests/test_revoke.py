@@ -15,6 +15,7 @@ from kombu import Connection
 from fedq.engine.revoke import _mark_redis, revoked
 from fedq.status import JobStatus, UpdateStatus
 from fedq.testing.cluster import DIGITS, Cluster
+from fedq.testing.hold import Holds
 from fedq.testing.wait import wait_until
 
 
@@ -135,3 +136,35 @@ def test_a_buffered_jobs_task_still_queued_when_it_completes_is_never_trained(
     log = late.log_path.read_text()
     assert "training: client" not in log, log
     assert log.count("(its job completed)") == 1, log
+
+
+@pytest.mark.slow
+def test_a_task_training_when_its_job_is_cancelled_stops_at_its_next_step(
+        redis_cluster: Cluster) -> None:
+    """A cancel marks the job's tasks ``stop``: one already claimed (held at the start of
+    its training, fedq.testing.hold) reads the mark at its next heartbeat and stops
+    before its next step, answered as revoked, instead of training a 100× slowed
+    round to the end."""
+    cluster = redis_cluster
+    holds = Holds(cluster.home / "holds")
+    cluster.env.update(FEDQ_HEARTBEAT_S="1", **holds.env("training", r"-r1-c0-a1$"))
+    cluster.start(control=["control"])
+    worker = cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="100")
+    try:
+        job = cluster.submit({**DIGITS, "name": "stopped", "num_clients": 1,
+                              "clients_per_round": 1, "rounds": 2, "local_epochs": 5})
+        held = wait_until(lambda: holds.waiting(rf"^fedq-{job}-g\d+-r1-c0-a1$"), 60,
+                          what=worker.tail)
+        cluster.fedq("cancel", job)
+        wait_until(lambda: b"(its job was cancelled): it stops" in worker.log_path.read_bytes(),
+                   30, what=worker.tail)
+        holds.let_go("")
+        wait_until(lambda: b"stopped: revoked while it trained" in worker.log_path.read_bytes(),
+                   30, what=worker.tail)
+    finally:
+        holds.close()
+    log = worker.log_path.read_text()
+    assert "after 0 of " in log and "trained:" not in log, log
+    assert len(held) == 1
+    assert cluster.wait(job, timeout=30).status == JobStatus.CANCELLED
+    assert not [u for u in cluster.updates(job) if u.status == UpdateStatus.OK]

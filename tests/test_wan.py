@@ -56,10 +56,12 @@ def test_emulated_link_matches_its_profile(relays: Relays, host: Host) -> None:
         got = probe(host, relay.port, nbytes_up=4_000_000, nbytes_down=8_000_000)
     finally:
         server.close()
-    # The relay delays every chunk by rtt/2 each way, so the round trip is never
-    # shorter than the profile's; scheduling on a loaded 2-core machine can add a few
-    # ms on top (24 ms was seen in CI beside the other test process).
-    assert LINK.rtt_ms * 0.95 <= got["rtt_ms"] <= LINK.rtt_ms + 10, got
+    # The relay delays every chunk by rtt/2 each way, so no round trip is shorter than
+    # the profile's; scheduling on a loaded 2-core machine adds to some of them (the
+    # median was 33.5 ms for a 20 ms link in CI beside the other test processes), so the
+    # link itself is read from the shortest ping, the median only bounded loosely.
+    assert LINK.rtt_ms * 0.95 <= got["rtt_min_ms"] <= LINK.rtt_ms + 10, got
+    assert got["rtt_min_ms"] <= got["rtt_ms"] <= 5 * LINK.rtt_ms, got
     assert got["up_mbit"] == pytest.approx(LINK.up_mbit, rel=0.10), got
     assert got["down_mbit"] == pytest.approx(LINK.down_mbit, rel=0.10), got
     assert relay.stats.up >= 4_000_000 and relay.stats.down >= 8_000_000

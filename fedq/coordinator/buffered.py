@@ -347,7 +347,7 @@ def absorb(settings: Settings, result: Any, job_id: str, index: int,
         status = row.status
     _send(settings, job_id, spec, tasks)
     if revoke:
-        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS)
+        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS, stop=True)
     out: dict[str, Any] = {"status": status, "version": version}
     if full:
         out["applied"] = apply_ready(settings, job_id)
@@ -496,7 +496,7 @@ def _reject(settings: Settings, job_id: str, version: int, outcome: Outcome) -> 
             job.status, job.error, job.finished_at = JobStatus.FAILED, failing, utcnow()
             revoke = _close_training(s, job_id, "the job failed")
     if revoke:
-        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS)
+        revoke_quietly(revoke, "its job failed", BUFFERED_TASKS, stop=True)
 
 
 def _close_training(s: Session, job_id: str, why: str) -> list[str]:

@@ -114,7 +114,7 @@ def cancel(settings: Settings, job_id: str) -> int:
             rnd.status, rnd.error, rnd.finished_at = RoundStatus.FAILED, "cancelled", utcnow()
     if ids:
         try:
-            revoke(ids, "its job was cancelled")
+            revoke(ids, "its job was cancelled", stop=True)
         except Exception as exc:  # kombu raises transport-specific errors
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise ServiceUnavailable(

@@ -50,7 +50,8 @@ if current then
     if meta['status'] == 'SUCCESS' then
       return 0
     end
-    if ARGV[3] == '1' and meta['status'] == 'REVOKED' then
+    if meta['status'] == 'REVOKED' and
+        (ARGV[3] == '1' or (ARGV[3] == '2' and meta['stop'] == true)) then
       return current
     end
   end
@@ -100,17 +101,20 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         self.ensure(self._store, (self.get_key_for_task(task_id), value, expires or 0))
         return result
 
-    def store_unless_revoked(self, task_id: str, result: Any, state: str) -> Any:
+    def store_unless_revoked(self, task_id: str, result: Any, state: str,
+                             stopping_only: bool = False) -> Any:
         """Store ``result`` as the task's ``state`` (as ``store_result`` does) unless the
-        task is marked ``REVOKED`` (fedq/engine/revoke.py); then nothing is written and
-        the stored state comes back, deserialised (never turned into a result: no
-        exception is rebuilt from what a worker wrote). None when it was stored, or kept
-        a stored SUCCESS. One round trip: a training task's revocation check and claim."""
+        task is marked ``REVOKED`` (fedq/engine/revoke.py), or with ``stopping_only``
+        unless it is marked ``REVOKED`` with ``stop`` (a running task must stop: a
+        heartbeat's write); then nothing is written and the stored state comes back,
+        deserialised (never turned into a result: no exception is rebuilt from what a
+        worker wrote). None when it was stored, or kept a stored SUCCESS. One round
+        trip: a training task's revocation check and claim, or a heartbeat."""
         if self.serializer != "json":
             raise NotImplementedError("store_unless_revoked reads states as JSON")
         value = self._state_value(task_id, self.encode_result(result, state), state)
         stored = self.ensure(self._store, (self.get_key_for_task(task_id), value,
-                                           self.expires or 0, True))
+                                           self.expires or 0, 2 if stopping_only else 1))
         if not isinstance(stored, bytes):
             return None
         try:
@@ -132,7 +136,9 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
         return value
 
     def _store(self, key: str | bytes, value: str | bytes, expires: float,
-               keep_revoked: bool = False) -> Any:
+               keep_revoked: int = 0) -> Any:
+        """``keep_revoked``: 0 overwrite any state but SUCCESS, 1 also keep a REVOKED
+        one, 2 keep only a REVOKED one marked ``stop``."""
         if self._store_script is None:
             self._store_script = self.client.register_script(_STORE)
         return self._store_script(keys=[key], args=[value, int(expires), int(keep_revoked)])

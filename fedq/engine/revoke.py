@@ -12,6 +12,12 @@ the training and inference tasks read their own state there before they start
 (fedq/tasks/train.py, fedq/tasks/infer.py): a revoked task is answered at once, untrained.
 :func:`revoke_quietly` is the same for callers whose tasks may as well run (a job that
 ended, a round that committed): it logs a failure instead of raising it.
+
+With ``stop`` (a job cancelled, failed or completed: nobody will read the answer) a task
+already running stops too, on fedq's Redis backend: its heartbeat reads the mark
+(fedq/worker/heartbeat.py) and training ends at its next step, answered as revoked. A
+straggler of a committed round is revoked without ``stop``: it trains on and is
+recorded late.
 """
 
 from __future__ import annotations
@@ -31,25 +37,27 @@ from fedq.engine.backend import decode_state
 log = logging.getLogger(__name__)
 
 
-def revoke(ids: Sequence[str], why: str) -> None:
+def revoke(ids: Sequence[str], why: str, stop: bool = False) -> None:
     """Revoke the tasks ``ids``: each is marked ``REVOKED`` in the result backend, then
-    the revocation is broadcast to the live workers. Raises what the backend or broker
-    raises."""
+    the revocation is broadcast to the live workers; with ``stop`` a running one stops
+    at its next heartbeat (on Redis). Raises what the backend or broker raises."""
     if not ids:
         return
     if isinstance(app.backend, RedisBackend):
-        _mark_redis(app.backend, ids, why[:200])
+        _mark_redis(app.backend, ids, why[:200], stop)
     else:
         for tid in ids:
             app.backend.mark_as_revoked(tid, reason=why[:200])
     app.control.revoke(list(ids))
 
 
-def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str) -> None:
+def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str,
+               stop: bool = False) -> None:
     """What ``mark_as_revoked`` stores for each id, in two round trips for all of them
     instead of two each (about 0.5 ms an id on local Redis: 5 s to cancel 10,000 tasks;
-    bench/revoke.py). As Celery's ``store_result`` does, a task whose result is already
-    ``SUCCESS`` keeps it: the coordinator may still read that result (a lost callback)."""
+    bench/revoke.py), with ``"stop": true`` added when a running task must stop. As
+    Celery's ``store_result`` does, a task whose result is already ``SUCCESS`` keeps it:
+    the coordinator may still read that result (a lost callback)."""
     keys = [backend.get_key_for_task(tid) for tid in ids]
     with backend.client.pipeline(transaction=False) as pipe:
         for key in keys:
@@ -58,6 +66,8 @@ def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str) -> None:
     result = backend.encode_result(TaskRevokedError(why), states.REVOKED)
     meta = backend._get_result_meta(result=result, state=states.REVOKED, traceback=None,
                                     request=None)  # one date_done for the batch
+    if stop:
+        meta["stop"] = True
     with backend.client.pipeline(transaction=False) as pipe:
         for tid, key, now in zip(ids, keys, stored):
             if _succeeded(backend, now):
@@ -82,12 +92,13 @@ def _succeeded(backend: RedisBackend, stored: bytes | None) -> bool:
     return isinstance(meta, dict) and meta.get("status") == states.SUCCESS
 
 
-def revoke_quietly(ids: Sequence[str], why: str, what: str) -> None:
-    """:func:`revoke`, logging instead of raising when the backend or broker fails: the
-    tasks then run and their answers are dropped or recorded late, only compute is lost.
+def revoke_quietly(ids: Sequence[str], why: str, what: str, stop: bool = False) -> None:
+    """:func:`revoke` (``stop`` as there), logging instead of raising when the backend or
+    broker fails: the tasks then run and their answers are dropped or recorded late, only
+    compute is lost.
     ``what`` names the tasks in that warning ("straggler task(s) of job J round N")."""
     try:
-        revoke(ids, why)
+        revoke(ids, why, stop)
     except Exception as exc:  # noqa: BLE001 - kombu and redis raise transport-specific errors
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         log.warning("could not revoke %d %s: %s", len(ids), what, first)
@@ -106,10 +117,10 @@ def revoked_else_claim(backend: Any, task_id: str, claim: dict[str, Any],
             backend.store_result(task_id, claim, state)
         return why
     stored = store(task_id, claim, state)
-    return None if stored is None else _reason(stored)
+    return None if stored is None else revoked_reason(stored)
 
 
-def _reason(meta: Any) -> str:
+def revoked_reason(meta: Any) -> str:
     """The reason a ``REVOKED`` state names (``TaskRevokedError(why)`` as the backend
     stores an exception: ``exc_message`` a list of one string), read without rebuilding
     the exception. A worker's Redis user can write any task's key, so anything else

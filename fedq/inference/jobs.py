@@ -798,7 +798,7 @@ def cancel(settings: Settings, job_id: str) -> int:
             raise FedqError(f"job {job_id} is {job.status}, not running")
         job.status, job.error, job.finished_at = JobStatus.CANCELLED, "cancelled by user", utcnow()
         ids = _close(s, job_id, QUEUED, "cancelled")
-    revoke_quietly(ids, "its job was cancelled", "inference task(s)")
+    revoke_quietly(ids, "its job was cancelled", "inference task(s)", stop=True)
     return len(ids)
 
 

@@ -61,7 +61,7 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
     else:
         delivered = (self.request.delivery_info or {}).get("routing_key")
         store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
-        with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s,
+        with claim(self.backend, task_id, worker, settings.heartbeat_s,
                    written=True):
             result = run_shard(ref, store, worker, delivered, me.name if me else None)
     return result if me is None else me.sign_result(result, task_id)

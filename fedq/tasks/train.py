@@ -55,10 +55,11 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     store = PresignedStore(links) if isinstance(links, dict) else \
         PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
     # the claim's heartbeat (fedq/worker/heartbeat.py): a dead worker's task is sent
-    # again in seconds, not at the round's deadline
-    with claim(self.backend.store_result, task_id, worker, settings.heartbeat_s, written=True):
+    # again in seconds, not at the round's deadline; and a task whose job was cancelled
+    # or ended stops at its next step
+    with claim(self.backend, task_id, worker, settings.heartbeat_s, written=True) as beat:
         hold.at("training", task_id, worker)  # fault tests only (FEDQ_TEST_HOLD)
-        result = run_training(ref, store, worker)
+        result = run_training(ref, store, worker, beat.stopped)
     if result.get("status") == "yielded":  # take nothing more until the owner is done
         owner.stepped_aside()
     return result if me is None else me.sign_result(result, task_id)

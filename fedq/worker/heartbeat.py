@@ -8,7 +8,10 @@ thread (``--pool solo``) beats too. The watchdog reads the counter
 hangs or was paused, and the task is sent again after ``FEDQ_WORKER_LOST_S``.
 
 The thread is stopped and joined before the task returns, so a heartbeat can never
-overwrite the task's result.
+overwrite the task's result. On fedq's Redis backend a beat is written only while the
+task is not revoked with ``stop`` (its job was cancelled or ended: fedq/engine/revoke.py);
+once it is, the beats end and :attr:`Heartbeat.stopped` says why, so training stops at
+its next step (fedq/worker/update.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from fedq.engine.revoke import revoked_else_claim
+from fedq.engine.revoke import revoked_else_claim, revoked_reason
 from fedq.wire import CLAIM_STATE
 
 log = logging.getLogger(__name__)
@@ -28,9 +31,10 @@ log = logging.getLogger(__name__)
 
 class Heartbeat:
     """``with Heartbeat(write, host, interval):`` around the task's work; ``write(meta)``
-    stores ``meta`` as the task's STARTED state."""
+    stores ``meta`` as the task's STARTED state and returns None, or the reason the task
+    must stop (nothing was written, no beat follows; :attr:`stopped` holds it)."""
 
-    def __init__(self, write: Callable[[dict[str, Any]], None], host: str,
+    def __init__(self, write: Callable[[dict[str, Any]], str | None], host: str,
                  interval: float, written: bool = False) -> None:
         """``written``: the first beat (``beat_meta(host, 0)``) is stored already."""
         self._write, self._host, self._interval = write, host, interval
@@ -38,10 +42,20 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self.beats = 1 if written else 0
         self._failed = False
+        self._stopped: str | None = None
+
+    def stopped(self) -> str | None:
+        """Why the task must stop now (its job was cancelled or ended), else None."""
+        return self._stopped
 
     def _beat(self) -> None:
         try:
-            self._write(beat_meta(self._host, self.beats))
+            why = self._write(beat_meta(self._host, self.beats))
+            if why is not None:
+                log.warning("task revoked while it runs (%s): it stops", why)
+                self._stopped = why
+                self._stop.set()
+                return
             self.beats += 1
         except Exception as exc:  # noqa: BLE001 - a missed beat is the watchdog's business
             if not self._failed:
@@ -72,13 +86,23 @@ def beat_meta(host: str, beat: int) -> dict[str, Any]:
     return {"hostname": host, "pid": os.getpid(), "beat": beat}
 
 
-def claim(store_result: Callable[[str, Any, str], Any], task_id: str, host: str,
-          interval: float, written: bool = False) -> Heartbeat:
-    """The heartbeat of task ``task_id``, written with ``store_result(task_id, meta,
-    state)`` (a Celery result backend's); ``written``: its first beat, ``beat_meta(host,
-    0)``, is stored already (fedq/engine/revoke.py's ``revoked_else_claim``)."""
-    return Heartbeat(lambda meta: store_result(task_id, meta, CLAIM_STATE), host, interval,
-                     written)
+def claim(backend: Any, task_id: str, host: str, interval: float,
+          written: bool = False) -> Heartbeat:
+    """The heartbeat of task ``task_id`` in ``backend`` (a Celery result backend): on
+    fedq's Redis backend each beat is kept out only by a ``stop`` revocation, which ends
+    the beats; on any other it is ``store_result``. ``written``: its first beat,
+    ``beat_meta(host, 0)``, is stored already (fedq/engine/revoke.py's
+    ``revoked_else_claim``)."""
+    store = getattr(backend, "store_unless_revoked", None)
+    if store is None or getattr(backend, "serializer", None) != "json":
+        def write(meta: dict[str, Any]) -> str | None:
+            backend.store_result(task_id, meta, CLAIM_STATE)
+            return None
+    else:
+        def write(meta: dict[str, Any]) -> str | None:
+            stored = store(task_id, meta, CLAIM_STATE, stopping_only=True)
+            return None if stored is None else revoked_reason(stored)
+    return Heartbeat(write, host, interval, written)
 
 
 def claim_unless_revoked(backend: Any, task_id: str, host: str) -> str | None:

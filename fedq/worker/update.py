@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,8 +116,12 @@ def client_seed(seed: int, round_number: int, client: int) -> int:
     return (seed * 1_000_003 + round_number * 10_007 + client) % (2**63)
 
 
-def run_training(data: dict, store: BlobStore, worker: str) -> dict:
-    """Train one client for one round; always returns an UpdateRef as JSON."""
+def run_training(data: dict, store: BlobStore, worker: str,
+                 revoked: Callable[[], str | None] | None = None) -> dict:
+    """Train one client for one round; always returns an UpdateRef as JSON.
+    ``revoked``: asked before each step, why the task must stop now (its job was
+    cancelled or ended: the heartbeat's :meth:`~fedq.worker.heartbeat.Heartbeat.stopped`);
+    a reason ends training there, answered as an error that names it."""
     start, wall = time.perf_counter(), time.time()
     try:
         ref = TrainRef.from_json(data)
@@ -124,7 +129,7 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
         log.warning("refused a malformed task: %s", exc)
         return refusal(data, worker, f"malformed task: {exc}")
     try:
-        result = _train(ref, store, worker, start)
+        result = _train(ref, store, worker, start, revoked)
         result = dataclasses.replace(result, stats=dataclasses.replace(result.stats,
                                                                        started=wall))
         log.info("trained: %d samples, %d steps, loss %s, %.2fs (download %.2fs, train "
@@ -133,6 +138,9 @@ def run_training(data: dict, store: BlobStore, worker: str) -> dict:
                  result.stats.download_seconds, result.stats.train_seconds,
                  result.stats.upload_seconds)
         return result.to_json()
+    except Revoked as exc:  # nobody reads this answer: say why it stopped
+        log.warning("stopped: %s", exc)
+        return refusal(data, worker, str(exc))
     except Yielded as exc:  # the owner needs the machine: not a failure, sent elsewhere
         log.warning("yielded: %s", exc)
         return UpdateRef(status="yielded", job=ref.job, round=ref.round, task=ref.task,
@@ -175,7 +183,12 @@ class Yielded(Exception):
     """The task stopped for the machine's owner before it had enough to send."""
 
 
-def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> UpdateRef:
+class Revoked(Exception):
+    """The task was revoked while it trained (its job was cancelled or ended)."""
+
+
+def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
+           revoked: Callable[[], str | None] | None = None) -> UpdateRef:
     spec = JobSpec.stored(ref.spec)
     why = owner.away()
     if why is not None:  # taken just as the owner came back: hand it on untouched
@@ -230,7 +243,11 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float) -> Update
                         schedule_window=spec.schedule_window(ref.round),
                         state_path=inner.state_path(home, ref.job, ref.client)
                         if spec.optimizer.keep_state else None,
-                        should_stop=owner.away, resume=resume)
+                        should_stop=owner.away if revoked is None
+                        else lambda: revoked() or owner.away(), resume=resume)
+    if stats.yielded is not None and revoked is not None and (why := revoked()) is not None:
+        raise Revoked(f"revoked while it trained, after {stats.steps} of "
+                      f"{stats.planned_steps} steps: {why}")
     if stats.yielded is not None and \
             stats.steps < max(1, math.ceil(settings.partial_min * stats.planned_steps)):
         if stats.kept is not None and settings.leave_in_memory:
