@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fedq.blobs import BlobStore, open_store
+from fedq.blobs.factory import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:  # (torch is imported where a model is first kept or averaged: the
     # CLI's read-only commands import this module and never need it)
     from fedq.aggregate import Accumulator
     from fedq.aggregate.types import Weights
+    from fedq.settings import Settings
 
 #: Global models a process keeps at once.
 MODEL_CACHE_SIZE = 2
@@ -43,7 +45,7 @@ KEPT_TASKS = 2
 @dataclass
 class ProcessState:
     models: OrderedDict[str, Weights] = field(default_factory=OrderedDict)
-    stores: dict[tuple[str, str | None], BlobStore] = field(default_factory=dict)
+    stores: dict[tuple[str, str | None, int], BlobStore] = field(default_factory=dict)
     zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
     uplink_mbit: float | None = None
     kept: OrderedDict[tuple[str, int, str], Any] = field(default_factory=OrderedDict)
@@ -79,10 +81,17 @@ class ProcessState:
         while len(self.kept) > KEPT_TASKS:
             self.kept.popitem(last=False)
 
-    def store(self, url: str, s3_endpoint_url: str | None = None) -> BlobStore:
-        key = (url, s3_endpoint_url)
+    def blobs(self, settings: Settings) -> BlobStore:
+        """The blob store ``settings`` name (FEDQ_BLOB_URL, its endpoint and chunk size),
+        opened once in this process."""
+        return self.store(settings.blob_url, settings.s3_endpoint_url,
+                          settings.blob_chunk_bytes)
+
+    def store(self, url: str, s3_endpoint_url: str | None = None,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> BlobStore:
+        key = (url, s3_endpoint_url, chunk_bytes)
         if key not in self.stores:
-            self.stores[key] = open_store(url, s3_endpoint_url)
+            self.stores[key] = open_store(url, s3_endpoint_url, chunk_bytes)
         return self.stores[key]
 
     def clear(self) -> None:

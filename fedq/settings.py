@@ -13,7 +13,13 @@ FEDQ_RESULT_BACKEND        Celery result backend: ``redis://``, ``file://...``
 FEDQ_DATABASE_URL          SQLAlchemy URL: ``postgresql+psycopg://...``, ``sqlite:///...``
 FEDQ_BLOB_URL              blob store: a path, ``file://``, ``redis://``, ``s3://bucket/prefix``
 FEDQ_S3_ENDPOINT_URL       S3 endpoint for ``s3://`` blobs (MinIO); credentials from AWS_*
+FEDQ_BLOB_CHUNK_MB         a blob larger than this many MiB (default 64) is stored as chunks
+                           of this size and a manifest on Redis (at most 512), or uploaded
+                           in parts of this size to S3 (at least 5): fedq/blobs/chunks.py
                            (``AWS_SECRET_ACCESS_KEY_FILE``: the secret read from a file)
+FEDQ_BLOB_CHUNK_MB         a blob larger than this many MiB (default 64) is stored as chunks
+                           of this size and a manifest on Redis (at most 512), or uploaded
+                           in parts of this size to S3 (at least 5): fedq/blobs/chunks.py
 FEDQ_BROKER_URL_FILE       a file holding FEDQ_BROKER_URL (a Docker secret; set one of the two)
 FEDQ_RESULT_BACKEND_FILE   a file holding FEDQ_RESULT_BACKEND
 FEDQ_DATABASE_URL_FILE     a file holding FEDQ_DATABASE_URL
@@ -118,6 +124,7 @@ class Settings(BaseModel):
     database_url: str
     blob_url: str
     s3_endpoint_url: str | None = None
+    blob_chunk_mb: float = Field(default=64.0, gt=0, le=512)
     data_dir: Path
     torch_threads: int | None = Field(default=None, ge=1)
     visibility_timeout: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT, ge=1)
@@ -158,6 +165,11 @@ class Settings(BaseModel):
     power_dir: Path = Path("/sys/class/power_supply")
 
     @property
+    def blob_chunk_bytes(self) -> int:
+        """FEDQ_BLOB_CHUNK_MB in bytes."""
+        return max(1, int(self.blob_chunk_mb * 2**20))
+
+    @property
     def embedded_broker(self) -> bool:
         return self.broker_url.startswith("filesystem://")
 
@@ -168,7 +180,8 @@ class Settings(BaseModel):
 
 _KNOWN = {
     "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
-    "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL", "SLOWDOWN", "AMP",
+    "BLOB_CHUNK_MB", "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL",
+    "SLOWDOWN", "AMP",
     "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL",
     "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
     "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
@@ -225,6 +238,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         "database_url": get("DATABASE_URL") or f"sqlite:///{home / 'fedq.db'}",
         "blob_url": get("BLOB_URL") or str(home / "blobs"),
         "s3_endpoint_url": get("S3_ENDPOINT_URL"),
+        "blob_chunk_mb": get("BLOB_CHUNK_MB") or 64.0,
         "data_dir": Path(get("DATA_DIR") or home / "data").expanduser().absolute(),
         "torch_threads": get("TORCH_THREADS"),
         "visibility_timeout": get("VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT,

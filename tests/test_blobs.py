@@ -206,22 +206,158 @@ def test_write_hashing_hashes_small_blobs_first_and_large_ones_beside_the_write(
         started.clear()
 
 
-def test_a_blob_redis_cannot_keep_is_refused_before_anything_is_sent(redis_db: str) -> None:
-    """A blob over Redis's 512 MiB value limit (a model of about 135M float32
-    parameters) is one line naming its size and what to use instead, before a byte is
-    sent; before, `fedq submit` stopped on 'Error 104 while writing to socket'. The
-    parts are one 64 MiB buffer nine times over (576 MiB named, 64 MiB held)."""
+def test_a_blob_redis_cannot_keep_in_one_value_is_refused_unchunked(redis_db: str) -> None:
+    """Without chunks (chunk_bytes None) a blob over Redis's 512 MiB value limit is one
+    line naming its size and what to set, before a byte is sent (before chunks,
+    `fedq submit` stopped on 'Error 104 while writing to socket'); a chunk size Redis
+    cannot keep is refused when the store is opened. The parts are one 64 MiB buffer
+    nine times over (576 MiB named, 64 MiB held)."""
     import redis
 
     from fedq.blobs.redis import RedisBlobStore
-    from fedq.errors import BlobTooLarge
+    from fedq.errors import BlobTooLarge, ConfigError
 
-    store = RedisBlobStore(redis_db)
+    store = RedisBlobStore(redis_db, chunk_bytes=None)
     chunk = bytes(64 << 20)
     for write in (lambda: store.put_parts("jobs/big/r00000/global.safetensors", [chunk] * 9),
                   lambda: store.put("jobs/big/r00000/global.safetensors", b"".join([chunk] * 9))):
-        with pytest.raises(BlobTooLarge, match=r"576 MiB, more than the 512 MiB Redis keeps"):
+        with pytest.raises(BlobTooLarge, match=r"576 MiB, more than the 512 MiB Redis keeps"
+                                               r".*FEDQ_BLOB_CHUNK_MB"):
             write()
     key = "fedq:blob:jobs/big/r00000/global.safetensors"
     assert redis.Redis.from_url(redis_db).exists(key) == 0
     assert store.put_parts("jobs/big/small", [chunk]).size == 64 << 20  # under it: written
+    with pytest.raises(ConfigError, match=r"FEDQ_BLOB_CHUNK_MB: a Redis chunk is 1 byte to 512"):
+        RedisBlobStore(redis_db, chunk_bytes=513 << 20)
+
+
+CHUNK = 4096
+
+
+@pytest.fixture(params=["local", "redis", "s3"])
+def chunked(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlobStore]:
+    """Each store with a chunk size of 4 KB (S3: parts of its 5 MiB least; the local
+    store keeps one file a blob, and is given chunks here only to show that the
+    manifest is the store's, not the backend's)."""
+    if request.param == "local":
+        store = open_store(str(tmp_path / "blobs"))
+        store.chunk_bytes = CHUNK
+    elif request.param == "redis":
+        store = open_store(request.getfixturevalue("redis_db"), chunk_bytes=CHUNK)
+    else:
+        env = request.getfixturevalue("s3_env")
+        store = open_store(f"s3://fedq/t-{tmp_path.name}", env["FEDQ_S3_ENDPOINT_URL"],
+                           chunk_bytes=CHUNK)
+    yield store
+
+
+def _blob(size: int, seed: int = 0) -> bytes:
+    return bytes((i * 31 + seed) % 251 for i in range(size))
+
+
+def test_a_chunked_blob_reads_back_whole_and_its_ref_is_the_unchunked_ones(
+        chunked: BlobStore, redis_db: str, tmp_path: Path) -> None:
+    """A blob over the chunk size is written as chunks and a manifest (Redis, local) or
+    in parts (S3), and reads back byte for byte; its ref (digest, size) is the one a
+    store without chunks gives, so messages, SQL and the host cache cannot tell."""
+    from fedq.blobs import chunks
+
+    data = _blob(6 << 20 if chunked.chunk_bytes is None else 5 * CHUNK + 123)
+    ref = chunked.put_parts(update_key("jc", 1, 0), [data[:1000], memoryview(data)[1000:]])
+    plain = open_store(str(tmp_path / "plain")).put("x", data)
+    assert (ref.sha256, ref.size) == (plain.sha256, plain.size)
+    assert bytes(chunked.get(ref)) == data
+    assert bytes(chunked.get(chunked.put("jobs/jc/r00001/global.safetensors", data))) == data
+    if chunked.chunk_bytes is not None:  # six chunks, the manifest under the key itself
+        head = chunked._read(ref.key)
+        assert head.startswith(chunks.MAGIC) and len(chunks.keys_of(ref.key, head)) == 6
+        assert len(chunked._read(chunks.chunk_key(ref.key, 5))) == 123
+    small = chunked.put("jobs/jc/small", data[:CHUNK])  # at the size: one value, as before
+    assert chunked._read(small.key) == data[:CHUNK]
+
+
+def test_a_blob_written_as_one_value_before_chunks_still_reads(redis_db: str) -> None:
+    """An older job's blob (one value, larger than today's chunk size) reads as it
+    was written, through a store that chunks."""
+    from fedq.blobs.redis import RedisBlobStore
+
+    data = _blob(3 * CHUNK)
+    ref = RedisBlobStore(redis_db, chunk_bytes=None).put("jobs/old/r00001/global", data)
+    assert bytes(RedisBlobStore(redis_db, chunk_bytes=CHUNK).get(ref)) == data
+
+
+def _chunked_ref(store: BlobStore, key: str) -> tuple[BlobRef, bytes]:
+    data = _blob(3 * CHUNK + 10, seed=sum(key.encode()))
+    return store.put(key, data), data
+
+
+@pytest.mark.parametrize("store_kind", ["local", "redis"])
+def test_a_bad_chunk_or_manifest_is_refused_in_one_line(store_kind: str, redis_db: str,
+                                                        tmp_path: Path) -> None:
+    """What a hostile or broken writer can leave: a corrupted chunk, a missing one, one
+    longer than its manifest says, a manifest of another blob, one too large, one that
+    lists chunks adding up to another size, one that is not JSON. Each read fails with
+    one BlobError line naming the key; none returns bytes."""
+    import json
+
+    from fedq.blobs import chunks
+    from fedq.errors import BlobError
+
+    store = open_store(redis_db, chunk_bytes=CHUNK) if store_kind == "redis" \
+        else open_store(str(tmp_path / "blobs"))
+    store.chunk_bytes = CHUNK
+    ref, _ = _chunked_ref(store, "jobs/j1/r00001/updates/c000001")
+    other, _ = _chunked_ref(store, "jobs/j2/r00001/updates/c000001")
+    manifest = store._read(ref.key)
+    listed = json.loads(manifest[len(chunks.MAGIC):])
+
+    def manifest_with(**fields: Any) -> bytes:
+        return chunks.MAGIC + json.dumps({**listed, **fields}).encode()
+
+    second = chunks.chunk_key(ref.key, 1)
+    good = store._read(second)
+    cases: list[tuple[str, Any, str]] = [
+        ("corrupted chunk", lambda: store._write(second, good[:-1] + b"\x00"),
+         r"c000001\.chunk00001: digest mismatch"),
+        ("missing chunk", lambda: store.delete_keys([second]) if store_kind == "local"
+         else store._client.delete("fedq:blob:" + second), r"chunk00001: not found"),
+        ("chunk longer than declared", lambda: store._write(second, good + b"x"),
+         r"chunk00001 is 4097 bytes, more than the 4096 it may be"),
+        ("another blob's manifest", lambda: store._write(ref.key, store._read(other.key)),
+         r"its manifest names another blob"),
+        ("manifest too large", lambda: store._write(
+            ref.key, chunks.MAGIC + b" " * chunks.MAX_MANIFEST_BYTES),
+         r"its manifest is \d+ bytes, more than 1048576"),
+        ("chunks of another size", lambda: store._write(ref.key, manifest_with(
+            chunks=listed["chunks"][:-1] + [[11, listed["chunks"][-1][1]]])),
+         r"lists chunks of \d+ bytes for a blob of"),
+        ("not JSON", lambda: store._write(ref.key, chunks.MAGIC + b"{nope"),
+         r"its manifest is not JSON"),
+    ]
+    for what, spoil, message in cases:
+        store._write(ref.key, manifest)
+        store._write(second, good)
+        spoil()
+        with pytest.raises(BlobError, match=message) as caught:
+            store.get(ref)
+        assert "\n" not in str(caught.value) and ref.key in str(caught.value), what
+    store._write(ref.key, manifest)
+    store._write(second, good)
+    assert len(store.get(ref)) == ref.size  # as written: it reads again
+
+
+def test_deleting_a_chunked_blob_removes_its_chunks(redis_db: str) -> None:
+    """Settle deletes a round's updates by key (fedq/coordinator/commit.py): a chunked
+    one's chunks go with its manifest, and nothing else does."""
+    import redis
+
+    store = open_store(redis_db, chunk_bytes=CHUNK)
+    doomed, _ = _chunked_ref(store, "jobs/jd/r00001/updates/c000001")
+    kept, data = _chunked_ref(store, "jobs/jd/r00001/updates/c000002")
+    small = store.put("jobs/jd/r00001/updates/c000003", b"tiny")
+    client = redis.Redis.from_url(redis_db)
+    assert len(client.keys("fedq:blob:jobs/jd/*")) == 2 * 5 + 1
+    store.delete_keys([doomed.key, small.key, "jobs/jd/never"])
+    assert sorted(k.decode() for k in client.keys("fedq:blob:jobs/jd/*")) == sorted(
+        ["fedq:blob:" + kept.key] + [f"fedq:blob:{kept.key}.chunk{i:05d}" for i in range(4)])
+    assert bytes(store.get(kept)) == data

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedq.blobs import store_for
 from fedq.coordinator.jobs import client_results, job_record, round_results
 from fedq.coordinator.roster import list_workers
 from fedq.engine.logs import CONTEXT_FIELDS, TaskContext, json_formatter, task_context
@@ -333,6 +334,13 @@ def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, st
     assert links["problems"] == [] and links["blob_bytes"] == 10 * 2**20
     assert links["upload_seconds"] > 0 and links["download_seconds"] > 0
     assert links["broker_connect_seconds"] > 0 and "fedq-secret" not in json.dumps(report)
+    # how the store keeps a blob, and at what size it chunks (FEDQ_BLOB_CHUNK_MB)
+    env = {**cluster.env, "FEDQ_BLOB_URL": cluster.env["FEDQ_BROKER_URL"],
+           "FEDQ_BLOB_CHUNK_MB": "8"}
+    shown = run_module("fedq.cli", ["doctor", "--services"], env, 120)
+    assert shown.returncode == 0, shown.stderr
+    assert "one value a blob up to 8 MiB, a larger one as chunks of that size" in shown.stdout
+    assert links["blob_layout"] == store_for(cluster.settings).layout()
     bad = run_module("fedq.cli", ["doctor", "--services"],
                      {**cluster.env, "FEDQ_BROKER_URL": "redis://127.0.0.1:1/0"}, 120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr

@@ -139,3 +139,41 @@ def test_a_rounds_chord_names_its_tasks_and_its_body_carries_no_results(
     fired = body.clone(args=([{"status": "ok", "client": 0}, {"status": "ok"}],))
     assert tuple(fired.args) == (None, "j1", 3)
     assert body.options["argsrepr"] == "job j1 round 3"
+
+
+@pytest.mark.slow
+def test_a_job_on_chunked_redis_blobs_is_bit_for_bit_the_unchunked_one(
+        tmp_path: Path, redis_db: str, pg_url: str) -> None:
+    """The same job on a Redis blob store twice: with 2 KB chunks (every model and
+    update a manifest and its chunks: fedq/blobs/chunks.py) and without (chunks of
+    512 MiB: one value each). The final models are equal bit for bit."""
+    import redis
+
+    from tests.conftest import migrated_cluster
+
+    spec = {**DIGITS, "name": "chunked", "num_clients": 3, "clients_per_round": 3,
+            "rounds": 2}
+    finals, chunk_keys = [], []
+    for chunk_mb in ("0.002", "512"):
+        home = tmp_path / f"c{chunk_mb}"
+        home.mkdir()
+        cluster = migrated_cluster(home, redis_db, redis_db, pg_url)
+        cluster.env.update(FEDQ_BLOB_URL=redis_db, FEDQ_BLOB_CHUNK_MB=chunk_mb)
+        cluster.start(cpu=["cpu"], control=["control"])
+        try:
+            job_id = cluster.submit(spec)
+            done = cluster.wait(job_id, timeout=180)
+        finally:
+            cluster.stop()
+        assert done.status == "completed", done.error
+        store = open_store(redis_db, chunk_bytes=cluster.settings.blob_chunk_bytes)
+        with session_scope(pg_url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            finals.append(loads(store.get(BlobRef(job.global_key, job.global_sha256,
+                                                  job.global_size))))
+        chunk_keys.append(len(redis.Redis.from_url(redis_db).keys(
+            f"fedq:blob:jobs/{job_id}/*.chunk*")))
+    assert chunk_keys[0] > 0 and chunk_keys[1] == 0, chunk_keys
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])

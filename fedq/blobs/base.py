@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import fedq.digest as digests
+from fedq.blobs import chunks
 from fedq.errors import BlobIntegrityError, BlobTooLarge
 
 _OVERLAP_HASH_BYTES = 4 << 20
@@ -122,27 +123,71 @@ class BlobStore(ABC):
         for key in keys:
             self.delete_prefix(key)
 
+    def layout(self) -> str:
+        """How this store keeps a blob, and its limits, in one line (``fedq doctor
+        --services``)."""
+        if self.chunk_bytes is None:
+            return "one value a blob"
+        return (f"one value a blob up to {_mib(self.chunk_bytes)}, a larger one as chunks "
+                f"of that size and a manifest")
+
     def prepare(self) -> str:
         """Make the store ready to be written (an S3 store creates its bucket); one
         line saying what was done."""
         return "nothing to prepare"
 
+    #: A blob larger than this many bytes is written as chunks and a manifest
+    #: (fedq/blobs/chunks.py); None: always one value (a file, or an S3 object that the
+    #: store uploads in parts itself).
+    chunk_bytes: int | None = None
+
     def put(self, key: str, data: bytes) -> BlobRef:
         """Store ``data`` under ``key``; return its ref (key, digest, size)."""
+        if self.chunk_bytes is not None and len(data) > self.chunk_bytes:
+            return chunks.put(self, key, [data], self.chunk_bytes)
         if len(data) < _OVERLAP_HASH_BYTES:
             self._write(key, data)
             return BlobRef(key, digests.of(data), len(data))
         return BlobRef(key, write_hashing(lambda: self._write(key, data), [data]), len(data))
 
     def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
-        """Store the concatenation of ``parts`` (bytes-like) under ``key``. Backends that
+        """Store the concatenation of ``parts`` (bytes-like) under ``key``, as chunks
+        where it is larger than ``chunk_bytes``."""
+        if self.chunk_bytes is not None and \
+                sum(memoryview(p).nbytes for p in parts) > self.chunk_bytes:
+            return chunks.put(self, key, parts, self.chunk_bytes)
+        return self.put_whole_parts(key, parts)
+
+    def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+        """Store the concatenation of ``parts`` as one value, never chunked. Backends that
         can write a value in pieces override this to skip joining them."""
-        return self.put(key, b"".join(parts))
+        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        if len(data) < _OVERLAP_HASH_BYTES:
+            self._write(key, data)
+            return BlobRef(key, digests.of(data), len(data))
+        return BlobRef(key, write_hashing(lambda: self._write(key, data), [data]), len(data))
 
     def get(self, ref: BlobRef, limit: int | None = None) -> bytes:
-        """The bytes of ``ref``, verified against its digest. With ``limit``, a blob
-        larger than ``limit`` bytes is refused (:class:`~fedq.errors.BlobTooLarge`)
-        before it is read, as far as the backend can tell its size, and after."""
+        """The bytes of ``ref``, verified against its digest, whether they were written as
+        one value or as chunks. With ``limit``, a blob larger than ``limit`` bytes is
+        refused (:class:`~fedq.errors.BlobTooLarge`) before it is read, as far as the
+        backend can tell its size, and after."""
+        data, digest = self._get_unchecked(ref, limit)
+        if digest != ref.sha256 and chunks.is_manifest(ref, data):
+            return chunks.get(self, ref, data, limit)  # type: ignore[return-value]
+        check_digest(ref, digest or digests.of(data, ref.sha256))
+        return data
+
+    def get_whole(self, ref: BlobRef, limit: int | None = None) -> bytes:
+        """The bytes of ``ref`` stored as one value (a chunk), verified against its
+        digest; never read as a manifest."""
+        data, digest = self._get_unchecked(ref, limit)
+        check_digest(ref, digest or digests.of(data, ref.sha256))
+        return data
+
+    def _get_unchecked(self, ref: BlobRef, limit: int | None) -> tuple[bytes, str | None]:
+        """The value under ``ref.key`` within ``limit``, and its digest where the backend
+        hashed it as it arrived."""
         if limit is not None and not self.bounds_reads:
             size = self._size(ref.key)
             if size is not None and size > limit:
@@ -151,8 +196,11 @@ class BlobStore(ABC):
         if limit is not None and len(data) > limit:
             raise BlobTooLarge(f"blob {ref.key} is {len(data)} bytes, more than the {limit} "
                                f"it may be")
-        check_digest(ref, digest or digests.of(data, ref.sha256))
-        return data
+        return data, digest
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
 
 
 def check_digest(ref: BlobRef, digest: str) -> None:

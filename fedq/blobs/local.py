@@ -61,6 +61,9 @@ class LocalBlobStore(BlobStore):
         elif target.exists():
             target.unlink()
 
+    def layout(self) -> str:
+        return "one file a blob, of any size the disk holds"
+
     def check(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Blobs as Redis string values (one SET per blob; Redis caps a value at 512 MB, and a
-larger blob is refused before anything is sent, naming the sizes).
+"""Blobs as Redis string values: one SET per blob up to the chunk size (FEDQ_BLOB_CHUNK_MB,
+64 MiB unless set), a larger one as chunks of that size and a manifest
+(fedq/blobs/chunks.py). Redis caps a value at 512 MiB, so the chunk size may be no more.
 
 Reads of large values bypass redis-py's parser: it assembles a bulk reply in a
 BytesIO, chunk by chunk, and moves a 45 MB value at about 0.3-0.5 GB/s here, while
@@ -19,21 +20,30 @@ from collections.abc import Sequence
 from typing import Any
 
 import fedq.digest as digests
+from fedq.blobs import chunks
 from fedq.blobs.base import BlobRef, BlobStore, too_large, write_hashing
-from fedq.errors import BlobError, BlobNotFound, BlobTooLarge, ServiceUnavailable
+from fedq.errors import BlobError, BlobNotFound, BlobTooLarge, ConfigError, ServiceUnavailable
 from fedq.redaction import redact
 
 KEY_PREFIX = "fedq:blob:"
 #: The most bytes Redis keeps in one string value (its ``proto-max-bulk-len``, 512 MB
-#: unless raised): a larger blob is refused before anything is sent.
+#: unless raised): the largest chunk.
 MAX_VALUE_BYTES = 512 << 20
+#: The chunk size unless FEDQ_BLOB_CHUNK_MB says otherwise.
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 class RedisBlobStore(BlobStore):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> None:
+        """``chunk_bytes``: a blob larger than this is written as chunks (None: never,
+        and one over :data:`MAX_VALUE_BYTES` is refused before anything is sent)."""
         import redis
         from redis.connection import parse_url
 
+        if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_VALUE_BYTES:
+            raise ConfigError(f"FEDQ_BLOB_CHUNK_MB: a Redis chunk is 1 byte to "
+                              f"{MAX_VALUE_BYTES >> 20} MiB, not {chunk_bytes} bytes")
+        self.chunk_bytes = chunk_bytes
         self.url = redact(url)  # for messages: the password never leaves in text
         self._client: Any = redis.Redis.from_url(url, socket_connect_timeout=5)
         self._reader: _BulkReader | None = None
@@ -49,8 +59,8 @@ class RedisBlobStore(BlobStore):
         if size > MAX_VALUE_BYTES:
             raise BlobTooLarge(
                 f"blob store {self.url}: {key} is {size / 2**20:,.0f} MiB, more than the "
-                f"{MAX_VALUE_BYTES >> 20} MiB Redis keeps in one value: use an S3 or local "
-                f"blob store for this model (FEDQ_BLOB_URL=s3://... or a folder)")
+                f"{MAX_VALUE_BYTES >> 20} MiB Redis keeps in one value: let it be written "
+                f"in chunks (FEDQ_BLOB_CHUNK_MB, at most {MAX_VALUE_BYTES >> 20})")
 
     def _write(self, key: str, data: bytes) -> None:
         import redis
@@ -61,14 +71,14 @@ class RedisBlobStore(BlobStore):
         except redis.RedisError as exc:
             raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
 
-    def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+    def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """SET the parts one after the other on the raw connection (no joined copy),
         hashing them on a second thread meanwhile."""
         size = sum(memoryview(p).nbytes for p in parts)
         self._fits(key, size)  # before anything is joined or sent
         reader = self._reader
         if reader is None:
-            return super().put_parts(key, parts)
+            return super().put_whole_parts(key, parts)
         import redis
 
         try:
@@ -126,13 +136,31 @@ class RedisBlobStore(BlobStore):
         return int(size)
 
     def delete_keys(self, keys: Sequence[str]) -> None:
+        """Delete these blobs, and the chunks of those stored as chunks (their manifests
+        are read first: a blob's chunk keys all begin with its key)."""
         for i in range(0, len(keys), 1000):
-            self._client.delete(*(KEY_PREFIX + k for k in keys[i:i + 1000]))
+            batch = list(keys[i:i + 1000])
+            pipe = self._client.pipeline(transaction=False)
+            for k in batch:
+                pipe.getrange(KEY_PREFIX + k, 0, len(chunks.MAGIC) - 1)
+            heads = pipe.execute()
+            chunked = [k for k, head in zip(batch, heads) if head == chunks.MAGIC]
+            manifests = self._client.mget([KEY_PREFIX + k for k in chunked]) if chunked else []
+            doomed = batch + [c for k, m in zip(chunked, manifests) if m is not None
+                              for c in chunks.keys_of(k, m)]
+            for j in range(0, len(doomed), 1000):
+                self._client.delete(*(KEY_PREFIX + k for k in doomed[j:j + 1000]))
 
     def delete_prefix(self, prefix: str) -> None:
         keys = list(self._client.scan_iter(match=KEY_PREFIX + prefix + "*", count=1000))
         if keys:
             self._client.delete(*keys)
+
+    def layout(self) -> str:
+        if self.chunk_bytes is None:
+            return f"one value a blob, at most {MAX_VALUE_BYTES >> 20} MiB"
+        return (super().layout() + f" (a chunk: at most {MAX_VALUE_BYTES >> 20} MiB; "
+                "FEDQ_BLOB_CHUNK_MB)")
 
     def check(self) -> None:
         import redis

@@ -2,11 +2,14 @@
 
 Credentials come from the usual AWS_* variables (the secret key may come from the file
 ``AWS_SECRET_ACCESS_KEY_FILE`` names, a Docker secret); the endpoint from
-``FEDQ_S3_ENDPOINT_URL``. A PUT replaces an object atomically.
+``FEDQ_S3_ENDPOINT_URL``. A PUT replaces an object atomically. A blob larger than the part
+size (FEDQ_BLOB_CHUNK_MB, at least S3's 5 MiB) is uploaded in parts (a multipart upload,
+which S3 shows only once it is complete), so one is not capped at a single PUT's 5 GB.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +26,15 @@ from fedq.errors import (
 from fedq.redaction import redact
 from fedq.settings import secret
 
+#: S3's smallest part of a multipart upload (all but the last).
+MIN_PART_BYTES = 5 << 20
+
 
 class S3BlobStore(BlobStore):
-    def __init__(self, url: str, endpoint_url: str | None = None) -> None:
+    def __init__(self, url: str, endpoint_url: str | None = None,
+                 part_bytes: int = 64 << 20) -> None:
+        """``part_bytes``: a blob larger than this is uploaded in parts of this size
+        (raised to S3's 5 MiB where it is less)."""
         require_extra("boto3", "s3", f"the blob store {url}")
         import boto3
         from botocore.config import Config
@@ -45,6 +54,7 @@ class S3BlobStore(BlobStore):
             config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3},
                           s3={"addressing_style": "path"}))
         self._presigners: dict[str, Any] = {}
+        self.part_bytes = max(part_bytes, MIN_PART_BYTES)
 
     def _errors(self) -> tuple[type[Exception], ...]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -53,7 +63,15 @@ class S3BlobStore(BlobStore):
 
     def _write(self, key: str, data: bytes) -> None:
         try:
-            self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+            if len(data) <= self.part_bytes:
+                self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+                return
+            from boto3.s3.transfer import TransferConfig
+
+            self._client.upload_fileobj(  # a BytesIO of bytes shares them: no copy
+                io.BytesIO(data), self.bucket, self.prefix + key,
+                Config=TransferConfig(multipart_threshold=self.part_bytes,
+                                      multipart_chunksize=self.part_bytes))
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
 
@@ -119,6 +137,10 @@ class S3BlobStore(BlobStore):
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if objects:
                 self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def layout(self) -> str:
+        return (f"one PUT a blob up to {self.part_bytes / 2**20:g} MiB, a larger one in "
+                "parts of that size (a multipart upload; FEDQ_BLOB_CHUNK_MB, at least 5)")
 
     def prepare(self) -> str:
         """Create the bucket unless it exists (the compose file's s3-init step)."""

@@ -411,6 +411,8 @@ def _print_links(links: dict[str, Any]) -> None:
                   highlight=False)
     else:
         out.print(f"blobs     {links['blob_store']}: [red]not reachable[/]", highlight=False)
+    if links.get("blob_layout"):
+        out.print(f"          {links['blob_layout']}", highlight=False)
     limits = links.get("limits") or []
     if limits:
         who = (f"registered worker {links['joined_as']}" if links.get("joined_as")

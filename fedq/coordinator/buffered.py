@@ -414,7 +414,7 @@ def apply_version(settings: Settings, job_id: str, version: int) -> dict[str, An
             Round.job_id == job_id, Round.number == version - 1)) or job.created_at
     log.info("applying job %s version %d (%d updates)", job_id, version, len(rows))
     factors = staleness_factors(spec, {r.task_index: r.staleness or 0 for r in rows})
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
     current = commit.current_model(store, model)
     outcome = Outcome()
     hold.at("apply", f"{job_id}-v{version}", "control")  # fault tests only

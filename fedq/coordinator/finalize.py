@@ -195,7 +195,7 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     """Verify, reduce, step the server optimizer, evaluate, write blobs, commit. None when
     fewer than the quorum of updates pass verification (nothing is written then)."""
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
     with phase("current model"):
         current = commit.current_model(store, rnd.model)
     new = commit.aggregate(spec, store, job_id, number, list(chosen.values()), current,

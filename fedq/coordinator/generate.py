@@ -33,7 +33,7 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
         raise SpecError(f"job {job_id} trains {spec.model} on {spec.dataset}, not a language "
                         "model: nothing to generate")
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
     model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
     model.eval()
     start = text_data.prompt_ids(prompt)

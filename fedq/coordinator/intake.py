@@ -139,7 +139,7 @@ class Sent:
         settings = get_settings()
         if not settings.presign_endpoint:
             return None
-        store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+        store = PROCESS.blobs(settings)
         if not isinstance(store, S3BlobStore):
             raise ConfigError("FEDQ_PRESIGN_ENDPOINT is set, but the blob store is not S3 "
                               "(FEDQ_BLOB_URL=s3://bucket/prefix)")

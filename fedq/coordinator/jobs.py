@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, select, update
 
-from fedq.blobs import global_key, open_store
+from fedq.blobs import global_key, store_for
 from fedq.blobs.keys import job_prefix
 from fedq.coordinator.rounds import request_round, round_task_ids
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, session_scope
@@ -35,7 +35,7 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     fails after the first write, what was written is removed again.
     """
     check_broker()
-    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store = store_for(settings)
     store.check()
     ensure_schema(settings.database_url)
 
@@ -70,7 +70,7 @@ def prepare_store(settings: Settings, wait: float = 60.0) -> str:
     """Make the configured blob store ready (its bucket created) and check it can be
     written, retrying for ``wait`` seconds while its server starts: the compose file's
     s3-init step. One line saying what was done."""
-    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store = store_for(settings)
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -90,7 +90,7 @@ def _remove(settings: Settings, job_id: str) -> None:
             if job is not None:
                 s.delete(job)
     finally:
-        open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
+        store_for(settings).delete_prefix(job_prefix(job_id))
 
 
 def cancel(settings: Settings, job_id: str) -> int:

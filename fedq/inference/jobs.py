@@ -37,7 +37,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 import fedq.identity as identity
-from fedq.blobs import BlobRef, open_store
+from fedq.blobs import BlobRef, store_for
 from fedq.blobs.keys import job_prefix
 from fedq.db import Job, session_scope
 from fedq.db.models import InferenceJob, InferenceShard, Worker, aware, utcnow, worker_time
@@ -209,7 +209,7 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
     """Check the spec against what it names, write the job and its shards, and send the
     first shards; the job id. Nothing is left behind when a check fails."""
     check_broker()
-    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store = store_for(settings)
     store.check()
     ensure_schema(settings.database_url)
     arch, blob, weights_bytes = model_source(settings, spec.model, base, spec.inputs)
@@ -296,7 +296,7 @@ def _remove(settings: Settings, job_id: str) -> None:
             if job is not None:
                 s.delete(job)
     finally:
-        open_store(settings.blob_url, settings.s3_endpoint_url).delete_prefix(job_prefix(job_id))
+        store_for(settings).delete_prefix(job_prefix(job_id))
 
 
 #: the start of a queued shard's error when the broker refused to send it (fedq infer
@@ -617,7 +617,7 @@ def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: 
     if r.items != stop - start or not 0 < r.size <= bound:
         return Verdict("rejected", f"{r.items} item(s) in {r.size} bytes for a shard of "
                        f"{stop - start} (at most {bound} bytes)", r)
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
     try:
         body = store.get(BlobRef(r.key, r.sha256, r.size), limit=bound)
         check_output(body, op, start, stop, facts.classes,
@@ -948,7 +948,7 @@ def merge(settings: Settings, job_id: str, out: Path) -> int:
             select(InferenceShard).where(InferenceShard.job_id == job_id)
             .order_by(InferenceShard.shard))]
         items, op = job.items, str(job.spec.get("op", ""))
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
     bodies = (store.get(ref, limit=ref.size) for ref in refs)
     try:

@@ -1120,7 +1120,7 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     workers), and the batches are sealed with the coordinator's keys."""
     import torch
 
-    from fedq.blobs import open_store
+    from fedq.blobs import store_for
     from fedq.data import load_dataset
     from fedq.db.session import ensure_schema
     from fedq.engine.broker import check_broker
@@ -1131,7 +1131,7 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     from fedq.weights import loads
 
     check_broker()
-    store = open_store(settings.blob_url, settings.s3_endpoint_url)
+    store = store_for(settings)
     store.check()
     # its API keys live in the database, as a job's model does: the embedded default is
     # migrated here (another database names `fedq db upgrade` in one line)

@@ -60,7 +60,7 @@ def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
         result = {**base, "status": "yielded", "error": f"not started: {reason}"}
     else:
         delivered = (self.request.delivery_info or {}).get("routing_key")
-        store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+        store = PROCESS.blobs(settings)
         with claim(self.backend, task_id, worker, settings.heartbeat_s,
                    written=True):
             result = run_shard(ref, store, worker, delivered, me.name if me else None)
@@ -97,7 +97,7 @@ def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
             log.warning("%s", exc)
             return me.sign_result({"status": "error", "error": str(exc), "worker": worker},
                                   self.request.id)
-    store = PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+    store = PROCESS.blobs(settings)
 
     def progress(texts: list[str]) -> None:  # read by the gateway for streamed answers
         meta: dict[str, Any] = {"stream": texts}

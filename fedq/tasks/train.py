@@ -53,7 +53,7 @@ def train(self: Task, ref: dict[str, Any]) -> dict[str, Any]:
     # a task with presigned URLs reads and writes its blobs only through them
     links = ref.get("links") if isinstance(ref, dict) else None
     store = PresignedStore(links) if isinstance(links, dict) else \
-        PROCESS.store(settings.blob_url, settings.s3_endpoint_url)
+        PROCESS.blobs(settings)
     # the claim's heartbeat (fedq/worker/heartbeat.py): a dead worker's task is sent
     # again in seconds, not at the round's deadline; and a task whose job was cancelled
     # or ended stops at its next step

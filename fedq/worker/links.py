@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import fedq.digest as digests
-from fedq.blobs import open_store
+from fedq.blobs import store_for
 from fedq.engine.broker import check_broker
 from fedq.errors import BlobError, FedqError
 from fedq.redaction import redact
@@ -39,7 +39,8 @@ def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any
     except FedqError as exc:
         report["problems"].append(str(exc))
     try:
-        store = open_store(settings.blob_url, settings.s3_endpoint_url)
+        store = store_for(settings)
+        report["blob_layout"] = store.layout()
         data = os.urandom(size)
         # a joined worker may write only its own updates: the probe is one
         key = (f"jobs/{PROBE_JOB}/updates/{settings.joined_as}/" if settings.joined_as
