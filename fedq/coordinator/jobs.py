@@ -44,6 +44,9 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     from fedq.weights import dumps
 
     try:
+        from fedq.models import pinned_args
+
+        spec = spec.model_copy(update={"model_args": pinned_args(spec.model, spec.model_args)})
         weights = initial_weights(spec)
     except (TypeError, ValueError, RuntimeError) as exc:  # the spec's model cannot be built
         raise SpecError(f"model {spec.model} with {spec.model_args or 'no arguments'} cannot "

@@ -14,6 +14,15 @@ from fedq.registry import Registry
 
 ModelFactory = Callable[..., nn.Module]
 MODELS: Registry[ModelFactory] = Registry("model")
+#: Model name -> what turns a spec's ``model_args`` into the ones a job stores (a
+#: checkpoint's digest added: fedq/models/hf.py); a model without one stores them as given.
+PINS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def pinned_args(name: str, model_args: dict[str, Any]) -> dict[str, Any]:
+    """``model_args`` of model ``name`` as a job stores them (:data:`PINS`)."""
+    pin = PINS.get(name)
+    return model_args if pin is None else pin(model_args)
 
 
 def check_model(name: str, source: str = "spec") -> None:

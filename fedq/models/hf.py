@@ -1,0 +1,203 @@
+"""Causal language models of Hugging Face ``transformers`` (the ``[llm]`` extra), built
+from local files only, and LoRA adapters (PEFT) as the only tensors a job trains and
+federates.
+
+In a spec: ``model: hf_causal_lm`` with ``model_args``:
+
+- ``config: {model_type: llama, hidden_size: 64, ...}``: a new model of that
+  architecture (any causal LM family transformers ships: llama, qwen2, qwen3, mistral,
+  gpt2, ...; no per-family code here), its weights initialised from ``seed`` (0 unless
+  set) whichever process builds it, so every worker holds the same base;
+  ``vocab_size`` defaults to the dataset's vocabulary (256 for the byte-level corpora)
+  and ``max_position_embeddings`` to at least the dataset's block size;
+- or ``path: DIR``: a checkpoint as ``save_pretrained`` writes it, read with
+  ``local_files_only`` (its vocabulary must cover the dataset's). ``fedq submit``
+  adds ``digest``, a BLAKE3 digest of the folder's safetensors files (:func:`pin`), and
+  a worker whose checkpoint at that path is not the same refuses the task in one line:
+  every worker trains the same base;
+- ``lora: {r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, v_proj]}``: the
+  base is frozen and only the adapters train. The model's ``state_dict`` is then the
+  adapters alone: they are what a round's global model, each update, verification,
+  codecs, DP and aggregation see, so an upload is the adapters' size, not the model's.
+
+The hub is never asked: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` are set before
+transformers is imported. A bad argument (an unknown ``model_type``, a missing
+checkpoint, a ``target_modules`` name the model lacks) is one ``ValueError`` line; the
+last lists the model's module names.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fedq.digest as digests
+from fedq.errors import require_extra
+from fedq.models.registry import MODELS, PINS
+
+#: What ``lora`` takes, and PEFT's name for each.
+_LORA_KEYS = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
+              "target_modules": "target_modules"}
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as fedq trains it: token ids (B, T) -> logits (B, T, V).
+    With ``adapters_only`` its ``state_dict`` holds the trainable (LoRA) tensors only,
+    and ``load_state_dict`` takes exactly those."""
+
+    def __init__(self, lm: nn.Module, adapters_only: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        self.adapters_only = adapters_only
+        self._trained = frozenset(n for n, p in self.named_parameters() if p.requires_grad)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        full = super().state_dict(*args, destination=destination, prefix=prefix,
+                                  keep_vars=keep_vars)
+        if self.adapters_only:
+            for key in [k for k in full if k[len(prefix):] not in self._trained]:
+                del full[key]
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        if not self.adapters_only:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        given = set(state_dict)
+        if strict and given != self._trained:
+            missing, extra = sorted(self._trained - given), sorted(given - self._trained)
+            raise RuntimeError(f"adapter weights do not match the model: missing "
+                               f"{missing[:3]}, unexpected {extra[:3]}")
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """A BLAKE3 digest of a checkpoint's weights: each ``*.safetensors`` file of
+    ``folder`` (by name, in order), its name, size and bytes, read 16 MiB at a time."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"hf_causal_lm: path {folder}: no *.safetensors file there")
+    hasher = digests.new()
+    for file in files:
+        hasher.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as fh:
+            while block := fh.read(16 << 20):
+                hasher.update(block)
+    return digests.text(hasher)
+
+
+def pin(model_args: dict[str, Any]) -> dict[str, Any]:
+    """``model_args`` as a job stores them: with ``path``, the checkpoint's digest added
+    (unless given), so that every worker can check it trains the same base."""
+    path = model_args.get("path")
+    if not isinstance(path, str) or not path or model_args.get("digest") or \
+            model_args.get("config") is not None:  # (both: the model says so, built)
+        return model_args
+    return {**model_args, "digest": checkpoint_digest(Path(path).expanduser())}
+
+
+@MODELS.register("hf_causal_lm")
+def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
+                 config: dict[str, Any] | None = None, path: str = "",
+                 lora: dict[str, Any] | None = None, seed: int = 0,
+                 digest: str = "") -> nn.Module:
+    """input_shape: (block_size,); num_classes: the dataset's vocabulary size."""
+    require_extra("transformers", "llm", "model hf_causal_lm")
+    if lora is not None:
+        require_extra("peft", "llm", "model hf_causal_lm with lora")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (config is None) == (not path):
+        raise ValueError("hf_causal_lm: give exactly one of model_args.config (a new "
+                         "model) and model_args.path (a local checkpoint)")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # the same base in every process; and no deprecation notice of transformers'
+        # own internals on fedq's stderr
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.manual_seed(seed)
+        if config is not None:
+            lm = AutoModelForCausalLM.from_config(_config(AutoConfig, config, input_shape,
+                                                          num_classes))
+        else:
+            folder = Path(path).expanduser()
+            if digest and (mine := checkpoint_digest(folder)) != digest:
+                raise ValueError(
+                    f"hf_causal_lm: path {folder}: its weights (digest "
+                    f"{digests.short(mine)}...) are not the job's ({digests.short(digest)}"
+                    f"...): every worker must hold the same checkpoint")
+            lm = _load(AutoModelForCausalLM, folder, num_classes)
+        if lora is not None:
+            lm = _with_lora(lm, lora)
+    return HFCausalLM(lm, adapters_only=lora is not None)
+
+
+PINS["hf_causal_lm"] = pin
+
+
+def _config(auto: Any, given: dict[str, Any], input_shape: tuple[int, ...],
+            num_classes: int) -> Any:
+    args = dict(given)
+    kind = args.pop("model_type", None)
+    if not isinstance(kind, str):
+        raise ValueError("hf_causal_lm: model_args.config needs a model_type (llama, "
+                         "qwen2, mistral, gpt2, ...)")
+    args.setdefault("vocab_size", num_classes)
+    if args["vocab_size"] < num_classes:
+        raise ValueError(f"hf_causal_lm: config.vocab_size {args['vocab_size']} is less "
+                         f"than the dataset's vocabulary of {num_classes}")
+    key = "n_positions" if kind == "gpt2" else "max_position_embeddings"
+    args[key] = max(int(args.get(key) or 0), input_shape[0])
+    try:
+        return auto.for_model(kind, **args)
+    except ValueError as exc:
+        first = str(exc).split(". ")[0]
+        raise ValueError(f"hf_causal_lm: config: {first[:200]}") from None
+
+
+def _load(auto: Any, folder: Path, num_classes: int) -> nn.Module:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"hf_causal_lm: path {folder}: no config.json there (a folder "
+                         f"as save_pretrained writes it)")
+    try:
+        lm = auto.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"hf_causal_lm: path {folder}: "
+                         f"{str(exc).splitlines()[0][:200]}") from None
+    vocab = int(getattr(lm.config, "vocab_size", 0) or 0)
+    if vocab < num_classes:
+        raise ValueError(f"hf_causal_lm: path {folder}: its vocabulary of {vocab} is less "
+                         f"than the dataset's {num_classes}")
+    return lm  # type: ignore[no-any-return]
+
+
+def _with_lora(lm: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    unknown = sorted(set(lora) - set(_LORA_KEYS))
+    if unknown:
+        raise ValueError(f"hf_causal_lm: lora.{unknown[0]}: unknown (known: "
+                         f"{', '.join(_LORA_KEYS)})")
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
+                    if isinstance(m, nn.Linear)})
+    targets = lora.get("target_modules", ["q_proj", "v_proj"])
+    if not isinstance(targets, list) or not targets or \
+            any(not isinstance(t, str) for t in targets):
+        raise ValueError("hf_causal_lm: lora.target_modules: a list of module names")
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"hf_causal_lm: lora.target_modules: {missing[0]!r} is no linear "
+                         f"module of this model (its linear modules: {', '.join(names)})")
+    params = {_LORA_KEYS[k]: v for k, v in lora.items()}
+    params["target_modules"] = targets
+    return get_peft_model(lm, LoraConfig(**params))  # type: ignore[no-any-return]

@@ -1,0 +1,151 @@
+"""Hugging Face causal LMs (fedq/models/hf.py): tiny Llama and Qwen2 configurations and
+a tiny checkpoint saved here with ``save_pretrained``, never the hub; LoRA adapters as
+the federated update, on real workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from fedq.coordinator.evaluation import evaluate_weights, initial_weights
+from fedq.db import ClientUpdate, session_scope
+from fedq.models import build_model, pinned_args
+from fedq.spec import JobSpec
+from fedq.status import UpdateStatus
+from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.procs import run_module
+from fedq.weights import dumps, state_of
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+LLAMA = {"model_type": "llama", **TINY}
+QWEN = {"model_type": "qwen2", **TINY}
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+BYTES = (16,), 256  # the byte-level corpora's input shape and vocabulary
+
+SPEC: dict[str, Any] = {
+    "name": "hf", "model": "hf_causal_lm", "dataset": "shakespeare",
+    "dataset_args": {"block_size": 16, "eval_windows": 64}, "num_clients": 2,
+    "clients_per_round": 2, "rounds": 2, "local_steps": 8, "batch_size": 8,
+    "optimizer": {"name": "adamw", "lr": 0.01}, "queues": {"cpu": -1}, "seed": 0}
+
+
+def _checkpoint(folder: Path, config: dict[str, Any] = LLAMA) -> Path:
+    """A tiny causal LM saved as ``save_pretrained`` writes it (random weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args = dict(config)
+    kind = args.pop("model_type")
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=256,
+                                                                  **args))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_lora_model_federates_its_adapters_and_every_process_builds_the_same_base(
+) -> None:
+    """With ``lora`` the state a job moves is the adapters alone (every name a LoRA
+    tensor, a small share of the model); the frozen base is the same whatever torch's
+    global seed was (each worker seeds torch per client before it builds the model)."""
+    torch.manual_seed(11)
+    one = build_model("hf_causal_lm", *BYTES, config=LLAMA, lora=LORA)
+    torch.manual_seed(12)
+    two = build_model("hf_causal_lm", *BYTES, config=LLAMA, lora=LORA)
+    base_one, base_two = (m.lm.get_base_model().state_dict() for m in (one, two))
+    assert all(torch.equal(base_one[k], base_two[k]) for k in base_one)
+    adapters = one.state_dict()
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
+    assert set(adapters) == {n for n, p in one.named_parameters() if p.requires_grad}
+    everything = sum(p.numel() for p in one.parameters())
+    assert sum(v.numel() for v in adapters.values()) < 0.1 * everything
+    two.load_state_dict(state_of(one))  # what a worker does with a round's global model
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.equal(one(x), two(x)) and one(x).shape == (2, 16, 256)
+    with pytest.raises(RuntimeError, match="adapter weights do not match the model"):
+        two.load_state_dict({k: v for k, v in adapters.items() if ".lora_A." in k})
+    full = build_model("hf_causal_lm", *BYTES, config=QWEN)  # a second family, no LoRA
+    assert type(full.lm).__name__ == "Qwen2ForCausalLM"
+    assert len(full.state_dict()) == len(dict(full.lm.state_dict()))
+
+
+def test_a_worker_with_another_checkpoint_at_the_path_refuses_in_one_line(
+        tmp_path: Path) -> None:
+    """``fedq submit`` pins the checkpoint's digest into the job's model_args; a worker
+    whose checkpoint at that path has one tensor changed builds nothing."""
+    folder = _checkpoint(tmp_path / "ckpt")
+    args = pinned_args("hf_causal_lm", {"path": str(folder), "lora": LORA})
+    assert args["digest"].startswith("b3-")
+    build_model("hf_causal_lm", *BYTES, **args)  # the same checkpoint: built
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^hf_causal_lm: path .*ckpt: its weights \(digest "
+                                         r".*\) are not the job's .*same checkpoint$"):
+        build_model("hf_causal_lm", *BYTES, **args)
+
+
+@pytest.mark.parametrize(("model_args", "message"), [
+    ({"config": LLAMA, "lora": {**LORA, "target_modules": ["q_proj", "qkv"]}},
+     "lora.target_modules: 'qkv' is no linear module of this model (its linear modules: "
+     "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)"),
+    ({"config": {**LLAMA, "model_type": "llamma"}},
+     "config: Unrecognized model identifier: llamma"),
+    ({"path": "/nonexistent/ckpt"}, "path /nonexistent/ckpt: no *.safetensors file there"),
+    ({"config": LLAMA, "path": "/x"}, "give exactly one of model_args.config"),
+    ({"config": LLAMA, "lora": {**LORA, "rank": 4}}, "lora.rank: unknown (known: r, alpha"),
+])
+def test_a_model_that_cannot_be_built_is_one_line_and_no_job(
+        tmp_path: Path, model_args: dict[str, Any], message: str) -> None:
+    env = base_env(tmp_path / "home")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({**SPEC, "model_args": model_args}))
+    proc = run_module("fedq.cli", ["submit", str(spec)], env, 120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+    status = run_module("fedq.cli", ["status"], env, 120)
+    assert "hf" not in status.stdout.replace("fedq", "")  # no job was made
+
+
+@pytest.mark.slow
+def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """A tiny Llama checkpoint (save_pretrained), LoRA on q and v: 2 workers on Redis +
+    PostgreSQL train 3 rounds; every upload is the adapters' size, not the model's, and
+    the global model's held-out loss ends below round 0's. Then full-parameter DiLoCo
+    of a new Qwen2 model: the same code, another family."""
+    cluster = redis_cluster
+    folder = _checkpoint(tmp_path / "ckpt")
+    cluster.start(a=["cpu"], b=["cpu"], control=["control"])
+    lora = {**SPEC, "name": "hf-lora", "rounds": 3,
+            "model_args": {"path": str(folder), "lora": LORA}}
+    job = cluster.submit(lora)
+    done = cluster.wait(job, timeout=300)
+    assert done.status == "completed", done.error
+    spec = JobSpec.model_validate({**lora, "model_args": pinned_args("hf_causal_lm",
+                                                                      lora["model_args"])})
+    adapters = initial_weights(spec)
+    size = len(dumps(adapters, {"job": job}))
+    model_bytes = (folder / "model.safetensors").stat().st_size
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        ok = [u for u in s.query(ClientUpdate).filter_by(job_id=job)
+              if u.status == UpdateStatus.OK]
+        assert len(ok) == 6 and {u.worker for u in ok} == {"a@test", "b@test"}
+        assert all(abs(u.bytes_up - size) < 512 for u in ok), (size, [u.bytes_up for u in ok])
+    assert size < model_bytes / 10
+    _, start_loss = evaluate_weights(spec, adapters)
+    final = cluster.rounds(job)[-1]
+    assert final.eval_loss is not None and final.eval_loss < start_loss, \
+        (start_loss, [r.eval_loss for r in cluster.rounds(job)])
+    full = cluster.submit({**SPEC, "name": "hf-diloco", "model_args": {"config": QWEN},
+                           "server": {"name": "diloco"}})
+    assert cluster.wait(full, timeout=300).status == "completed"
