@@ -6,9 +6,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Task
-
-import fedq.identity as identity
 from fedq.engine.app import app
 from fedq.engine.names import (
     ABSORB_SHARD_TASK,
@@ -21,50 +18,37 @@ from fedq.engine.names import (
 )
 from fedq.process import PROCESS
 from fedq.settings import get_settings
+from fedq.tasks.base import WorkerTask
 from fedq.worker import owner
-from fedq.worker.heartbeat import claim, claim_unless_revoked
 
 log = logging.getLogger(__name__)
 
 
-@app.task(name=INFER_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
-          time_limit=TRAIN_TIME_LIMIT)
-def infer_shard(self: Task, ref: Any) -> dict[str, Any]:
-    """Run one shard; returns a shard result (never raises)."""
+@app.task(name=INFER_TASK, bind=True, base=WorkerTask,
+          soft_time_limit=TRAIN_SOFT_TIME_LIMIT, time_limit=TRAIN_TIME_LIMIT)
+def infer_shard(self: WorkerTask, ref: Any) -> dict[str, Any]:
+    """Run one shard; returns a shard result (never raises). The preamble (seal,
+    revocation, claim, heartbeat, signature) is fedq/tasks/base.py's."""
     from fedq.inference.run import run_shard
 
-    settings = get_settings()
-    worker = self.request.hostname or "unknown"
     head = ref if isinstance(ref, dict) else {}
     base = {"job": head.get("job"), "shard": head.get("shard"), "attempt": head.get("attempt"),
-            "worker": worker, "queue": str(head.get("queue", ""))[:32]}
-    # A worker that joined a coordinator (fedq worker join) takes only shards sealed by
-    # it for this task id, and signs what it returns (fedq/identity.py).
-    me = identity.joined(settings.keys_dir)
-    task_id = self.request.id
-    if me is not None:
-        try:
-            ref = identity.check_sealed(ref, task_id, me.coordinator)
-        except identity.Refused as exc:
-            log.warning("%s", exc)
-            return me.sign_result({**base, "status": "error", "error": str(exc)}, task_id)
-    # a shard revoked before this worker started (its job cancelled or failed) waited
-    # in the queue: answered untrained (fedq/engine/revoke.py); else its claim is
-    # stored in the same round trip, and beats while the shard runs, so a dead worker's
-    # shard is sent again in seconds (fedq/coordinator/watchdog.py), not at its timeout
-    if (why := claim_unless_revoked(self.backend, task_id, worker)) is not None:
-        log.warning("not run: task %s was revoked (%s)", task_id, why)
+            "worker": self.worker, "queue": str(head.get("queue", ""))[:32]}
+    ref, refused = self.unseal(ref, lambda why: {**base, "status": "error", "error": why})
+    if refused is not None:
+        return refused
+    if (why := self.revoked_else_claim()) is not None:
+        log.warning("not run: task %s was revoked (%s)", self.request.id, why)
         result = {**base, "status": "error", "error": f"revoked before it started: {why}"}
     elif (reason := owner.away()) is not None:  # the owner is back: not started
         owner.stepped_aside()
         result = {**base, "status": "yielded", "error": f"not started: {reason}"}
     else:
-        delivered = (self.request.delivery_info or {}).get("routing_key")
-        store = PROCESS.blobs(settings)
-        with claim(self.backend, task_id, worker, settings.heartbeat_s,
-                   written=True):
-            result = run_shard(ref, store, worker, delivered, me.name if me else None)
-    return result if me is None else me.sign_result(result, task_id)
+        me = self.me()
+        with self.beating():
+            result = run_shard(ref, PROCESS.blobs(self.settings), self.worker,
+                               self.delivered_to, me.name if me else None)
+    return self.signed(result)
 
 
 @app.task(name=ABSORB_SHARD_TASK, time_limit=CONTROL_TIME_LIMIT)
@@ -78,34 +62,24 @@ def absorb_shard(result: Any, job_id: str, shard: int, attempt: int) -> dict[str
     return absorb(settings, result, job_id, shard, attempt, registry_if_required(settings))
 
 
-@app.task(name=SERVE_TASK, bind=True, soft_time_limit=TRAIN_SOFT_TIME_LIMIT,
-          time_limit=TRAIN_TIME_LIMIT, send_events=False)
-def serve_batch(self: Task, batch: Any) -> dict[str, Any]:
+@app.task(name=SERVE_TASK, bind=True, base=WorkerTask,
+          soft_time_limit=TRAIN_SOFT_TIME_LIMIT, time_limit=TRAIN_TIME_LIMIT, send_events=False)
+def serve_batch(self: WorkerTask, batch: Any) -> dict[str, Any]:
     """One batch of ``fedq serve`` requests (never raises). It sends no task events
     (received, started, succeeded: three publishes on the request's path, and hundreds
-    a second under load); the gateway's /metrics counts the batches instead."""
+    a second under load); the gateway's /metrics counts the batches instead. No claim
+    or heartbeat: the gateway waits on the batch itself (fedq/inference/serve.py)."""
     from fedq.inference.run import serve_batch as run_batch
 
-    settings = get_settings()
-    worker = self.request.hostname or "unknown"
-    # a joined worker takes only batches sealed by its coordinator, and signs its answer
-    me = identity.joined(settings.keys_dir)
-    if me is not None:
-        try:
-            batch = identity.check_sealed(batch, self.request.id, me.coordinator)
-        except identity.Refused as exc:
-            log.warning("%s", exc)
-            return me.sign_result({"status": "error", "error": str(exc), "worker": worker},
-                                  self.request.id)
-    store = PROCESS.blobs(settings)
+    batch, refused = self.unseal(batch, lambda why: {"status": "error", "error": why,
+                                                     "worker": self.worker})
+    if refused is not None:
+        return refused
 
     def progress(texts: list[str]) -> None:  # read by the gateway for streamed answers
-        meta: dict[str, Any] = {"stream": texts}
         try:
-            self.update_state(state=STREAM_STATE, meta=meta if me is None
-                              else me.sign_result(meta, self.request.id))
+            self.update_state(state=STREAM_STATE, meta=self.signed({"stream": texts}))
         except Exception as exc:  # noqa: BLE001 - a stream falls behind; the answer stands
             log.warning("serve batch: progress not written (%s)", exc)
 
-    answer = run_batch(batch, store, worker, progress)
-    return answer if me is None else me.sign_result(answer, self.request.id)
+    return self.signed(run_batch(batch, PROCESS.blobs(self.settings), self.worker, progress))

@@ -207,8 +207,9 @@ ATTACKS: dict[str, Attack] = {f.__name__: f for f in (
     undecodable)}
 
 
-def run_training(data: dict, store: BlobStore, worker: str) -> dict:
-    result = _honest(data, store, worker)
+def run_training(data: dict, store: BlobStore, worker: str,
+                 revoked: Callable[[], str | None] | None = None) -> dict:
+    result = _honest(data, store, worker, revoked)
     name = str((data.get("spec") or {}).get("name", ""))
     attack = ATTACKS.get(name.removeprefix("attack-"))
     if attack is None or result.get("status") != "ok":
