@@ -11,14 +11,15 @@ import pytest
 import torch
 import yaml
 
+from fedq.blobs import BlobRef, store_for
 from fedq.coordinator.evaluation import evaluate_weights, initial_weights
-from fedq.db import ClientUpdate, session_scope
+from fedq.db import ClientUpdate, Job, session_scope
 from fedq.models import build_model, pinned_args
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
-from fedq.testing.cluster import Cluster, base_env
+from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.testing.procs import run_module
-from fedq.weights import dumps, state_of
+from fedq.weights import dumps, loads, state_of
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -116,6 +117,20 @@ def test_a_model_that_cannot_be_built_is_one_line_and_no_job(
     assert "hf" not in status.stdout.replace("fedq", "")  # no job was made
 
 
+def test_only_a_transformers_job_exports_and_an_unknown_job_is_named(tmp_path: Path) -> None:
+    env = base_env(tmp_path / "home")
+    spec = tmp_path / "digits.yaml"
+    spec.write_text(yaml.safe_dump({**DIGITS, "name": "cnn"}))
+    job = run_module("fedq.cli", ["submit", str(spec)], env, 120).stdout.split()[0]
+    for args, code, line in (
+            ([job, str(tmp_path / "out")], 2, f"fedq: error: job {job} trains small_cnn: "
+             "only hf_causal_lm jobs export as a Hugging Face checkpoint"),
+            (["f00dfeed0000", str(tmp_path / "out")], 4, "f00dfeed0000")):
+        proc = run_module("fedq.cli", ["export", *args], env, 120)
+        assert proc.returncode == code and line in proc.stderr.strip(), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
         redis_cluster: Cluster, tmp_path: Path) -> None:
@@ -146,6 +161,44 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     final = cluster.rounds(job)[-1]
     assert final.eval_loss is not None and final.eval_loss < start_loss, \
         (start_loss, [r.eval_loss for r in cluster.rounds(job)])
+    _check_the_result(cluster, job, spec, folder, tmp_path)
     full = cluster.submit({**SPEC, "name": "hf-diloco", "model_args": {"config": QWEN},
                            "server": {"name": "diloco"}})
     assert cluster.wait(full, timeout=300).status == "completed"
+
+
+def _check_the_result(cluster: Cluster, job: str, spec: JobSpec, checkpoint: Path,
+                      tmp_path: Path) -> None:
+    """`fedq export` writes what plain transformers (merged) and PEFT (--adapter) load
+    with fedq's logits for the trained global model; `fedq generate` samples from it;
+    a second export into the same folder is one line, exit 2, the folder untouched."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        row = s.get(Job, job)
+        assert row is not None
+        ref = BlobRef(row.global_key, row.global_sha256, row.global_size)
+    model = build_model("hf_causal_lm", *BYTES, **spec.model_args)
+    model.load_state_dict(loads(store_for(cluster.settings).get(ref)))
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    said = cluster.fedq("export", job, str(merged)).stdout
+    assert f"job {job} round 3: written to {merged}" in said
+    cluster.fedq("export", job, str(adapter), "--adapter")
+    x = torch.randint(0, 256, (2, 16))
+    plain = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True).eval()
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    peft = PeftModel.from_pretrained(base, adapter, local_files_only=True).eval()
+    model.eval()
+    with torch.no_grad():
+        ours = model(x)
+        assert torch.allclose(plain(input_ids=x).logits, ours, atol=1e-5)
+        assert torch.allclose(peft(input_ids=x).logits, ours, atol=1e-5)
+    before = sorted(p.name for p in merged.iterdir())
+    again = cluster.fedq("export", job, str(merged), check=False)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"fedq: error: {merged} exists and is not an empty folder: name a new one")
+    assert sorted(p.name for p in merged.iterdir()) == before
+    text = cluster.fedq("generate", job, "--prompt", "ROMEO.", "--tokens", "20")
+    assert text.stdout.startswith("ROMEO.") and len(text.stdout.encode()) > len("ROMEO.")
+    assert "Warning" not in text.stderr, text.stderr

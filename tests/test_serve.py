@@ -814,8 +814,38 @@ def test_a_served_gpt_completes_and_embeds(redis_cluster: Cluster, tmp_path: Pat
             [str(weights)], listed
         status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [[0.0]]})
         assert status == 404 and "/v1/completions" in body["error"]["message"]
+        assert body["error"]["type"] == "not_found_error", body
+        _openai_client_gets_the_same(gateway.port, str(weights), many, texts, floats,
+                                     ask, whole["choices"][0]["text"])
     finally:
         gateway.stop()
+
+
+def _openai_client_gets_the_same(port: int, model: str, many: dict[str, Any],
+                                 texts: list[str], floats: list[list[float]],
+                                 ask: dict[str, Any], streamed: str) -> None:
+    """OpenAI's own Python client (what most programs that speak to an OpenAI-compatible
+    server use) against the gateway: a list of prompts with n, a stream, embeddings in
+    the client's default base64, the model list, and a refused field as the client's
+    BadRequestError carrying OpenAI's error object."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=60)
+    got = client.completions.create(model=model, **many)
+    direct = _post(port, "/v1/completions", many)[1]
+    assert [c.text for c in got.choices] == [c["text"] for c in direct["choices"]]
+    assert got.usage is not None and got.usage.prompt_tokens == 12 + 5
+    pieces = client.completions.create(model=model, stream=True, **ask)
+    assert "".join(chunk.choices[0].text for chunk in pieces) == streamed
+    embedded = client.embeddings.create(model=model, input=texts)
+    for row, want in zip(embedded.data, floats, strict=True):
+        assert max(abs(a - b) for a, b in zip(row.embedding, want, strict=True)) < 1e-6
+    assert [m.id for m in client.models.list()] == [model]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="a", echo=True)
+    assert refused.value.status_code == 400 and refused.value.type == "invalid_request_error"
+    assert "echo: not supported" in refused.value.message
 
 
 def test_serve_in_a_fresh_folder_migrates_the_embedded_default(tmp_path: Path,

@@ -336,6 +336,23 @@ def generate(job_id: str, prompt: str, tokens: int, temperature: float, top_k: i
                       top_k=top_k or None, seed=seed))
 
 
+@main.command(name="export")
+@click.argument("job_id")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--adapter", is_flag=True,
+              help="write the LoRA adapter alone (PEFT's form), not merged into the base")
+@expected_errors
+def export_model(job_id: str, folder: Path, adapter: bool) -> None:
+    """Write JOB's newest global model into FOLDER (new or empty) as a Hugging Face
+    checkpoint that plain transformers loads (an hf_causal_lm job)."""
+    from fedq.coordinator.export import export
+
+    with out.status(f"writing job {job_id}'s model"):
+        number = export(_settings(), job_id, folder, adapter)
+    click.echo(f"job {job_id} round {number}: written to {folder}"
+               + (" (the LoRA adapter alone)" if adapter else ""))
+
+
 @main.command(epilog=EXIT_CODES)
 @click.argument("job_id")
 @click.option("--interval", default=0.5, show_default=True, help="seconds between polls")

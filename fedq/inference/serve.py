@@ -152,6 +152,22 @@ def answer_bytes(op: str, n: int) -> int:
     return n * (LINE_BYTES[op] + 64) + ANSWER_ROOM_BYTES
 
 
+#: OpenAI's error ``type`` for each HTTP status fedq answers with (its API reference's
+#: error codes); anything else 5xx is a ``server_error``.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error",
+               413: "invalid_request_error", 415: "invalid_request_error",
+               429: "rate_limit_error"}
+
+
+def error_object(status: int, message: str) -> dict[str, Any]:
+    """An error as OpenAI's API answers one: ``{"error": {"message", "type", "param",
+    "code"}}``; the HTTP status is the response's (``code`` is None: fedq has no
+    finer error codes)."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
 class Refused(Exception):
     """A batch's answer that did not check out (status 502), or none came (504)."""
 
@@ -659,14 +675,14 @@ async def stream_events(item: _Item, head: dict[str, Any]) -> AsyncIterator[str]
         try:
             out, _ = item.future.result()
         except Refused as exc:
-            yield event({"error": {"message": str(exc), "code": exc.status}})
+            yield event(error_object(exc.status, str(exc)))
         else:
             final = out["text"]
             if final.startswith(sent):
                 yield piece(final[len(sent):], "length")
             else:
-                yield event({"error": {"message": "the worker's answer does not continue "
-                                                  "what was streamed", "code": 502}})
+                yield event(error_object(502, "the worker's answer does not continue what "
+                                              "was streamed"))
         yield "data: [DONE]\n\n"
         return
 
@@ -903,7 +919,7 @@ def build_app(served: Served) -> Any:
     started = int(time.time())
 
     def error(status: int, message: str, **headers: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status,
+        return JSONResponse(error_object(status, message), status_code=status,
                             headers=headers or None)
 
     def authorised(request: Request) -> bool:

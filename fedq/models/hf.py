@@ -28,9 +28,10 @@ last lists the model's module names.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,58 @@ class HFCausalLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def generate_batch(self, rows: list[torch.Tensor], tokens: int | Sequence[int], *,
+                       temperature: float | Sequence[float] = 1.0,
+                       top_k: int | None | Sequence[int | None] = None,
+                       generators: list[torch.Generator],
+                       on_token: Callable[[list[torch.Tensor]], None] | None = None
+                       ) -> list[torch.Tensor]:
+        """``rows[b]`` (1-D token ids) continued by ``tokens`` tokens sampled with
+        ``generators[b]`` (temperature, then top-k, as fedq's GPT samples:
+        fedq/models/gpt.py), each row on its own with the model's key-value cache;
+        the new tokens of each row. ``on_token`` as the GPT's."""
+        from fedq.models.gpt import _per_row
+
+        n = len(rows)
+        want, temps, ks = _per_row(tokens, n), _per_row(temperature, n), _per_row(top_k, n)
+        out: list[torch.Tensor] = [row.new_empty(0) for row in rows]
+        with warnings.catch_warnings():  # the cache's argument is renamed across versions
+            warnings.simplefilter("ignore", FutureWarning)
+            self._sample(rows, want, temps, ks, generators, on_token, out)
+        return out
+
+    def _sample(self, rows: list[torch.Tensor], want: list[int], temps: list[float],
+                ks: list[int | None], generators: list[torch.Generator],
+                on_token: Callable[[list[torch.Tensor]], None] | None,
+                out: list[torch.Tensor]) -> None:
+        from fedq.models.gpt import _sampling
+
+        for b, row in enumerate(rows):
+            step, past = row[None], None
+            for _ in range(int(want[b])):
+                res = self.lm(input_ids=step, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                probs = _sampling(res.logits[:, -1], [temps[b]], [ks[b]])
+                step = torch.multinomial(probs, 1, generator=generators[b])  # (1, 1)
+                out[b] = torch.cat([out[b], step[0]])
+                if on_token is not None:
+                    on_token(out)
+
+    def save_pretrained(self, folder: Path, adapter: bool = False) -> None:
+        """Write the model as a Hugging Face checkpoint that plain ``transformers``
+        loads: the LoRA adapters merged into the base, or with ``adapter`` the PEFT
+        adapter alone (``adapter_config.json`` and its safetensors)."""
+        lm: Any = self.lm
+        if adapter:
+            if not self.adapters_only:
+                raise ValueError("the model has no LoRA adapters to write alone")
+            lm.save_pretrained(str(folder))
+            return
+        if self.adapters_only:
+            lm = copy.deepcopy(lm).merge_and_unload()
+        lm.save_pretrained(str(folder))
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> Any:
@@ -117,6 +170,10 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
         require_extra("peft", "llm", "model hf_causal_lm with lora")
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its notices and progress bars are not fedq's output
+    hf_logging.disable_progress_bar()
 
     if (config is None) == (not path):
         raise ValueError("hf_causal_lm: give exactly one of model_args.config (a new "
