@@ -414,7 +414,9 @@ def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
     """A laptop whose lid closes mid-task: a's only worker is SIGSTOPped while it trains
     a buffered job's task. Its heartbeat stops, it is recorded lost and its site
     closed, and b trains on alone. Resumed (SIGCONT, the same process: it does not
-    register again), it says it is here once idle (FEDQ_PRESENCE_S) and site a opens."""
+    register again), it stops the task whose slot went elsewhere at its next step (its
+    heartbeat reads the stopping revocation), says it is here once idle
+    (FEDQ_PRESENCE_S) and site a opens."""
     cluster = redis_cluster
     sleeper = _two_sites(cluster, FEDQ_WORKER_LOST_S="4", FEDQ_PRESENCE_S="1")
     sites, db = TWO_SITES, cluster.env["FEDQ_DATABASE_URL"]
@@ -435,6 +437,7 @@ def test_a_paused_site_worker_reopens_its_site_when_it_wakes(
     finally:
         sleeper.kill(signal.SIGCONT)
     wait_until(lambda: sites_open() == set(sites), 60, what=sleeper.tail)
+    assert b"stopped: revoked while it trained" in sleeper.log_path.read_bytes()
     assert a_row()["available"] is None and sleeper.alive()
     assert sleeper.log_path.read_bytes().count(b"ready.") == registered  # not restarted
     with session_scope(db) as s:

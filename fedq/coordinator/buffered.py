@@ -612,10 +612,10 @@ def _overdue(settings: Settings, job_id: str, spec: JobSpec, index: int,
                 f"the workers of {closed} are lost or stopped: its slot went to another site"
             tasks = _new_tasks(s, job, spec, [row.queue or "cpu"], closed=closed)
             action = "replace"
-    if closed is not None:
+    if closed is not None:  # a worker of the site that wakes stops it: its slot moved
         revoke_quietly([task_id(job_id, index, attempt)],
                        f"the workers of {closed} are lost or stopped: its slot went elsewhere",
-                       BUFFERED_TASKS)
+                       BUFFERED_TASKS, stop=True)
     _send(settings, job_id, spec, tasks)
     log.warning("fedq watchdog: job %s task %d: %s", job_id, index, action)
     return {"job": job_id, "task": index, "action": action}
