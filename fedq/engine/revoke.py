@@ -9,15 +9,15 @@ it in full and sent an update nobody wanted, while the live tasks behind it wait
 
 :func:`revoke` therefore also stores each id as ``REVOKED`` in the result backend, and
 the training and inference tasks read their own state there before they start
-(fedq/tasks/train.py, fedq/tasks/infer.py): a revoked task is answered at once, untrained.
+(fedq/tasks/base.py, the tasks' preamble): a revoked task is answered at once, untrained.
 :func:`revoke_quietly` is the same for callers whose tasks may as well run (a job that
 ended, a round that committed): it logs a failure instead of raising it.
 
 With ``stop`` (a job cancelled or failed, a buffered task whose site closed and whose
-slot went elsewhere: nobody will use the answer) a task already running stops too, on fedq's Redis backend: its heartbeat reads the mark
-(fedq/worker/heartbeat.py) and training ends at its next step, answered as revoked. A
-straggler of a committed round is revoked without ``stop``: it trains on and is
-recorded late.
+slot went elsewhere: nobody will use the answer) a task already running stops too, on
+fedq's Redis backend: its heartbeat reads the mark (fedq/worker/heartbeat.py) and
+training ends at its next step, answered as revoked. A straggler of a committed round
+is revoked without ``stop``: it trains on and is recorded late.
 """
 
 from __future__ import annotations
