@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import fedq.digest as digests
+from fedq.blobs.ref import BlobRef, check_digest, too_large
 from fedq.errors import BlobIntegrityError, BlobTooLarge
 
-if TYPE_CHECKING:
-    from fedq.blobs.base import BlobRef, BlobStore
+
+class BlobStore(Protocol):
+    """What chunks need of a store (fedq/blobs/base.py's ``BlobStore``)."""
+
+    def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef: ...
+
+    def get_whole(self, ref: BlobRef, limit: int | None = None) -> bytes: ...
 
 #: The first bytes of a manifest.
 MAGIC = b"fedq-chunked-blob/1\n"
@@ -55,8 +61,6 @@ def is_manifest(ref: BlobRef, head: Any) -> bool:
 def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int) -> BlobRef:
     """Write the concatenation of ``parts`` as chunks of at most ``chunk`` bytes, then
     the manifest; the whole blob's ref."""
-    from fedq.blobs.base import BlobRef
-
     whole = digests.new()
     listed: list[list[Any]] = []
     pending: list[memoryview] = []
@@ -95,8 +99,6 @@ def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int) -> BlobRef
 def get(store: BlobStore, ref: BlobRef, head: Any, limit: int | None) -> bytearray:
     """The blob ``ref`` whose stored value ``head`` is a manifest: its chunks read,
     each checked, into one buffer, the whole checked against the ref."""
-    from fedq.blobs.base import BlobRef, check_digest, too_large
-
     chunks = _manifest(ref, head)
     if limit is not None and ref.size > limit:
         raise too_large(ref.key, ref.size, limit)
