@@ -7,15 +7,12 @@ import shutil
 import uuid
 from pathlib import Path
 
-from fedq.blobs import BlobRef
-from fedq.coordinator.jobs import get_job
+from fedq.coordinator.generate import newest_global
 from fedq.data import load_dataset
-from fedq.db import Job, session_scope
 from fedq.errors import SpecError
 from fedq.models import build_model
 from fedq.process import PROCESS
 from fedq.settings import Settings
-from fedq.spec import JobSpec
 from fedq.weights import loads
 
 
@@ -26,13 +23,7 @@ def export(settings: Settings, job_id: str, folder: Path, adapter: bool = False)
     into a temporary folder beside it and renamed: nothing half-written is left.
     Returns the round exported. Raises SpecError for a job that is no
     ``hf_causal_lm`` job, or a folder that holds files already."""
-    get_job(settings, job_id)
-    with session_scope(settings.database_url) as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        spec = JobSpec.model_validate(job.spec)
-        ref = BlobRef(job.global_key, job.global_sha256, job.global_size)
-        committed = job.committed_round
+    spec, ref, committed = newest_global(settings, job_id)
     if spec.model != "hf_causal_lm":
         raise SpecError(f"job {job_id} trains {spec.model}: only hf_causal_lm jobs export as "
                         f"a Hugging Face checkpoint")

@@ -17,17 +17,24 @@ from fedq.spec import JobSpec
 from fedq.weights import loads
 
 
+def newest_global(settings: Settings, job_id: str) -> tuple[JobSpec, BlobRef, int]:
+    """Job ``job_id``'s spec, its newest committed global model and that round's number;
+    JobNotFound for an unknown job."""
+    get_job(settings, job_id)
+    with session_scope(settings.database_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return (JobSpec.model_validate(job.spec),
+                BlobRef(job.global_key, job.global_sha256, job.global_size),
+                job.committed_round)
+
+
 def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
              temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> str:
     """``prompt`` followed by ``tokens`` bytes sampled from the job's newest committed
     model (temperature, then top-k). Raises SpecError for a model that is no language
     model, JobNotFound for an unknown job."""
-    get_job(settings, job_id)
-    with session_scope(settings.database_url) as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        spec = JobSpec.model_validate(job.spec)
-        ref = BlobRef(job.global_key, job.global_sha256, job.global_size)
+    spec, ref, _ = newest_global(settings, job_id)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     if not ds.is_text:
         raise SpecError(f"job {job_id} trains {spec.model} on {spec.dataset}, not a language "
