@@ -44,6 +44,10 @@ from fedq.testing.procs import import_time_env
 PRELOAD = ("torch", "torch._dynamo", "numpy", "sklearn.datasets", "sklearn.model_selection",
            "safetensors.torch", "sqlalchemy", "pydantic", "redis", "kombu.transport.redis",
            "celery.bin.celery", "celery.worker.consumer")
+# The [llm] extra's modules, when installed (fedq/models/hf.py imports them in every
+# process that builds a Hugging Face model), with the hub switched off as fedq switches
+# it off before its own import.
+OPTIONAL = ("transformers", "transformers.models.auto.modeling_auto", "peft")
 
 
 def _child(request: dict[str, Any], reply: TextIO) -> NoReturn:
@@ -107,6 +111,12 @@ def main() -> None:
     os.dup2(2, 1)  # a stray print from an import cannot corrupt the replies
     for name in PRELOAD:
         __import__(name)
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    for name in OPTIONAL:
+        try:
+            __import__(name)
+        except ImportError:
+            break
     reply = os.fdopen(reply_fd, "w", buffering=1)
     codes: dict[int, int] = {}
     reply.write(json.dumps({"ready": os.getpid(), "env": import_time_env(os.environ)}) + "\n")
