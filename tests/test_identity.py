@@ -656,3 +656,36 @@ def test_a_join_that_cannot_keep_its_key_spends_nothing(coordinator: Cluster) ->
         proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "joined as w9" in _join(cluster, "w9", bundle)  # the invitation was unused
+
+
+def test_a_worker_that_has_not_joined_says_its_work_is_unsigned_when_the_broker_is_away(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Identity off is fine on one host; a training worker whose broker is on another host
+    and that has not joined says so in one line at start (the plain stack's workers)."""
+    from types import SimpleNamespace
+
+    import fedq.settings
+    from fedq.worker import signals
+
+    away = "redis://:pw@coordinator.example:6379/0"
+    for url in ("redis://127.0.0.1:6379/0", "redis://localhost/1", "filesystem://",
+                "sqla+sqlite:///x.db", "amqp://u:p@[::1]:5672//"):
+        assert signals.unsigned_warning(url, False, ["cpu"]) is None, url
+    assert signals.unsigned_warning(away, True, ["cpu"]) is None  # joined: signs its work
+    assert signals.unsigned_warning(away, False, ["control"]) is None  # the coordinator's
+    line = signals.unsigned_warning(away, False, ["control", "cpu"])
+    assert line is not None and "coordinator.example" in line and "pw" not in line
+    assert "\n" not in line and "docs/deploy.md" in line
+
+    # the wiring: a worker coming up (worker_ready) logs it before it registers
+    settings = load_settings({"FEDQ_HOME": str(tmp_path), "FEDQ_BROKER_URL": away,
+                              "FEDQ_KEYS_DIR": str(tmp_path / "keys")})
+    monkeypatch.setattr(fedq.settings, "get_settings", lambda: settings)
+    sent: list[str] = []
+    app = SimpleNamespace(amqp=SimpleNamespace(queues=SimpleNamespace(consume_from=["cpu"])),
+                          send_task=lambda name, **_: sent.append(name))
+    with caplog.at_level("WARNING", logger="fedq.worker.signals"):
+        signals.register(SimpleNamespace(hostname="w@laptop", app=app))
+    assert [r.getMessage() for r in caplog.records] == [line], caplog.text
+    assert sent == ["fedq.register_worker"]

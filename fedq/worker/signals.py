@@ -5,7 +5,9 @@
 - ``celeryd_after_setup``: a worker that consumes a GPU queue checks its hardware and
   torch build first, and refuses to start (exit 3, one line) when it would fail at its
   first kernel or when its GPU belongs to another class.
-- ``worker_ready``: the worker reports its hardware to the control queue
+- ``worker_ready``: a training worker that has not joined a coordinator on another host
+  says in one line that its work is unsigned (:func:`unsigned_warning`); the worker
+  reports its hardware to the control queue
   (``fedq.register_worker``), which records it for ``fedq workers``; a worker with a
   run policy (fedq/worker/owner.py) starts watching its owner's conditions: while one
   fails it consumes nothing, and it tells the coordinator (``fedq.worker_state``).
@@ -101,10 +103,44 @@ def _signed(task: str, args: tuple[Any, ...]) -> dict[str, Any]:
     return {} if me is None else {"signed": me.sign_message(task, args)}
 
 
+def unsigned_warning(broker_url: str, joined: bool, queues: list[str]) -> str | None:
+    """The one line a training worker logs at start when it has not joined a coordinator
+    (``fedq worker join``) and its broker is on another host: its work is then unsigned,
+    and anyone holding the broker's password can take or answer its tasks. None on one
+    host (a loopback broker, the embedded default), for a joined worker and for the
+    control worker."""
+    from urllib.parse import urlsplit
+
+    if joined or not set(queues) - {CONTROL_QUEUE}:
+        return None
+    parts = urlsplit(broker_url.split(";")[0])
+    if parts.scheme not in ("redis", "rediss", "amqp", "amqps", "pyamqp"):
+        return None
+    host = (parts.hostname or "localhost").lower()
+    if host == "localhost" or host == "::1" or host.startswith("127."):
+        return None
+    return (f"fedq: this worker has not joined the coordinator at {host} (identity off): "
+            "its results are unsigned and anyone with the broker's password can answer "
+            "its tasks; across machines, run the stack with identity and join each "
+            "worker (docs/deploy.md, \"The stack with identity and TLS\")")
+
+
 @worker_ready.connect
 def register(sender: Any, **_: Any) -> None:
     from fedq.worker.hardware import probe
 
+    try:
+        import fedq.identity as identity
+        from fedq.settings import get_settings
+
+        settings = get_settings()
+        warning = unsigned_warning(settings.broker_url,
+                                   identity.joined(settings.keys_dir) is not None,
+                                   _queues(sender.app))
+        if warning:
+            log.warning(warning)
+    except Exception as exc:  # a keys folder it cannot read: the join check says more
+        log.warning("fedq: could not read this worker's identity: %s", exc)
     try:
         from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
