@@ -124,6 +124,43 @@ def test_only_results_signed_for_their_task_by_an_active_worker_are_admitted(
                outcome="rejected, the other updates of the round unaffected")
 
 
+def test_a_buffered_task_and_an_inference_shard_are_answered_only_from_their_queues(
+        tmp_path: Path) -> None:
+    """The addressee check of the other two paths that admit a worker's answer: a
+    buffered job's task (intake.admit with the task's queue) and an inference shard
+    (inference.jobs._verify with the job's queues), answered and well signed by a worker
+    registered only for gpu_new."""
+    from fedq.inference import jobs
+
+    coord = identity.public_text(identity.coordinator_key(tmp_path / "coord"))
+    w1, w4 = _joined(tmp_path, "w1", coord), _joined(tmp_path, "w4", coord)
+    registry = enrol.Registry({"w1": identity.public_text(w1.key),
+                               "w4": identity.public_text(w4.key)}, frozenset(),
+                              {"w1": frozenset({"cpu"}), "w4": frozenset({"gpu_new"})})
+    buffered = Sent("j1", 5, 2, 1, 0, "cpu", task=9)  # gen 0: a buffered job's task
+    assert admit(w1.sign_result(_result(buffered, task=9), buffered.task_id), buffered,
+                 None, registry).status == "ok"
+    ref = admit(w4.sign_result(_result(buffered, "w4", task=9), buffered.task_id), buffered,
+                None, registry)
+    assert ref.status == "rejected" and "registered for gpu_new, but the task was sent " \
+        "to cpu: a worker answers only tasks sent to it" in (ref.error or ""), ref.error
+
+    facts = jobs.JobFacts({"queues": ["cpu"], "op": "classify"}, 10, {0: (0, 4)})
+    answer = {"status": "ok", "job": "abcdef012345", "shard": 0, "attempt": 1,
+              "worker": "g@host", "queue": "cpu", "key": "jobs/x", "sha256": SHA,
+              "size": 40, "items": 4}
+    task = jobs.task_id("abcdef012345", 0, 1)
+    settings = load_settings({"FEDQ_HOME": str(tmp_path)})
+    verdict = jobs._verify(settings, w4.sign_result(answer, task), "abcdef012345", facts,
+                           0, 1, registry)
+    assert verdict.status == "rejected" and "signature: signed by w4, registered for " \
+        "gpu_new, but the task was sent to cpu" in (verdict.error or ""), verdict
+    # w1, registered for cpu, gets past the signature to the output's own checks
+    verdict = jobs._verify(settings, w1.sign_result(answer, task), "abcdef012345", facts,
+                           0, 1, registry)
+    assert verdict.status == "rejected" and "output key" in (verdict.error or ""), verdict
+
+
 def test_task_ids_carry_a_tag_only_the_coordinator_computes(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     tag = identity.task_tag("fedq-j-g1-r1-c0-a1", a)
