@@ -29,7 +29,8 @@ MARKER = "<!-- end of generated table -->"
 TESTS = ["tests/test_security.py", "tests/test_identity.py", "tests/test_acl.py",
          "tests/test_tls.py", "tests/test_roles.py", "tests/test_presigned.py",
          "tests/test_paths.py",
-         "tests/test_serve.py::test_served_requests_are_batched_bounded_and_survive_a_stopped_worker"]
+         "tests/test_serve.py::test_served_requests_are_batched_bounded_and_survive_a_stopped_worker",
+         "tests/test_serve.py::test_requests_and_answers_are_checked"]
 
 
 def render(rows: list[dict], memory: list[dict]) -> list[str]:

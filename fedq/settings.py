@@ -4,93 +4,12 @@ With no URLs set, everything lives under ``FEDQ_HOME`` (default ``./.fedq``):
 a SQLite database, a local blob directory, Celery's ``filesystem://`` broker and
 its ``file://`` result backend. Production sets the URLs; the code is the same.
 
-Variables:
-
-=========================  ==============================================================
-FEDQ_HOME                  folder for the embedded default (default ``./.fedq``)
-FEDQ_BROKER_URL            Celery broker: ``redis://``, ``amqp://``, ``filesystem://``
-FEDQ_RESULT_BACKEND        Celery result backend: ``redis://``, ``file://...``
-FEDQ_DATABASE_URL          SQLAlchemy URL: ``postgresql+psycopg://...``, ``sqlite:///...``
-FEDQ_BLOB_URL              blob store: a path, ``file://``, ``redis://``, ``s3://bucket/prefix``
-FEDQ_S3_ENDPOINT_URL       S3 endpoint for ``s3://`` blobs (MinIO); credentials from AWS_*
-FEDQ_BLOB_CHUNK_MB         a blob larger than this many MiB (default 64) is stored as chunks
-                           of this size and a manifest on Redis (at most 512), or uploaded
-                           in parts of this size to S3 (at least 5): fedq/blobs/chunks.py
-                           (``AWS_SECRET_ACCESS_KEY_FILE``: the secret read from a file)
-FEDQ_BLOB_CHUNK_MB         a blob larger than this many MiB (default 64) is stored as chunks
-                           of this size and a manifest on Redis (at most 512), or uploaded
-                           in parts of this size to S3 (at least 5): fedq/blobs/chunks.py
-FEDQ_BROKER_URL_FILE       a file holding FEDQ_BROKER_URL (a Docker secret; set one of the two)
-FEDQ_RESULT_BACKEND_FILE   a file holding FEDQ_RESULT_BACKEND
-FEDQ_DATABASE_URL_FILE     a file holding FEDQ_DATABASE_URL
-FEDQ_DATA_DIR              where datasets such as CIFAR-10 are read (and downloaded to)
-FEDQ_DATA_CACHE            where the text corpora are kept once fetched (default
-                           ``$XDG_CACHE_HOME/fedq/data``; fedq/data/text.py)
-FEDQ_TORCH_THREADS         torch intra-op threads in a worker (default: torch's own)
-FEDQ_VISIBILITY_TIMEOUT    Redis/SQS visibility timeout in seconds (default 7200)
-FEDQ_POLL_INTERVAL         filesystem broker poll and chord_unlock retry, seconds (default 0.1)
-FEDQ_AMP                   ``auto`` (default): the faster, timed on a model's first batch,
-                           of float32 and the GPU class's mixed precision (bf16 from
-                           sm_80, fp16 on 7.x; fedq.worker.loop.measured_amp); ``off``:
-                           float32 on every GPU (docs/inference.md measured bf16 at
-                           0.69-0.82x of float32 for small models)
-FEDQ_SLOWDOWN              >= 1: make this worker's training steps that many times slower
-                           (emulates a slower machine in tests and benchmarks)
-FEDQ_EMULATE_HARDWARE      a JSON hardware report used instead of probing (tests)
-FEDQ_SKIP_HARDWARE_CHECK   1: let a worker consume a GPU queue without the startup check
-FEDQ_WATCHDOG_INTERVAL     seconds between watchdog runs (celery beat; default 5)
-FEDQ_HEARTBEAT_S           seconds between a training task's heartbeats (default 5)
-FEDQ_WORKER_LOST_S         a started task whose heartbeat has not moved for this long is
-                           lost and sent again (default 15; the deadline stays the backstop)
-FEDQ_PRESENCE_S            seconds between an idle worker's "still here" messages, which
-                           reopen a site whose worker was recorded lost once it is back
-                           (a paused laptop woken; default 30, 0: never)
-FEDQ_LOG_FORMAT            ``text`` (default) or ``json``: one JSON object per log line,
-                           with the job, round, client, task, worker and queue
-FEDQ_BLOB_CACHE            a folder the workers of one machine share: each global model
-                           is downloaded once per machine, not once per worker
-FEDQ_UPLINK_MBIT           this worker's uplink in Mbit/s, for ``codec: auto`` (default:
-                           measured from its last upload of at least 1 MiB)
-FEDQ_IDENTITY              ``off`` (default) or ``required``: the coordinator signs its tasks
-                           and admits only results signed by a registered worker
-                           (``fedq worker add`` / ``join``; docs/security.md)
-FEDQ_SERVE_API_KEY         ``fedq serve``: the key every request must carry
-                           (``Authorization: Bearer KEY``)
-FEDQ_SERVE_API_KEY_FILE    a file holding FEDQ_SERVE_API_KEY
-FEDQ_KEYS_DIR              where this machine's keys are (default ``FEDQ_HOME/keys``): the
-                           coordinator's, or a joined worker's with its ``worker.json``,
-                           whose service URLs are used where the variables are not set
-FEDQ_RABBITMQ_API          RabbitMQ's management API, where ``fedq worker add`` makes a worker's
-                           own broker user (default: the broker's host, port 15672, its
-                           credentials; fedq/coordinator/rabbit.py)
-FEDQ_RABBITMQ_API_FILE     a file holding FEDQ_RABBITMQ_API
-FEDQ_PRESIGN_ENDPOINT      the S3 endpoint as workers reach it: each training task then
-                           carries presigned URLs for its blobs, and workers need no S3
-                           key (an ``s3://`` FEDQ_BLOB_URL; fedq/blobs/presigned.py)
-FEDQ_IMAGE_TORCH           set by fedq's images: ``release`` (the class's pin) or
-                           ``default_index`` (its ``default_index`` pin, PyPI's build)
-FEDQ_IMAGE_CLASS           set by fedq's images: the hardware class whose torch pin
-                           ``fedq doctor`` checks the image against
-FEDQ_RUN_WHEN              when this worker trains: ``always`` (default), ``idle`` (no user
-                           input for FEDQ_IDLE_AFTER_MIN), ``schedule`` (FEDQ_RUN_WINDOW)
-FEDQ_IDLE_AFTER_MIN        minutes without input before an ``idle`` worker trains (default 5)
-FEDQ_RUN_WINDOW            hours to train in, ``22:00-07:00`` (``HH:MM[:SS]``; over midnight)
-FEDQ_RUN_DAYS              days to train on, ``mon-fri`` or ``sat,sun`` (default every day)
-FEDQ_AC_ONLY               1: train on mains power only (a laptop on battery steps aside)
-FEDQ_MAX_OTHER_CPU         step aside while other programs use more than this % of the CPU
-FEDQ_MAX_OTHER_GPU         step aside while more than this many other processes use a GPU
-FEDQ_RESUME_AFTER_S        conditions must hold this long before training resumes (default 10)
-FEDQ_PARTIAL_MIN           a task stopped for the owner uploads what it did when it finished
-                           at least this fraction of its steps (default 0.25), else yields
-FEDQ_LEAVE_IN_MEMORY       1 (default): a task that yields keeps where it stopped in CPU
-                           memory (one task a worker), and goes on from there when it
-                           comes back to this worker; 0: it starts over
-FEDQ_LEAVE_ON_DISK         1: that kept task is also written under FEDQ_HOME/kept/, so a
-                           restarted worker goes on from it too (default 0)
-FEDQ_GPU_MEMORY_FRACTION   the share of each GPU's memory fedq's torch may allocate
-FEDQ_INPUT_DIR             where the idle probe reads input devices (default /dev/input)
-FEDQ_POWER_SUPPLY_DIR      where the power probe reads (default /sys/class/power_supply)
-=========================  ==============================================================
+Each setting is declared once, as a field of :class:`Settings`: its type, default,
+bounds and one description. The variable is ``FEDQ_`` and the field's name in capitals
+unless the field names another; a setting that carries a password may come from a file
+instead (``FEDQ_X_FILE``). docs/settings.md is generated from these declarations
+(``.venv/bin/python -m fedq.settings > docs/settings.md``; tests/test_environment.py
+checks that it matches).
 """
 
 from __future__ import annotations
@@ -113,56 +32,144 @@ DEFAULT_VISIBILITY_TIMEOUT = 7200
 DEFAULT_POLL_INTERVAL = 0.1
 
 
+def setting(default: Any = ..., doc: str = "", *, env: str | None = "",
+            secret: bool = False, shown: str | None = None, **bounds: Any) -> Any:
+    """One setting's declaration: ``default`` (``...``: derived from FEDQ_HOME when
+    unset, see ``_DERIVED``), its description, its variable (``""``: ``FEDQ_`` + the
+    field's name in capitals; None: not read from the environment), whether it may come
+    from a file (``secret``), the default as docs/settings.md shows it, and pydantic's
+    bounds (``ge``, ``gt``, ``le``)."""
+    return Field(default=default, description=doc,
+                 json_schema_extra={"env": env, "secret": secret, "shown": shown}, **bounds)
+
+
 class Settings(BaseModel):
     """Typed settings; build with :func:`load_settings` (or :func:`get_settings`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    home: Path = Field(description="folder for the embedded default")
-    broker_url: str
-    result_backend: str
-    database_url: str
-    blob_url: str
-    s3_endpoint_url: str | None = None
-    blob_chunk_mb: float = Field(default=64.0, gt=0, le=512)
-    data_dir: Path
-    torch_threads: int | None = Field(default=None, ge=1)
-    visibility_timeout: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT, ge=1)
-    poll_interval: float = Field(default=DEFAULT_POLL_INTERVAL, gt=0)
-    amp: Literal["auto", "off"] = "auto"
-    slowdown: float = Field(default=1.0, ge=1)
-    emulate_hardware: Path | None = None
-    skip_hardware_check: bool = False
-    watchdog_interval: float = Field(default=5.0, gt=0)
-    heartbeat_s: float = Field(default=5.0, gt=0)
-    worker_lost_s: float = Field(default=15.0, gt=0)
-    presence_s: float = Field(default=30.0, ge=0)
-    image_class: str | None = None
-    image_torch: Literal["release", "default_index"] = "release"
-    log_format: Literal["text", "json"] = "text"
-    blob_cache: Path | None = None
-    uplink_mbit: float | None = Field(default=None, gt=0)
-    identity: Literal["off", "required"] = "off"
-    serve_api_key: str | None = None
-    keys_dir: Path = Path(DEFAULT_HOME) / "keys"
-    joined_as: str | None = None  # the registered name of a joined worker (worker.json)
-    presign_endpoint: str | None = None
-    rabbitmq_api: str | None = None
+    home: Path = setting(doc="folder for the embedded default", shown="./.fedq")
+    broker_url: str = setting(
+        doc="Celery broker: ``redis://``, ``amqp://``, ``filesystem://``", secret=True,
+        shown="filesystem:// under FEDQ_HOME")
+    result_backend: str = setting(
+        doc="Celery result backend: ``redis://``, ``file://...``", secret=True,
+        shown="file://FEDQ_HOME/results")
+    database_url: str = setting(
+        doc="SQLAlchemy URL: ``postgresql+psycopg://...``, ``sqlite:///...``", secret=True,
+        shown="sqlite:///FEDQ_HOME/fedq.db")
+    blob_url: str = setting(
+        doc="blob store: a path, ``file://``, ``redis://``, ``s3://bucket/prefix``",
+        shown="FEDQ_HOME/blobs")
+    s3_endpoint_url: str | None = setting(
+        None, "S3 endpoint for ``s3://`` blobs (MinIO); credentials from AWS_* "
+        "(``AWS_SECRET_ACCESS_KEY_FILE``: the secret read from a file)")
+    blob_chunk_mb: float = setting(
+        64.0, "a blob larger than this many MiB is stored as chunks of this size and a "
+        "manifest on Redis (at most 512), or uploaded in parts of this size to S3 (at "
+        "least 5): fedq/blobs/chunks.py", gt=0, le=512)
+    data_dir: Path = setting(
+        doc="where datasets such as CIFAR-10 are read (and downloaded to)",
+        shown="FEDQ_HOME/data")
+    data_cache: Path | None = setting(
+        None, "where the text corpora are kept once fetched (unset: "
+        "``$XDG_CACHE_HOME/fedq/data``; fedq/data/text.py)")
+    torch_threads: int | None = setting(
+        None, "torch intra-op threads in a worker (unset: torch's own)", ge=1)
+    visibility_timeout: int = setting(
+        DEFAULT_VISIBILITY_TIMEOUT, "Redis/SQS visibility timeout in seconds", ge=1)
+    poll_interval: float = setting(
+        DEFAULT_POLL_INTERVAL, "filesystem broker poll and chord_unlock retry, seconds", gt=0)
+    amp: Literal["auto", "off"] = setting(
+        "auto", "``auto``: the faster, timed on a model's first batch, of float32 and the "
+        "GPU class's mixed precision (bf16 from sm_80, fp16 on 7.x; "
+        "fedq.worker.loop.measured_amp); ``off``: float32 on every GPU")
+    slowdown: float = setting(
+        1.0, ">= 1: make this worker's training steps that many times slower (emulates a "
+        "slower machine in tests and benchmarks)", ge=1)
+    emulate_hardware: Path | None = setting(
+        None, "a JSON hardware report used instead of probing (tests)")
+    skip_hardware_check: bool = setting(
+        False, "1: let a worker consume a GPU queue without the startup check")
+    watchdog_interval: float = setting(
+        5.0, "seconds between watchdog runs (celery beat)", gt=0)
+    heartbeat_s: float = setting(5.0, "seconds between a training task's heartbeats", gt=0)
+    worker_lost_s: float = setting(
+        15.0, "a started task whose heartbeat has not moved for this long is lost and sent "
+        "again (the deadline stays the backstop)", gt=0)
+    presence_s: float = setting(
+        30.0, "seconds between an idle worker's \"still here\" messages, which reopen a "
+        "site whose worker was recorded lost once it is back (a paused laptop woken; 0: "
+        "never)", ge=0)
+    image_class: str | None = setting(
+        None, "set by fedq's images: the hardware class whose torch pin ``fedq doctor`` "
+        "checks the image against")
+    image_torch: Literal["release", "default_index"] = setting(
+        "release", "set by fedq's images: ``release`` (the class's pin) or "
+        "``default_index`` (its ``default_index`` pin, PyPI's build)")
+    log_format: Literal["text", "json"] = setting(
+        "text", "``text`` or ``json``: one JSON object per log line, with the job, round, "
+        "client, task, worker and queue")
+    blob_cache: Path | None = setting(
+        None, "a folder the workers of one machine share: each global model is "
+        "downloaded once per machine, not once per worker")
+    uplink_mbit: float | None = setting(
+        None, "this worker's uplink in Mbit/s, for ``codec: auto`` (unset: measured from "
+        "its last upload of at least 1 MiB)", gt=0)
+    identity: Literal["off", "required"] = setting(
+        "off", "``off`` or ``required``: the coordinator signs its tasks and admits only "
+        "results signed by a registered worker (``fedq worker add`` / ``join``; "
+        "docs/security.md)")
+    serve_api_key: str | None = setting(
+        None, "``fedq serve``: the key every request must carry "
+        "(``Authorization: Bearer KEY``)", secret=True)
+    keys_dir: Path = setting(
+        doc="where this machine's keys are: the coordinator's, or a joined worker's with "
+        "its ``worker.json``, whose service URLs are used where the variables are not set",
+        shown="FEDQ_HOME/keys")
+    joined_as: str | None = setting(
+        None, "the registered name of a joined worker (its worker.json)", env=None)
+    presign_endpoint: str | None = setting(
+        None, "the S3 endpoint as workers reach it: each training task then carries "
+        "presigned URLs for its blobs, and workers need no S3 key (an ``s3://`` "
+        "FEDQ_BLOB_URL; fedq/blobs/presigned.py)")
+    rabbitmq_api: str | None = setting(
+        None, "RabbitMQ's management API, where ``fedq worker add`` makes a worker's own "
+        "broker user (unset: the broker's host, port 15672, its credentials; "
+        "fedq/coordinator/rabbit.py)", secret=True)
     # the owner comes first (fedq/worker/owner.py; docs/owners.md)
-    run_when: Literal["always", "idle", "schedule"] = "always"
-    idle_after_min: float = Field(default=5.0, ge=0)
-    run_window: str | None = None
-    run_days: str | None = None
-    ac_only: bool = False
-    max_other_cpu: float | None = Field(default=None, ge=0, le=100)
-    max_other_gpu: int | None = Field(default=None, ge=0)
-    resume_after_s: float = Field(default=10.0, ge=0)
-    partial_min: float = Field(default=0.25, ge=0, le=1)
-    leave_in_memory: bool = True
-    leave_on_disk: bool = False
-    gpu_memory_fraction: float | None = Field(default=None, gt=0, le=1)
-    input_dir: Path = Path("/dev/input")
-    power_dir: Path = Path("/sys/class/power_supply")
+    run_when: Literal["always", "idle", "schedule"] = setting(
+        "always", "when this worker trains: ``always``, ``idle`` (no user input for "
+        "FEDQ_IDLE_AFTER_MIN), ``schedule`` (FEDQ_RUN_WINDOW)")
+    idle_after_min: float = setting(
+        5.0, "minutes without input before an ``idle`` worker trains", ge=0)
+    run_window: str | None = setting(
+        None, "hours to train in, ``22:00-07:00`` (``HH:MM[:SS]``; over midnight)")
+    run_days: str | None = setting(
+        None, "days to train on, ``mon-fri`` or ``sat,sun`` (unset: every day)")
+    ac_only: bool = setting(
+        False, "1: train on mains power only (a laptop on battery steps aside)")
+    max_other_cpu: float | None = setting(
+        None, "step aside while other programs use more than this % of the CPU", ge=0, le=100)
+    max_other_gpu: int | None = setting(
+        None, "step aside while more than this many other processes use a GPU", ge=0)
+    resume_after_s: float = setting(
+        10.0, "conditions must hold this long before training resumes", ge=0)
+    partial_min: float = setting(
+        0.25, "a task stopped for the owner uploads what it did when it finished at least "
+        "this fraction of its steps, else yields", ge=0, le=1)
+    leave_in_memory: bool = setting(
+        True, "1: a task that yields keeps where it stopped in CPU memory (one task a "
+        "worker), and goes on from there when it comes back to this worker; 0: it starts "
+        "over")
+    leave_on_disk: bool = setting(
+        False, "1: that kept task is also written under FEDQ_HOME/kept/, so a restarted "
+        "worker goes on from it too")
+    gpu_memory_fraction: float | None = setting(
+        None, "the share of each GPU's memory fedq's torch may allocate", gt=0, le=1)
+    input_dir: Path = setting(Path("/dev/input"), "where the idle probe reads input devices")
+    power_dir: Path = setting(Path("/sys/class/power_supply"),
+                              "where the power probe reads", env="POWER_SUPPLY_DIR")
 
     @property
     def blob_chunk_bytes(self) -> int:
@@ -178,22 +185,28 @@ class Settings(BaseModel):
         return self.home / "broker"
 
 
-_KNOWN = {
-    "HOME", "BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "BLOB_URL", "S3_ENDPOINT_URL",
-    "BLOB_CHUNK_MB", "DATA_DIR", "TORCH_THREADS", "VISIBILITY_TIMEOUT", "POLL_INTERVAL",
-    "SLOWDOWN", "AMP",
-    "EMULATE_HARDWARE", "SKIP_HARDWARE_CHECK", "WATCHDOG_INTERVAL",
-    "IMAGE_CLASS", "IMAGE_TORCH", "LOG_FORMAT", "BLOB_CACHE", "UPLINK_MBIT", "HEARTBEAT_S",
-    "WORKER_LOST_S", "IDENTITY", "KEYS_DIR", "PRESIGN_ENDPOINT", "RABBITMQ_API",
-    "RUN_WHEN", "IDLE_AFTER_MIN", "RUN_WINDOW", "RUN_DAYS", "AC_ONLY", "MAX_OTHER_CPU",
-    "MAX_OTHER_GPU", "RESUME_AFTER_S", "PARTIAL_MIN", "LEAVE_IN_MEMORY",
-    "LEAVE_ON_DISK", "GPU_MEMORY_FRACTION", "INPUT_DIR", "POWER_SUPPLY_DIR", "PRESENCE_S",
-    "BROKER_URL_FILE", "RESULT_BACKEND_FILE", "DATABASE_URL_FILE", "RABBITMQ_API_FILE",
-    "SERVE_API_KEY", "SERVE_API_KEY_FILE", "DATA_CACHE",
-}
+def _extra(name: str) -> dict[str, Any]:
+    extra = Settings.model_fields[name].json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+#: Each setting's variable, less its ``FEDQ_`` prefix, by field name.
+ENV: dict[str, str] = {
+    name: str(_extra(name).get("env") or name.upper())
+    for name in Settings.model_fields if _extra(name).get("env", "") is not None}
 #: Settings that carry a password: each may come from a file instead (``FEDQ_X_FILE``,
 #: the convention of Docker's secrets), so that `docker inspect` shows no password.
-_SECRET = ("BROKER_URL", "RESULT_BACKEND", "DATABASE_URL", "SERVE_API_KEY", "RABBITMQ_API")
+_SECRET = tuple(ENV[name] for name in ENV if _extra(name).get("secret"))
+_KNOWN = set(ENV.values()) | {f"{key}_FILE" for key in _SECRET}
+#: Defaults made from FEDQ_HOME (absolute).
+_DERIVED: dict[str, Any] = {
+    "broker_url": lambda home: "filesystem://",
+    "result_backend": lambda home: f"file://{home / 'results'}",
+    "database_url": lambda home: f"sqlite:///{home / 'fedq.db'}",
+    "blob_url": lambda home: str(home / "blobs"),
+    "data_dir": lambda home: home / "data",
+    "keys_dir": lambda home: home / "keys",
+}
 #: Variables for fedq's own test suite and benchmarks, not settings of fedq.
 _TEST_PREFIXES = ("FEDQ_TEST_", "FEDQ_BENCH_")
 #: Variables of the compose file (docker/.env, which docs/deploy.md loads into the shell)
@@ -231,60 +244,21 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     for key in ("BROKER_URL", "RESULT_BACKEND", "BLOB_URL", "S3_ENDPOINT_URL"):
         if get(key) is None and joined.get(key.lower()):
             secrets[key] = joined[key.lower()]  # a joined worker's bundle (fedq worker join)
-    raw: dict[str, Any] = {
-        "home": home,
-        "broker_url": get("BROKER_URL") or "filesystem://",
-        "result_backend": get("RESULT_BACKEND") or f"file://{home / 'results'}",
-        "database_url": get("DATABASE_URL") or f"sqlite:///{home / 'fedq.db'}",
-        "blob_url": get("BLOB_URL") or str(home / "blobs"),
-        "s3_endpoint_url": get("S3_ENDPOINT_URL"),
-        "blob_chunk_mb": get("BLOB_CHUNK_MB") or 64.0,
-        "data_dir": Path(get("DATA_DIR") or home / "data").expanduser().absolute(),
-        "torch_threads": get("TORCH_THREADS"),
-        "visibility_timeout": get("VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT,
-        "poll_interval": get("POLL_INTERVAL") or DEFAULT_POLL_INTERVAL,
-        "amp": get("AMP") or "auto",
-        "slowdown": get("SLOWDOWN") or 1.0,
-        "emulate_hardware": get("EMULATE_HARDWARE"),
-        "skip_hardware_check": get("SKIP_HARDWARE_CHECK") or False,
-        "watchdog_interval": get("WATCHDOG_INTERVAL") or 5.0,
-        "heartbeat_s": get("HEARTBEAT_S") or 5.0,
-        "worker_lost_s": get("WORKER_LOST_S") or 15.0,
-        "presence_s": 30.0 if get("PRESENCE_S") is None else get("PRESENCE_S"),
-        "image_class": get("IMAGE_CLASS"),
-        "image_torch": get("IMAGE_TORCH") or "release",
-        "log_format": get("LOG_FORMAT") or "text",
-        "blob_cache": get("BLOB_CACHE"),
-        "uplink_mbit": get("UPLINK_MBIT"),
-        "identity": get("IDENTITY") or "off",
-        "serve_api_key": get("SERVE_API_KEY"),
-        "keys_dir": keys_dir,
-        "joined_as": joined_as,
-        "presign_endpoint": get("PRESIGN_ENDPOINT"),
-        "rabbitmq_api": get("RABBITMQ_API"),
-        "run_when": get("RUN_WHEN") or "always",
-        "idle_after_min": get("IDLE_AFTER_MIN") or 5.0,
-        "run_window": get("RUN_WINDOW"),
-        "run_days": get("RUN_DAYS"),
-        "ac_only": get("AC_ONLY") or False,
-        "max_other_cpu": get("MAX_OTHER_CPU"),
-        "max_other_gpu": get("MAX_OTHER_GPU"),
-        "resume_after_s": get("RESUME_AFTER_S") or 10.0,
-        "partial_min": get("PARTIAL_MIN") or 0.25,
-        "leave_in_memory": get("LEAVE_IN_MEMORY") or True,
-        "leave_on_disk": get("LEAVE_ON_DISK") or False,
-        "gpu_memory_fraction": get("GPU_MEMORY_FRACTION"),
-        "input_dir": get("INPUT_DIR") or "/dev/input",
-        "power_dir": get("POWER_SUPPLY_DIR") or "/sys/class/power_supply",
-    }
+    raw: dict[str, Any] = {name: value for name, key in ENV.items()
+                           if (value := get(key)) is not None}
+    for name, default in _DERIVED.items():
+        raw.setdefault(name, default(home))
+    raw.update(home=home, keys_dir=keys_dir, joined_as=joined_as,
+               data_dir=Path(raw["data_dir"]).expanduser().absolute())
     try:
         settings = Settings(**raw)
         remember([settings.broker_url, settings.result_backend, settings.database_url,
                   settings.blob_url, settings.s3_endpoint_url])
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = str(err["loc"][0]).upper()
-        raise ConfigError(f"{ENV_PREFIX}{field}: {err['msg']}") from None
+        field = str(err["loc"][0])
+        raise ConfigError(f"{ENV_PREFIX}{ENV.get(field, field.upper())}: {err['msg']}") \
+            from None
     _refuse_placeholders({**{ENV_PREFIX + k: v or "" for k, v in secrets.items()},
                           "AWS_SECRET_ACCESS_KEY": secret(env, "AWS_SECRET_ACCESS_KEY") or ""})
     return settings
@@ -355,3 +329,43 @@ def get_settings() -> Settings:
               settings.blob_url, settings.s3_endpoint_url,
               secret(os.environ, "AWS_SECRET_ACCESS_KEY")])
     return settings
+
+
+def _shown(name: str) -> str:
+    """A setting's default as docs/settings.md shows it."""
+    field = Settings.model_fields[name]
+    shown = _extra(name).get("shown")
+    if shown:
+        return str(shown)
+    value = field.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def settings_doc() -> str:
+    """docs/settings.md: every variable fedq reads, its default and what it does, made
+    from the declarations of :class:`Settings`."""
+    lines = ["# Settings", "",
+             "Generated from the declarations in fedq/settings.py by "
+             "`.venv/bin/python -m fedq.settings > docs/settings.md`. Every setting is an "
+             "environment variable; an unknown `FEDQ_*` variable is refused by name (a "
+             "typo would otherwise fall back to the embedded default). Booleans are `1` "
+             "or `0`.", "",
+             "| variable | default | what it does |", "|---|---|---|"]
+    for name, key in ENV.items():
+        doc = (Settings.model_fields[name].description or "").replace("``", "`")
+        doc = doc.replace("|", "\\|")
+        lines.append(f"| `{ENV_PREFIX}{key}` | {_shown(name)} | {doc} |")
+        if key in _SECRET:
+            lines.append(f"| `{ENV_PREFIX}{key}_FILE` | unset | a file holding "
+                         f"`{ENV_PREFIX}{key}` (a Docker secret; set one of the two) |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_doc(), end="")

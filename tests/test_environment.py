@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fedq.errors import ConfigError
 from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.testing.procs import run_module
 
@@ -240,14 +241,23 @@ def test_every_variable_fedq_or_its_scripts_read_is_accepted() -> None:
 
 
 def test_every_documented_setting_is_read_and_the_compose_variables_pass() -> None:
-    """The table in fedq/settings.py's docstring is the set of settings fedq reads (a
-    setting missing from either is a typo the user cannot see); docker/.env's
-    FEDQ_BIND, loaded into the shell by docs/deploy.md, is not refused as unknown."""
+    """docs/settings.md is what fedq/settings.py's declarations generate, and names
+    every variable fedq accepts (a setting missing from either is a typo the user
+    cannot see); docker/.env's FEDQ_BIND, loaded into the shell by docs/deploy.md, is
+    not refused as unknown."""
     import fedq.settings as settings_module
-    from fedq.settings import load_settings
+    from fedq.settings import load_settings, settings_doc
 
-    documented = set(re.findall(r"^(FEDQ_[A-Z0-9_]+)\s", settings_module.__doc__ or "", re.M))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    assert doc == settings_doc(), "regenerate: .venv/bin/python -m fedq.settings " \
+                                  "> docs/settings.md"
+    documented = set(re.findall(r"^\| `(FEDQ_[A-Z0-9_]+)`", doc, re.M))
     assert documented == {f"FEDQ_{k}" for k in settings_module._KNOWN}
+    assert "FEDQ_POWER_SUPPLY_DIR" in documented and "FEDQ_JOINED_AS" not in documented
+    assert load_settings({"FEDQ_POWER_SUPPLY_DIR": "/p", "FEDQ_HOME": "/tmp/fedq-x"}
+                         ).power_dir == Path("/p")
+    with pytest.raises(ConfigError, match=r"^FEDQ_HEARTBEAT_S: Input should be greater"):
+        load_settings({"FEDQ_HEARTBEAT_S": "-1", "FEDQ_HOME": "/tmp/fedq-x"})
     got = load_settings({"FEDQ_WORKER_LOST_S": "3", "FEDQ_HEARTBEAT_S": "1",
                          "FEDQ_BIND": "127.0.0.1", "FEDQ_HOME": "/tmp/fedq-x"})
     assert (got.worker_lost_s, got.heartbeat_s) == (3.0, 1.0)

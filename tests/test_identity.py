@@ -144,6 +144,11 @@ def test_a_buffered_task_and_an_inference_shard_are_answered_only_from_their_que
                 None, registry)
     assert ref.status == "rejected" and "registered for gpu_new, but the task was sent " \
         "to cpu: a worker answers only tasks sent to it" in (ref.error or ""), ref.error
+    record("security", scenario="identity: a buffered task answered from another queue",
+           did="a worker registered for gpu_new answered a buffered job's task sent to cpu",
+           fedq=f"rejected: {ref.error[:100]}",
+           guard="identity.result_problem in intake.admit (the task's queue)",
+           outcome="rejected; the task is sent again")
 
     facts = jobs.JobFacts({"queues": ["cpu"], "op": "classify"}, 10, {0: (0, 4)})
     answer = {"status": "ok", "job": "abcdef012345", "shard": 0, "attempt": 1,
@@ -155,6 +160,11 @@ def test_a_buffered_task_and_an_inference_shard_are_answered_only_from_their_que
                            0, 1, registry)
     assert verdict.status == "rejected" and "signature: signed by w4, registered for " \
         "gpu_new, but the task was sent to cpu" in (verdict.error or ""), verdict
+    record("security", scenario="inference: a shard answered from another queue",
+           did="a worker registered for gpu_new answered a shard of a job on cpu",
+           fedq=f"rejected: {(verdict.error or '')[:100]}",
+           guard="identity.result_problem in inference.jobs._verify (the job's queues)",
+           outcome="rejected; the shard is sent again")
     # w1, registered for cpu, gets past the signature to the output's own checks
     verdict = jobs._verify(settings, w1.sign_result(answer, task), "abcdef012345", facts,
                            0, 1, registry)

@@ -32,7 +32,7 @@ from fedq.inference.serve import (
     stopped,
 )
 from fedq.models import build_model, seeded_model
-from fedq.testing.cluster import Cluster
+from fedq.testing.cluster import Cluster, record
 from fedq.testing.procs import start_workers
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, loads, state_of
@@ -72,6 +72,24 @@ def test_a_streamed_answer_takes_only_checked_progress_and_a_final_that_continue
     events = asyncio.run(run([{"stream": ["to be"]}], "not that"))
     assert "does not continue what was streamed" in events[-2] and "not that" not in \
         "".join(events)
+    # OpenAI's stream_options: usage null on every chunk, then a chunk of usage alone
+    # (the prompt "p" and the final text in the byte-level model's tokens)
+
+    async def with_usage(final: str) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        item = _Item({"prompt": "p", "max_tokens": 8}, loop.create_future(), asyncio.Queue())
+        _pass_on([item], stream_texts({"stream": ["to"]}, [item]))
+        item.future.set_result(({"text": final}, 1))
+        return [json.loads(e[len("data: "):]) for e in
+                [e async for e in stream_events(item, {"id": "c"}, include_usage=True)][:-1]]
+
+    chunks = asyncio.run(with_usage("to be"))
+    assert [c["usage"] for c in chunks] == [None, None, {
+        "prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}], chunks
+    assert [len(c["choices"]) for c in chunks] == [1, 1, 0]
+    assert all("usage" not in json.loads(e[len("data: "):]) for e in events[:-1])
+    chunks = asyncio.run(with_usage("not that"))  # refused: an error, no usage chunk
+    assert "error" in chunks[-1] and all(c.get("usage") is None for c in chunks)
 
 
 def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused() -> None:
@@ -363,7 +381,10 @@ def test_requests_and_answers_are_checked() -> None:
                   {"prompt": "a", "n": 0}, {"prompt": ["a", 1]}, {"prompt": []},
                   {"prompt": "a", "stop": ["x"] * 5}, {"prompt": "a", "stop": [""]},
                   {"prompt": ["a", "b"], "stream": True}, {"prompt": "a", "n": 2, "stream": True},
-                  {"prompt": "a", "stop": "x", "stream": True}):
+                  {"prompt": "a", "stop": "x", "stream": True},
+                  {"prompt": "a", "stream_options": {"include_usage": True}},
+                  {"prompt": "a", "stream": True, "stream_options": {"usage": True}},
+                  {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}}):
         with pytest.raises(ValueError):
             parse_completion(bad_c, gpt)
     # a field of OpenAI's API fedq does not take is refused by name, never ignored
@@ -395,8 +416,13 @@ def test_requests_and_answers_are_checked() -> None:
     text = {"status": "ok", "worker": "w", "seconds": 0.1,
             "outputs": [{"i": 0, "text": "abcd"}, {"i": 1, "text": "x" * 4000}]}
     assert len(check_batch(text, gpt, 2, op="generate", max_tokens=[4, 4000])) == 2
-    with pytest.raises(Refused, match="4000 characters, more than its max_tokens 4"):
+    with pytest.raises(Refused, match="4000 characters, more than its max_tokens 4") as long:
         check_batch(text, gpt, 2, op="generate", max_tokens=[4000, 4])
+    record("security", scenario="outputs: a text longer than max_tokens",
+           did="answered a batch's item of max_tokens 4 with 4,000 characters",
+           fedq=f"refused: {str(long.value)[:100]}",
+           guard="messages.check_output (batch jobs' shards and fedq serve's batches)",
+           outcome="502 for the batch's requests; a shard is sent again")
     with pytest.raises(Refused, match="more than its max_tokens 256"):  # the served bound
         check_batch(text, gpt, 2, op="generate")
     with pytest.raises(Refused, match="numbers of unit length"):
@@ -592,7 +618,6 @@ def _bodies_are_bounded(gateway: Gateway) -> None:
     a 128 MiB body, declared or chunked, is refused (413) long before it is read; a body
     that stops arriving is refused (408) after --read-timeout-s; JSON nested 100,000
     deep is a 400, never a 500. Remove the bound or the timeout and this fails."""
-    from fedq.testing.cluster import record
 
     size = 128 << 20
     mib = b"x" * (1 << 20)
@@ -836,8 +861,14 @@ def _openai_client_gets_the_same(port: int, model: str, many: dict[str, Any],
     direct = _post(port, "/v1/completions", many)[1]
     assert [c.text for c in got.choices] == [c["text"] for c in direct["choices"]]
     assert got.usage is not None and got.usage.prompt_tokens == 12 + 5
-    pieces = client.completions.create(model=model, stream=True, **ask)
+    pieces = list(client.completions.create(model=model, stream=True, **ask))
     assert "".join(chunk.choices[0].text for chunk in pieces) == streamed
+    counted = list(client.completions.create(model=model, stream=True, **ask,
+                                             stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in counted if c.choices) == streamed
+    assert not counted[-1].choices and counted[-1].usage is not None
+    assert (counted[-1].usage.prompt_tokens, counted[-1].usage.completion_tokens) == (
+        len(ask["prompt"].encode()), len(streamed.encode()))
     embedded = client.embeddings.create(model=model, input=texts)
     for row, want in zip(embedded.data, floats, strict=True):
         assert max(abs(a - b) for a, b in zip(row.embedding, want, strict=True)) < 1e-6

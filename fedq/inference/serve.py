@@ -26,7 +26,8 @@ what a full one does.
   that state anyway, checks it (a list of strings, no longer than the items'
   ``max_tokens``) and sends what was added. The final answer is checked as a
   non-streamed one is; if it does not continue what was streamed, the stream ends
-  with an error event. Streamed pieces are
+  with an error event; with ``stream_options: {"include_usage": true}`` a last chunk
+  carries the request's usage. Streamed pieces are
   signed too (with identity required, a piece not signed for its task by a registered
   worker is dropped, as an unsigned answer is refused).
 - A batch's stored state is read only up to :func:`answer_bytes` (its items times the
@@ -649,15 +650,21 @@ def _pass_on(batch: list[_Item], texts: list[str]) -> None:
             item.texts.put_nowait(text)
 
 
-async def stream_events(item: _Item, head: dict[str, Any]) -> AsyncIterator[str]:
+async def stream_events(item: _Item, head: dict[str, Any],
+                        include_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events for one streamed completion: each piece added to its text,
-    then the rest of the checked answer with ``finish_reason``, then ``[DONE]``."""
+    then the rest of the checked answer with ``finish_reason``, then ``[DONE]``. With
+    ``include_usage`` (OpenAI's ``stream_options``) every chunk carries ``usage: null``
+    and one more chunk, with no choices and the request's :func:`usage`, comes before
+    ``[DONE]`` when the answer checked out."""
+    more = {"usage": None} if include_usage else {}
+
     def event(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     def piece(text: str, finish: str | None) -> str:
         return event({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                           "finish_reason": finish}]})
+                                           "finish_reason": finish}], **more})
 
     assert item.texts is not None
     sent = ""
@@ -680,6 +687,9 @@ async def stream_events(item: _Item, head: dict[str, Any]) -> AsyncIterator[str]
             final = out["text"]
             if final.startswith(sent):
                 yield piece(final[len(sent):], "length")
+                if include_usage:
+                    yield event({**head, "choices": [],
+                                 "usage": usage([item.body["prompt"]], [final])})
             else:
                 yield event(error_object(502, "the worker's answer does not continue what "
                                               "was streamed"))
@@ -764,7 +774,7 @@ def parse_predict(body: Any, served: Served) -> list[list[float]]:
 #: and changes nothing); any other (``echo``, ``logprobs``, ``top_p``, ...) is refused
 #: by name.
 COMPLETION_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "seed", "model",
-                     "stream", "n", "stop", "user")
+                     "stream", "stream_options", "n", "stop", "user")
 MAX_N = 16
 MAX_STOPS = 4  # OpenAI's bound on stop sequences
 
@@ -780,6 +790,7 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
     _check_fields(body, COMPLETION_FIELDS)
     if not isinstance(body.get("stream", False), bool):
         raise ValueError("stream: true or false")
+    include_usage(body)
     prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
@@ -807,6 +818,21 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
     base["temperature"] = float(temp)
     return [{"prompt": prompt, **base, "seed": base["seed"] + k}
             for prompt in prompts for k in range(n)]
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """A completion request's ``stream_options``: ``{"include_usage": true|false}``,
+    with ``stream: true`` only (as OpenAI's API takes it); whether the stream ends with
+    a usage chunk."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if body.get("stream") is not True:
+        raise ValueError("stream_options: only with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise ValueError('stream_options: {"include_usage": true or false}')
+    return bool(options.get("include_usage", False))
 
 
 def _check_fields(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
@@ -941,8 +967,9 @@ def build_app(served: Served) -> Any:
 
     async def answer(request: Request, route: str, parse: Any, shape: Any,
                      via: Batcher = batcher, stream: Any = None) -> Response:
-        """Parse, admit and wait; ``stream(item, start)``: the response for a request
-        that asked for a stream (its one item is queued with a stream of its own)."""
+        """Parse, admit and wait; ``stream(item, start, include_usage)``: the response
+        for a request that asked for a stream (its one item is queued with a stream of its
+        own)."""
         start = time.perf_counter()
         if not authorised(request):
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)")
@@ -964,7 +991,7 @@ def build_app(served: Served) -> Any:
         if batcher.metrics is not None:
             batcher.metrics.pending.set(sum(b.pending for b in batchers))
         if streamed:
-            return stream(admitted[0], start)
+            return stream(admitted[0], start, include_usage(body))
         try:
             done = await asyncio.gather(*(item.future for item in admitted))
         except Refused as exc:
@@ -976,12 +1003,12 @@ def build_app(served: Served) -> Any:
         if batcher.metrics is not None:
             batcher.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
-    def completion_stream(item: _Item, start: float) -> Response:
+    def completion_stream(item: _Item, start: float, with_usage: bool) -> Response:
         head = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
                 "created": int(time.time()), "model": served.name}
 
         async def events() -> AsyncIterator[str]:
-            async for event in stream_events(item, head):
+            async for event in stream_events(item, head, with_usage):
                 yield event
             observe("completions", start)
 
