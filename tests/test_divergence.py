@@ -13,7 +13,7 @@ from fedq.weights import dumps
 
 def test_a_diverged_client_reports_training_diverged(tmp_path: Path, worker_home: Path) -> None:
     from fedq.coordinator.evaluation import initial_weights
-    from fedq.refs import TrainRef, UpdateRef
+    from fedq.protocol.training import TrainRef, UpdateRef
     from fedq.spec import parse_spec
     from fedq.worker.update import run_training
 

@@ -17,7 +17,7 @@ from fedq.blobs import global_key, open_store, step_key
 from fedq.db import ClientUpdate, Job, Round, session_scope
 from fedq.errors import BlobError, UpdateRejected
 from fedq.process import PROCESS
-from fedq.refs import StepRef
+from fedq.protocol.training import StepRef
 from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.weights import dumps, loads, loads_with_meta
 from fedq.worker.update import fetch_global
@@ -160,7 +160,7 @@ def test_workers_download_steps_and_train_on_the_stored_model(tmp_path: Path) ->
 def test_round_zero_is_rebuilt_from_the_seed_not_downloaded(
         tmp_path: Path, worker_home: Path) -> None:
     from fedq.coordinator.evaluation import initial_weights
-    from fedq.refs import TrainRef, UpdateRef
+    from fedq.protocol.training import TrainRef, UpdateRef
     from fedq.spec import parse_spec
     from fedq.worker.update import run_training
 

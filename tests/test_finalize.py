@@ -13,7 +13,7 @@ from fedq.coordinator.intake import task_id
 from fedq.coordinator.planning import plan_round
 from fedq.db import ClientUpdate, Job, Round, session_scope, upgrade
 from fedq.engine.names import FINALIZE_ROUND_TASK
-from fedq.refs import TrainRef
+from fedq.protocol.training import TrainRef
 from fedq.spec import parse_spec
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record_outcome
 from fedq.weights import dumps

@@ -24,7 +24,7 @@ from fedq.coordinator import enrol
 from fedq.coordinator.intake import Sent, admit
 from fedq.db import upgrade
 from fedq.errors import ConfigError
-from fedq.refs import UpdateRef
+from fedq.protocol.training import UpdateRef
 from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, record
 from fedq.testing.procs import WorkerProcess, run_module

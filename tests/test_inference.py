@@ -26,14 +26,14 @@ from fedq.data import text as text_data
 from fedq.db import WatchdogAction, session_scope
 from fedq.errors import SpecError
 from fedq.inference import jobs
-from fedq.inference.messages import check_output, output_key, parse_task
 from fedq.inference.run import complete, encode_rows, run_items
 from fedq.inference.spec import load_inference
 from fedq.models import build_model, seeded_model
+from fedq.protocol.envelope import MESSAGE_FORMAT, FormatError, read_claim
+from fedq.protocol.inference import check_output, output_key, parse_task
 from fedq.testing.cluster import Cluster, base_env, record_outcome
 from fedq.testing.wait import wait_until
 from fedq.weights import dumps, state_of
-from fedq.wire import MESSAGE_FORMAT, FormatError, read_claim
 
 SMALL_TEXT = {"block_size": 32, "max_works": 3, "eval_windows": 64}
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32}

@@ -1,6 +1,6 @@
 """The checks at the trust boundary, one by one, with no services (docs/security.md):
 admitting a result (fedq/coordinator/intake.py), the strict result model and the task
-check (fedq/wire.py), decoding and decompression bounds, the blob size check, the
+check (fedq/protocol/envelope.py), decoding and decompression bounds, the blob size check, the
 worker's paths, redaction, the version handshake and the watchdog's per-job guard.
 tests/test_security.py runs the same attacks through real workers."""
 
@@ -19,11 +19,11 @@ from fedq.blobs import BlobRef, global_key, open_store
 from fedq.blobs.cache import HostCache
 from fedq.coordinator.intake import Limits, Sent, admit, limits
 from fedq.errors import BlobTooLarge, UpdateRejected
+from fedq.protocol.envelope import MESSAGE_FORMAT, FormatError
+from fedq.protocol.training import TrainRef, check_task
 from fedq.redaction import redact, redact_text, remember
-from fedq.refs import TrainRef
 from fedq.spec import parse_spec
 from fedq.testing.procs import run_module
-from fedq.wire import MESSAGE_FORMAT, FormatError, check_task
 from fedq.worker.inner import state_path
 
 SENT = Sent(job="j1", round=3, client=2, attempt=1, gen=7, queue="cpu")
@@ -172,7 +172,7 @@ def test_blob_reads_are_bounded_before_they_happen(tmp_path: Path) -> None:
         store.get(ref, limit=999)
 
 
-# -- what a worker is sent (fedq/wire.py check_task) ------------------------------
+# -- what a worker is sent (fedq/protocol/training.py check_task) ------------------------------
 
 
 def task(**kw: Any) -> dict[str, Any]:

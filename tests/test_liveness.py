@@ -19,8 +19,8 @@ from fedq.coordinator import liveness
 from fedq.db import Claim, Job, Worker, session_scope, upgrade
 from fedq.db.models import utcnow
 from fedq.engine.names import LOST_REASON
+from fedq.protocol.envelope import Beat, read_claim
 from fedq.settings import get_settings
-from fedq.wire import Beat, read_claim
 from fedq.worker.heartbeat import Heartbeat
 
 SPEC = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients": 4,

@@ -21,7 +21,7 @@ from fedq.data import text as text_data
 from fedq.models import build_model
 from fedq.observe.plots import close, figures
 from fedq.process import PROCESS
-from fedq.refs import TrainRef, UpdateRef
+from fedq.protocol.training import TrainRef, UpdateRef
 from fedq.spec import OptimizerSpec, parse_spec
 from fedq.testing.cluster import Cluster, base_env
 from fedq.weights import dumps, loads, loads_with_meta

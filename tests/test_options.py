@@ -42,7 +42,7 @@ from fedq.coordinator.pipeline import Outcome
 from fedq.coordinator.planning import plan_round, queue_counts
 from fedq.errors import SpecError
 from fedq.process import PROCESS
-from fedq.refs import TrainStats, UpdateRef
+from fedq.protocol.training import TrainStats, UpdateRef
 from fedq.spec import JobSpec, parse_spec
 from fedq.weights import dumps
 from fedq.worker.update import run_training

@@ -34,7 +34,7 @@ from fedq.coordinator.roster import availability
 from fedq.db import ClientUpdate, session_scope
 from fedq.db.models import utcnow
 from fedq.errors import ConfigError
-from fedq.refs import UpdateRef
+from fedq.protocol.training import UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.status import FAILED_UPDATES, UpdateStatus

@@ -24,7 +24,7 @@ from fedq.coordinator.policy import (
     pick_results,
     repair,
 )
-from fedq.refs import UpdateRef
+from fedq.protocol.training import UpdateRef
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 DEADLINE = T0 + timedelta(seconds=60)

@@ -78,7 +78,7 @@ SCENARIOS: dict[str, Scenario] = {
                         "version: worker", "intake.admit: the format check"),
     "malformed": Scenario("`bytes_up: -1`, `gpu_util: 1e9`", "rejected",
                           "malformed result: bytes_up",
-                          "wire.ResultModel: the field bounds"),
+                          "training.UpdateRef: the field bounds"),
     "huge_result": Scenario("a result of 16 MiB (its error text padded)", "rejected",
                             "bytes in the result backend, more than",
                             "engine.backend.task_metas: the bound on a state's size"),
@@ -272,7 +272,7 @@ def _send_crafted(cluster: Cluster, job: str) -> list[tuple[str, dict[str, Any]]
     results. A well-formed task of the finished honest job is the base."""
     from fedq.blobs import BlobRef, global_key
     from fedq.engine.names import TRAIN_TASK
-    from fedq.refs import TrainRef
+    from fedq.protocol.training import TrainRef
     from fedq.spec import parse_spec
 
     spec = parse_spec({**DIGITS, "rounds": 1, "clients_per_round": 3})
@@ -306,7 +306,7 @@ def test_honest_job_undisturbed(attacked: Run) -> None:
 
 
 def test_crafted_tasks_build_no_path(attacked: Run) -> None:
-    """Delete ``check_task(data)`` in TrainRef.from_json (fedq/refs.py) and the job id
+    """Delete ``check_task(data)`` in TrainRef.from_json (fedq/protocol/training.py) and the job id
     and hash reach a path: this fails."""
     assert not Path("/tmp/fedq-evil").exists()
     for what, result in attacked.crafted:
@@ -321,7 +321,7 @@ def test_crafted_tasks_build_no_path(attacked: Run) -> None:
             record("security", scenario=f"crafted task: {what}",
                    did=f"a task whose {what} walks out of the worker's folders (`../`)",
                    fedq=f"refused by the worker: {result['error'][:90]}",
-                   guard="wire.check_task before any path or key is built",
+                   guard="training.check_task before any path or key is built",
                    outcome="no file outside the worker's folders; an error result")
 
 

@@ -412,7 +412,7 @@ def test_requests_and_answers_are_checked() -> None:
             "outputs": [{"i": 0, "embedding": [0.6, 0.8]}]}
     assert check_batch(unit, wide, 1, op="embed") == [{"embedding": [0.6, 0.8]}]
     # a generated text no longer than its item's max_tokens (remove the length check in
-    # messages.check_output, or the bounds check_batch passes, and this fails)
+    # protocol.inference.check_output, or the bounds check_batch passes, and this fails)
     text = {"status": "ok", "worker": "w", "seconds": 0.1,
             "outputs": [{"i": 0, "text": "abcd"}, {"i": 1, "text": "x" * 4000}]}
     assert len(check_batch(text, gpt, 2, op="generate", max_tokens=[4, 4000])) == 2
@@ -421,7 +421,7 @@ def test_requests_and_answers_are_checked() -> None:
     record("security", scenario="outputs: a text longer than max_tokens",
            did="answered a batch's item of max_tokens 4 with 4,000 characters",
            fedq=f"refused: {str(long.value)[:100]}",
-           guard="messages.check_output (batch jobs' shards and fedq serve's batches)",
+           guard="protocol.inference.check_output (batch jobs' shards and fedq serve's batches)",
            outcome="502 for the batch's requests; a shard is sent again")
     with pytest.raises(Refused, match="more than its max_tokens 256"):  # the served bound
         check_batch(text, gpt, 2, op="generate")

@@ -18,7 +18,7 @@ from fedq.blobs import BlobStore, global_key, open_store
 from fedq.coordinator.evaluation import initial_weights
 from fedq.coordinator.pipeline import Outcome, apply_server, reduce
 from fedq.process import PROCESS
-from fedq.refs import TrainRef, UpdateRef
+from fedq.protocol.training import TrainRef, UpdateRef
 from fedq.spec import JobSpec, parse_spec
 from fedq.weights import dumps, loads
 from fedq.worker.update import run_training

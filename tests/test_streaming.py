@@ -20,7 +20,7 @@ from fedq.cli.output import describe
 from fedq.db import ClientUpdate, Round, session_scope
 from fedq.errors import UpdateRejected
 from fedq.models import build_model
-from fedq.refs import TrainRef, UpdateRef
+from fedq.protocol.training import TrainRef, UpdateRef
 from fedq.spec import SpecError, parse_spec
 from fedq.testing.cluster import Cluster, base_env
 from fedq.weights import dumps, loads, loads_with_meta, raw_size

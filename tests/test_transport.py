@@ -187,7 +187,7 @@ def test_a_round_a_buffered_refill_and_inference_shards_are_sent_in_one_batch(
     from fedq.engine import redis_transport
     from fedq.engine.app import SentEvents, app
     from fedq.inference import jobs as inference_jobs
-    from fedq.refs import BlobRef
+    from fedq.protocol.training import BlobRef
     from fedq.settings import Settings
     from fedq.spec import JobSpec
     from fedq.testing.cluster import DIGITS

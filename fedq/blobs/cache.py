@@ -21,7 +21,7 @@ from pathlib import Path
 
 import fedq.digest as digests
 from fedq.blobs.base import BlobRef, BlobStore
-from fedq.wire import check_blob_digest
+from fedq.protocol.envelope import check_blob_digest
 
 DEFAULT_KEEP = 4
 _STALE_TMP_S = 3600.0

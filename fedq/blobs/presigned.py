@@ -38,7 +38,7 @@ class PresignedStore(BlobStore):
 
     def __init__(self, links: dict[str, Any]) -> None:
         self.url = "presigned S3 URLs of the task"
-        get, put = links.get("get"), links.get("put")  # checked by wire.check_task
+        get, put = links.get("get"), links.get("put")  # checked by training.check_task
         self._get: dict[str, str] = dict(get) if isinstance(get, dict) else {}
         self._put: dict[str, str] = dict(put) if isinstance(put, dict) else {}
         self._tls = _tls_context()

@@ -17,8 +17,8 @@ from rich.table import Table
 from fedq.cli.kinds import kind_of
 from fedq.cli.output import err, fmt, job_json, out, status_style
 from fedq.errors import ConfigError, FedqError, JobCancelled, JobFailed, ServiceUnavailable
+from fedq.protocol.envelope import FEDQ_VERSION, MESSAGE_FORMAT
 from fedq.status import JobStatus
-from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -75,7 +75,7 @@ from fedq.engine.backend import task_metas
 from fedq.engine.names import ABSORB_UPDATE_TASK, CONTROL_QUEUE, TRAIN_TASK, site_queue
 from fedq.engine.revoke import revoke_quietly
 from fedq.process import PROCESS
-from fedq.refs import StepRef
+from fedq.protocol.training import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import FAILED_UPDATES, JobStatus, RoundStatus, UpdateStatus

@@ -37,7 +37,7 @@ from fedq.coordinator.steps import set_step
 from fedq.db import ClientUpdate, Job, session_scope
 from fedq.phases import phase
 from fedq.process import PROCESS
-from fedq.refs import StepRef, UpdateRef
+from fedq.protocol.training import StepRef, UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.weights import loads

@@ -19,8 +19,8 @@ import fedq.identity as identity
 from fedq.db.models import ClientUpdate, RegisteredWorker, utcnow
 from fedq.db.session import ensure_schema, session_scope
 from fedq.errors import ConfigError, FedqError
+from fedq.protocol.envelope import QUEUE
 from fedq.settings import Settings
-from fedq.wire import QUEUE
 
 Registry = identity.Registry  # where intake and roster have always found it
 

@@ -67,7 +67,7 @@ from fedq.engine.broker import live_queues
 from fedq.engine.revoke import revoke_quietly
 from fedq.phases import current_times, phase, recording, summary
 from fedq.process import PROCESS
-from fedq.refs import UpdateRef
+from fedq.protocol.training import UpdateRef
 from fedq.settings import Settings, get_settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus, UpdateStatus, failed_status

@@ -11,7 +11,7 @@ the FedAvg weight cannot exceed what the client's shard allows (:class:`Limits`:
 partition is a pure function of the spec, so the coordinator computes the shard size
 itself): a result may report fewer samples, never more.
 
-:func:`admit` never raises: anything wrong is an :class:`~fedq.refs.UpdateRef` with
+:func:`admit` never raises: anything wrong is an :class:`~fedq.protocol.training.UpdateRef` with
 status ``rejected`` and one line naming the check.
 """
 
@@ -33,12 +33,12 @@ from fedq.coordinator.enrol import Registry
 from fedq.errors import ConfigError, FedqError
 from fedq.identity import EXPIRY_GRACE_S, result_problem, seal, task_tag
 from fedq.process import PROCESS
+from fedq.protocol.envelope import FEDQ_VERSION, MESSAGE_FORMAT, FormatError
+from fedq.protocol.training import StepRef, TrainRef, UpdateRef, parse_result
 from fedq.redaction import redact_text
-from fedq.refs import StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus
-from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, FormatError, parse_result
 
 ERROR_CHARS = 2000  # a worker's error text kept in a row
 
@@ -234,12 +234,9 @@ def admit(raw: Any, sent: Sent, bound: Limits | None,
             return dataclasses.replace(rejected, error=(
                 f"identity: the result names {name} {_show(said)}, its task was "
                 f"{name} {_show(truth)}"))
-    fields = got.model_dump()
-    del fields["sig"]
-    fields.update(queue=sent.queue, stats=TrainStats(**fields["stats"]),
-                  signer=got.signer if registry is not None else None,
-                  error=redact_text(got.error)[:ERROR_CHARS] if got.error else None)
-    ref = UpdateRef(**fields)
+    ref = dataclasses.replace(
+        got, sig=None, queue=sent.queue, signer=got.signer if registry is not None else None,
+        error=redact_text(got.error)[:ERROR_CHARS] if got.error else None)
     if ref.status != "ok":
         return ref
     # a registered worker's folder (its signature verified above when it counts), or

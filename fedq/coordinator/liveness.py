@@ -20,7 +20,7 @@ is the one used if it arrives first; a client is never counted twice
 (fedq/coordinator/policy.py ``pick_results``).
 
 What a worker writes there is untrusted: a claim is read with bounds
-(:func:`fedq.wire.read_claim`), and the worst a lying worker can do is have its own client sent
+(:func:`fedq.protocol.envelope.read_claim`), and the worst a lying worker can do is have its own client sent
 again, at most ``max_redispatch`` times.
 """
 
@@ -39,9 +39,9 @@ from fedq.db import Claim, Job, session_scope
 from fedq.db.models import InferenceJob, aware, utcnow
 from fedq.engine.app import app
 from fedq.engine.backend import task_metas
+from fedq.protocol.envelope import read_claim
 from fedq.settings import Settings
 from fedq.status import JobStatus
-from fedq.wire import read_claim
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
 from fedq.phases import phase
+from fedq.protocol.training import StepRef, UpdateRef
 from fedq.redaction import redact_text
-from fedq.refs import StepRef, UpdateRef
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus, failed_status
 from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size

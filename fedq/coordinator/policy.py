@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
-from fedq.refs import UpdateRef
+from fedq.protocol.training import UpdateRef
 from fedq.status import FAILED_UPDATES, RoundStatus, UpdateStatus, failed_status
 
 

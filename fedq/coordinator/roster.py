@@ -24,10 +24,10 @@ from fedq.engine.names import (
     WORKER_STATE_TASK,
     site_queue,
 )
+from fedq.protocol.envelope import FEDQ_VERSION, MESSAGE_FORMAT, QUEUE
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.status import FAILED_UPDATES, UpdateStatus
-from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT, QUEUE
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from fedq.db.models import utcnow
 from fedq.engine.app import app, broker_errors, refusal, sending
 from fedq.engine.names import CONTROL_QUEUE, FINALIZE_ROUND_TASK, START_ROUND_TASK, TRAIN_TASK
 from fedq.phases import phase
-from fedq.refs import StepRef
+from fedq.protocol.training import StepRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus, RoundStatus

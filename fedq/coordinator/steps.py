@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fedq.blobs import BlobRef
 from fedq.db import Job
-from fedq.refs import StepRef
+from fedq.protocol.training import StepRef
 
 
 def step_of(job: Job) -> StepRef | None:

@@ -46,11 +46,11 @@ from fedq.coordinator.rounds import redispatch, request_round
 from fedq.db import Job, Round, WatchdogAction, session_scope
 from fedq.db.models import aware, utcnow
 from fedq.db.session import ensure_schema
+from fedq.protocol.envelope import FEDQ_VERSION
 from fedq.redaction import redact_text
 from fedq.settings import Settings
 from fedq.spec import JobSpec
 from fedq.status import JobStatus
-from fedq.wire import FEDQ_VERSION
 
 log = logging.getLogger(__name__)
 

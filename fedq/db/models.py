@@ -132,7 +132,7 @@ class ClientUpdate(Base):
     blob_key: Mapped[str | None] = mapped_column(String(300), default=None)
     blob_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
-    # How it trained (fedq.refs.TrainStats): loop seconds, device, AMP, budget stop, GPU.
+    # How it trained (fedq.protocol.training.TrainStats): loop seconds, device, AMP, budget stop, GPU.
     train_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     device: Mapped[str | None] = mapped_column(String(32), default=None)
     amp: Mapped[str | None] = mapped_column(String(8), default=None)
@@ -179,7 +179,7 @@ class Worker(Base):
     # The uplink (Mbit/s) its last large upload measured, and the codec it last sent.
     uplink_mbit: Mapped[float | None] = mapped_column(Float, default=None)
     codec: Mapped[str | None] = mapped_column(String(16), default=None)
-    # Migration 0010: what it registered with (the version handshake, fedq/wire.py).
+    # Migration 0010: what it registered with (the version handshake, fedq/protocol/envelope.py).
     fedq_version: Mapped[str | None] = mapped_column(String(32), default=None)
     message_format: Mapped[int | None] = mapped_column(Integer, default=None)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,4 +1,4 @@
-"""The one mapping between what a worker reported (:class:`~fedq.refs.UpdateRef`,
+"""The one mapping between what a worker reported (:class:`~fedq.protocol.training.UpdateRef`,
 already admitted by fedq/coordinator/intake.py) and a ``client_updates`` row: every
 path that records a task — a round's commit or failure, a late result, a buffered
 job's absorb — writes its row through :func:`fill_row`, and a buffered version reads
@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import insert, inspect
 
 from fedq.db.models import ClientUpdate, worker_time
-from fedq.refs import TrainStats, UpdateRef
+from fedq.protocol.training import TrainStats, UpdateRef
 
 _COLUMNS = [a.key for a in inspect(ClientUpdate).column_attrs]
 

@@ -161,7 +161,7 @@ class RedisBackend(CeleryRedisBackend):  # type: ignore[misc]
 #: Task keys read in one round trip: a round of 10,000 clients is ten.
 METAS_PER_READ = 1000
 #: The most bytes a task's stored state may have to be read by :func:`task_metas`. A
-#: training result is a small JSON object (fedq/wire.py ``ResultModel``: a few kB at
+#: training result is a small JSON object (fedq/protocol/training.py ``UpdateRef``: a few kB at
 #: most); a worker can write anything under its task's key, and a batch of reads must
 #: not hold a batch of huge values.
 STATE_BYTES = 256 << 10

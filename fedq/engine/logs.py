@@ -79,7 +79,7 @@ def task_context(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
     except (TypeError, ValueError):
         return context
     ref = bound.get("ref")
-    if isinstance(ref, dict):  # a training task: fedq.refs.TrainRef as JSON
+    if isinstance(ref, dict):  # a training task: fedq.protocol.training.TrainRef as JSON
         context.update(job=ref.get("job"), round=ref.get("round"), client=ref.get("client"))
     else:
         context.update(job=bound.get("job_id"), round=bound.get("round_number"))

@@ -14,7 +14,7 @@ Exactly once: a shard's row moves to ``done`` once, under the job's row lock; a
 re-sent shard's second answer (or a straggler's) is dropped. A shard's output is
 written under a key per attempt, so a straggler cannot overwrite the blob the
 done row points at. Every answer is checked before it counts (its format, its blob's
-digest and size bound, each line: :func:`fedq.inference.messages.check_output`).
+digest and size bound, each line: :func:`fedq.protocol.inference.check_output`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ from fedq.engine.broker import check_broker, registered_slots
 from fedq.engine.names import ABSORB_SHARD_TASK, CONTROL_QUEUE, INFER_TASK
 from fedq.engine.revoke import revoke_quietly
 from fedq.errors import BlobError, FedqError, JobNotFound, SpecError, require_extra
-from fedq.inference.messages import (
+from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
+from fedq.process import PROCESS
+from fedq.protocol.envelope import MESSAGE_FORMAT, FormatError
+from fedq.protocol.inference import (
     LINE_BYTES,
     check_output,
     inputs_key,
@@ -56,12 +59,9 @@ from fedq.inference.messages import (
     output_key,
     parse_result,
 )
-from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
-from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import Settings, get_settings
 from fedq.status import JobStatus, ShardStatus
-from fedq.wire import MESSAGE_FORMAT, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -975,7 +975,7 @@ def _write_jsonl(path: Path, bodies: Iterable[bytes]) -> int:
 
 def parquet_schema(op: str) -> Any:
     """The Parquet columns of an op's outputs: the JSONL lines' keys, typed (checked
-    when each shard arrived: fedq/inference/messages.py, ``check_output``)."""
+    when each shard arrived: fedq/protocol/inference.py, ``check_output``)."""
     import pyarrow as pa
 
     columns = {"classify": [("label", pa.int64()), ("probs", pa.list_(pa.float64()))],

@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from fedq.blobs import BlobRef, BlobStore
 from fedq.data import load_dataset
 from fedq.data import text as text_data
-from fedq.inference.messages import (
+from fedq.models import build_model
+from fedq.models.device import pick_device
+from fedq.process import PROCESS
+from fedq.protocol.inference import (
     Arch,
     Blob,
     ShardTask,
@@ -28,9 +31,6 @@ from fedq.inference.messages import (
     parse_batch,
     parse_task,
 )
-from fedq.models import build_model
-from fedq.models.device import pick_device
-from fedq.process import PROCESS
 from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.weights import loads

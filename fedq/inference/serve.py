@@ -5,7 +5,7 @@ within ``max_wait_ms`` of a batch's first item, as Ray Serve's ``@serve.batch``;
 no batch out, a batch goes at once with what is queued: nothing to wait for); each
 batch is one ``fedq.serve_batch`` task on a hardware queue, to a worker that keeps the
 model loaded; its answer comes back through the result backend and is checked like a
-shard's (fedq/inference/messages.py) before any of it is returned. While every live
+shard's (fedq/protocol/inference.py) before any of it is returned. While every live
 worker holds a batch, the next one keeps growing until a batch comes back, it is full,
 or it has waited twice the quickest queue's round trip (``Batcher.hold_s``): sent at
 once it would only wait in the broker, as a small batch that costs a worker nearly
@@ -54,10 +54,10 @@ import fedq.identity as identity
 from fedq.engine.app import app
 from fedq.engine.backend import TOO_LARGE, UNDECODABLE, decode_state, task_metas
 from fedq.engine.names import SERVE_TASK, STREAM_STATE, TRAINING_QUEUES
-from fedq.inference.messages import LINE_BYTES, check_output
 from fedq.inference.run import encode_rows
+from fedq.protocol.envelope import MESSAGE_FORMAT, FormatError
+from fedq.protocol.inference import LINE_BYTES, check_output
 from fedq.redaction import redact_text
-from fedq.wire import MESSAGE_FORMAT, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -1169,8 +1169,8 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     from fedq.engine.broker import check_broker
     from fedq.errors import FedqError, SpecError
     from fedq.inference.jobs import model_source
-    from fedq.inference.messages import model_key
     from fedq.inference.run import load_model
+    from fedq.protocol.inference import model_key
     from fedq.weights import loads
 
     check_broker()

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from fedq.engine.revoke import revoked_else_claim, revoked_reason
-from fedq.wire import CLAIM_STATE
+from fedq.protocol.envelope import CLAIM_STATE
 
 log = logging.getLogger(__name__)
 

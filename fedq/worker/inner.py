@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fedq.protocol.envelope import FormatError, check_job_id
 from fedq.weights import dumps, loads_with_meta
-from fedq.wire import FormatError, check_job_id
 
 
 def check_client(job: str, client: int) -> None:

@@ -142,7 +142,7 @@ def register(sender: Any, **_: Any) -> None:
     except Exception as exc:  # a keys folder it cannot read: the join check says more
         log.warning("fedq: could not read this worker's identity: %s", exc)
     try:
-        from fedq.wire import FEDQ_VERSION, MESSAGE_FORMAT
+        from fedq.protocol.envelope import FEDQ_VERSION, MESSAGE_FORMAT
 
         report = probe(run_smoke=False).to_json()
         # the tasks it runs at once (its pool's processes, ``-c``): the slots the round

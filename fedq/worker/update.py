@@ -1,8 +1,8 @@
-"""One client update: what a training worker does with a :class:`~fedq.refs.TrainRef`.
+"""One client update: what a training worker does with a :class:`~fedq.protocol.training.TrainRef`.
 
 It fetches the global model (cached by its digest), derives its own data shard,
 trains, uploads its delta under a deterministic key and returns an
-:class:`~fedq.refs.UpdateRef`. It never raises: a Celery chord whose header task
+:class:`~fedq.protocol.training.UpdateRef`. It never raises: a Celery chord whose header task
 fails never runs its body, so failure is reported as an error ref.
 """
 
@@ -30,8 +30,8 @@ from fedq.errors import BlobError, TrainingDiverged, UpdateRejected
 from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
+from fedq.protocol.training import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.redaction import redact_text
-from fedq.refs import MEASURE_UPLINK_BYTES, StepRef, TrainRef, TrainStats, UpdateRef
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of

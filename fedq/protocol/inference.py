@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedq.wire import (
+from fedq.protocol.envelope import (
     FEDQ_VERSION,
     INT32,
     INT64,
