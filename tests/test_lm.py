@@ -280,6 +280,8 @@ def test_gpt_job_end_to_end_and_generate(tmp_path: Path, backend: str,
             assert r["tokens"] == 2 * 5 * 8 * 32 and r["tokens_per_second"] > 0
             assert r["perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
         assert all(c["tokens"] == 5 * 8 * 32 for c in out["clients"])
+        # the worker's peak memory, reported with each update (torch alone is > 100 MB)
+        assert all(c["host_peak_mb"] > 100 for c in out["clients"]), out["clients"]
         sample = cluster.fedq("generate", job, "--prompt", "ROMEO.", "--tokens", "40").stdout
         assert sample.startswith("ROMEO.") and len(sample.encode()) >= 40
         watched = cluster.fedq("watch", job).stdout

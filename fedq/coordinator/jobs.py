@@ -280,6 +280,7 @@ def client_results(settings: Settings, job_id: str) -> list[dict[str, Any]]:
                  "update_norm": r.update_norm, "train_seconds": r.train_seconds,
                  "device": r.device, "amp": r.amp, "stopped_by_budget": r.stopped_by_budget,
                  "gpu_peak_mb": r.gpu_peak_mb, "gpu_util": r.gpu_util, "tokens": r.tokens,
+                 "host_peak_mb": r.host_peak_mb,
                  "task": r.task_index or None, "base_version": r.base_version,
                  "staleness": r.staleness, "weight": r.weight,
                  "dispatched_at": (aware(r.created_at) if r.task_index or

@@ -20,8 +20,8 @@ is the one used if it arrives first; a client is never counted twice
 (fedq/coordinator/policy.py ``pick_results``).
 
 What a worker writes there is untrusted: a claim is read with bounds
-(:func:`fedq.protocol.envelope.read_claim`), and the worst a lying worker can do is have its own client sent
-again, at most ``max_redispatch`` times.
+(:func:`fedq.protocol.envelope.read_claim`), and the worst a lying worker can do is have
+its own client sent again, at most ``max_redispatch`` times.
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ class ClientUpdate(Base):
     blob_key: Mapped[str | None] = mapped_column(String(300), default=None)
     blob_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
-    # How it trained (fedq.protocol.training.TrainStats): loop seconds, device, AMP, budget stop, GPU.
+    # How it trained (fedq.protocol.training.TrainStats): loop seconds, device, AMP, budget
+    # stop, GPU, host memory.
     train_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     device: Mapped[str | None] = mapped_column(String(32), default=None)
     amp: Mapped[str | None] = mapped_column(String(8), default=None)
@@ -140,6 +141,7 @@ class ClientUpdate(Base):
     yielded: Mapped[bool | None] = mapped_column(Boolean, default=None)  # 0014: partial
     gpu_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)
     gpu_util: Mapped[float | None] = mapped_column(Float, default=None)
+    host_peak_mb: Mapped[float | None] = mapped_column(Float, default=None)  # 0022
     tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
     # Buffered jobs (fedq/coordinator/buffered.py): the task's number within the job
     # (0 for synchronous rows), its dispatch attempt, the model version it trained

@@ -48,6 +48,7 @@ def fill_row(row: ClientUpdate, ref: UpdateRef) -> None:
     row.upload_seconds = ref.stats.upload_seconds if ok else None
     row.codec = (ref.stats.codec or None) if ok else None
     row.gpu_peak_mb, row.gpu_util = ref.stats.gpu_peak_mb, ref.stats.gpu_util
+    row.host_peak_mb = ref.stats.host_peak_mb if ok else None
     row.uplink_mbit = ref.stats.uplink_mbit
     row.started_at = worker_time(ref.stats.started)
 

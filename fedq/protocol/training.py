@@ -128,6 +128,7 @@ class TrainStats:
     device: Short = "cpu"  # cpu | cuda:N | mps
     gpu_peak_mb: Megabytes | None = None  # peak GPU memory torch allocated in the task
     gpu_util: Percent | None = None  # mean GPU utilisation (%) sampled during training
+    host_peak_mb: Megabytes | None = None  # peak resident memory of the process that trained
     tokens: Int64 = 0  # language models: tokens processed (samples processed x context)
     started: UnixTime | None = None  # the task's start, Unix seconds on the worker's clock
     download_seconds: Seconds = 0.0  # fetching the global model (0: this process kept it)

@@ -289,11 +289,23 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
                                       stopped_by_budget=stats.stopped_by_budget, amp=stats.amp,
                                       yielded=stats.yielded is not None,
                                       device=stats.device, gpu_peak_mb=stats.gpu_peak_mb,
-                                      gpu_util=stats.gpu_util,
+                                      gpu_util=stats.gpu_util, host_peak_mb=peak_rss_mb(),
                                       tokens=stats.seen * ds.x_train.shape[1]
                                       if ds.is_text else 0,
                                       download_seconds=download, upload_seconds=upload,
                                       codec=sent.codec, uplink_mbit=sent.uplink_mbit))
+
+
+def peak_rss_mb() -> float | None:
+    """The peak resident memory of this process since it started, in MB (None where the
+    system does not say: ``ru_maxrss`` is in KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if peak <= 0:
+        return None
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
