@@ -131,6 +131,109 @@ def test_only_a_transformers_job_exports_and_an_unknown_job_is_named(tmp_path: P
         assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+def _tokenizer(folder: Path, corpus: list[str]) -> Path:
+    """A byte-level BPE tokenizer of 400 tokens trained here on ``corpus`` and saved as
+    ``tokenizer.json`` (what ``save_pretrained`` writes beside a checkpoint)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _own_text(folder: Path) -> list[str]:
+    """Two plays as a .txt file and a .jsonl file of scenes (real English text)."""
+    import json
+
+    from fedq.data import text
+
+    plays = [body.decode() for _, body in text.works(("shakespeare",))[:2]]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "one.txt").write_text(plays[0][:30_000])
+    scenes = [plays[1][k:k + 3_000] for k in range(0, 30_000, 3_000)]
+    (folder / "two.jsonl").write_text(
+        "\n".join(json.dumps({"text": s, "id": k}) for k, s in enumerate(scenes)) + "\n")
+    return [plays[0][:30_000], "\n\n".join(scenes)]
+
+
+def test_own_text_files_are_read_through_a_local_tokenizer(tmp_path: Path) -> None:
+    """``dataset: text_files``: .txt and .jsonl files under the data folder, tokenized by
+    a tokenizer.json in a local folder: the vocabulary is the tokenizer's, each file a
+    group, windows decode back to the files' text; every mistake is one line naming
+    the file (and line)."""
+    from fedq.data import load_dataset
+    from fedq.errors import DataUnavailable
+
+    bodies = _own_text(tmp_path / "data")
+    tok_dir = _tokenizer(tmp_path / "tok", bodies)
+    args = {"files": ["one.txt", "*.jsonl"], "tokenizer": str(tok_dir), "block_size": 32,
+            "eval_windows": 0}
+    ds = load_dataset("text_files", tmp_path / "data", args)
+    assert ds.num_classes == ds.tokenizer.vocab_size == 400 and ds.is_text
+    assert ds.input_shape == (32,) and set(ds.groups.tolist()) == {0, 1}
+    assert int(ds.x_train.max()) < 400 and torch.equal(ds.x_train[:, 1:], ds.y_train[:, :-1])
+    first = ds.tokenizer.decode(torch.cat([ds.x_train[0], ds.y_train[0, -1:]]).tolist())
+    assert bodies[0].startswith(first)  # the first window is the file's first tokens
+    assert ds.tokenizer.decode(ds.tokenizer.encode(bodies[1])) == bodies[1]
+    # fewer bytes a token than the byte-level set: BPE merges the commonest pairs
+    raw = load_dataset("text_files", tmp_path / "data", {**args, "tokenizer": "bytes"})
+    assert raw.num_classes == 256 and len(raw.x_train) > 1.5 * len(ds.x_train)
+
+    (tmp_path / "data" / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "data" / "worse.jsonl").write_text('{"text": "a"}\nnot json\n')
+    (tmp_path / "data" / "short.txt").write_text("too short")
+    (tmp_path / "empty").mkdir()
+    for files, tokenizer, line in (
+            (["nothing.txt"], "bytes", f"text_files: {tmp_path}/data/nothing.txt: no such file"),
+            (["*.csv"], "bytes", f"text_files: no file matches {tmp_path}/data/*.csv"),
+            (["bad.jsonl"], "bytes", f"text_files: {tmp_path}/data/bad.jsonl:2: no string "
+                                     "field 'text'"),
+            (["worse.jsonl"], "bytes", f"{tmp_path}/data/worse.jsonl:2: not JSON (Expecting"),
+            (["short.txt"], "bytes", "text_files: too little text for one training and one "
+                                     "held-out window of 33 tokens"),
+            (["one.txt"], str(tmp_path / "empty"), f"tokenizer {tmp_path}/empty: no "
+                                                   "tokenizer.json there"),
+            ([], "bytes", "text_files: files: give one or more paths or glob patterns")):
+        with pytest.raises(DataUnavailable) as refused:
+            load_dataset("text_files", tmp_path / "data",
+                         {**args, "files": files, "tokenizer": tokenizer})
+        assert line in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_inference_of_a_model_with_its_own_tokenizer_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """Batch inference and fedq serve read text one byte a token: a GPT trained on
+    text_files through a tokenizer of its own is refused at submit."""
+    from fedq.errors import SpecError
+    from fedq.inference import jobs
+    from fedq.inference.spec import parse_inference
+    from fedq.settings import load_settings
+
+    bodies = _own_text(tmp_path / "data")
+    tok_dir = _tokenizer(tmp_path / "tok", bodies)
+    args = {"files": [str(tmp_path / "data" / "one.txt")], "tokenizer": str(tok_dir),
+            "block_size": 16}
+    gpt = {"n_layer": 1, "n_head": 2, "n_embd": 16}
+    weights = tmp_path / "gpt.safetensors"
+    weights.write_bytes(dumps(state_of(build_model("gpt", (16,), 400, **gpt))))
+    (tmp_path / "prompts.txt").write_text("ROMEO.\n")
+    spec = parse_inference({"kind": "inference", "name": "g", "queues": ["cpu"],
+                            "op": "generate", "inputs": {"prompts": "prompts.txt"},
+                            "model": {"weights": str(weights), "name": "gpt", "args": gpt,
+                                      "dataset": "text_files", "dataset_args": args}})
+    settings = load_settings({"FEDQ_HOME": str(tmp_path / "home")})
+    with pytest.raises(SpecError, match=r"^model.dataset: gpt on text_files reads text "
+                                        r"through the tokenizer .*tok; batch inference and "
+                                        r"fedq serve read bytes only"):
+        jobs.submit(settings, spec, tmp_path)
+
+
 @pytest.mark.slow
 def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
         redis_cluster: Cluster, tmp_path: Path) -> None:
@@ -162,9 +265,28 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     assert final.eval_loss is not None and final.eval_loss < start_loss, \
         (start_loss, [r.eval_loss for r in cluster.rounds(job)])
     _check_the_result(cluster, job, spec, folder, tmp_path)
+    # full-parameter DiLoCo of a new Qwen2 model on text files of our own, tokenized by a
+    # local BPE tokenizer: the vocabulary is the tokenizer's, generate decodes with it,
+    # and the export carries the tokenizer that plain transformers loads beside it
+    bodies = _own_text(tmp_path / "data")
+    tok_dir = _tokenizer(tmp_path / "tok", bodies)
     full = cluster.submit({**SPEC, "name": "hf-diloco", "model_args": {"config": QWEN},
-                           "server": {"name": "diloco"}})
+                           "server": {"name": "diloco"}, "dataset": "text_files",
+                           "data_dir": str(tmp_path / "data"),
+                           "dataset_args": {"files": ["one.txt", "two.jsonl"],
+                                            "tokenizer": str(tok_dir), "block_size": 16,
+                                            "eval_windows": 64}})
     assert cluster.wait(full, timeout=300).status == "completed"
+    said = cluster.fedq("generate", full, "--prompt", "ROMEO.", "--tokens", "8").stdout
+    assert said.startswith("ROMEO.") and len(said) > len("ROMEO."), said
+    exported = tmp_path / "qwen"
+    cluster.fedq("export", full, str(exported))
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(exported, local_files_only=True)
+    lm = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    assert lm.config.vocab_size == 400 and tok.decode(tok.encode(bodies[0][:200])) == \
+        bodies[0][:200]
 
 
 def _check_the_result(cluster: Cluster, job: str, spec: JobSpec, checkpoint: Path,

@@ -15,11 +15,17 @@ from fedq.process import PROCESS
 from fedq.settings import Settings
 from fedq.weights import loads
 
+#: A tokenizer folder's files that travel with an exported model (what a tokenizer's
+#: ``save_pretrained`` writes), so that AutoTokenizer loads it from the export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+
 
 def export(settings: Settings, job_id: str, folder: Path, adapter: bool = False) -> int:
     """Write job ``job_id``'s newest committed model into ``folder`` (new, or empty) as
     ``save_pretrained`` does: LoRA adapters merged into the base, or with ``adapter``
-    the PEFT adapter alone; and ``fedq.json`` (job, round, the model's digest). Written
+    the PEFT adapter alone; the files of the job's tokenizer, when its data set has one
+    of its own; and ``fedq.json`` (job, round, the model's digest). Written
     into a temporary folder beside it and renamed: nothing half-written is left.
     Returns the round exported. Raises SpecError for a job that is no
     ``hf_causal_lm`` job, or a folder that holds files already."""
@@ -41,9 +47,15 @@ def export(settings: Settings, job_id: str, folder: Path, adapter: bool = False)
             model.save_pretrained(tmp, adapter=adapter)  # type: ignore[operator]
         except ValueError as exc:
             raise SpecError(f"job {job_id}: {exc}") from None
+        tokenizer = getattr(ds.tokenizer, "name", "bytes")
+        if tokenizer != "bytes":  # the job's tokenizer goes with its model
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer) / name).is_file():
+                    shutil.copyfile(Path(tokenizer) / name, tmp / name)
         (tmp / "fedq.json").write_text(json.dumps(
             {"job": job_id, "round": committed, "model": ref.sha256,
-             "tokens": "bytes: ids 0-255 are the text's UTF-8 bytes",
+             "tokens": "bytes: ids 0-255 are the text's UTF-8 bytes" if tokenizer == "bytes"
+             else f"the tokenizer of {tokenizer} (copied here)",
              "form": "peft adapter" if adapter else "merged"}, indent=2) + "\n")
         if folder.exists():
             folder.rmdir()  # empty, checked above

@@ -7,7 +7,7 @@ import torch
 from fedq.blobs import BlobRef
 from fedq.coordinator.jobs import get_job
 from fedq.data import load_dataset
-from fedq.data import text as text_data
+from fedq.data.tokens import ByteTokenizer
 from fedq.db import Job, session_scope
 from fedq.errors import SpecError
 from fedq.models import build_model
@@ -31,9 +31,9 @@ def newest_global(settings: Settings, job_id: str) -> tuple[JobSpec, BlobRef, in
 
 def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
              temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> str:
-    """``prompt`` followed by ``tokens`` bytes sampled from the job's newest committed
-    model (temperature, then top-k). Raises SpecError for a model that is no language
-    model, JobNotFound for an unknown job."""
+    """``prompt`` followed by ``tokens`` tokens (of the job's data set's tokenizer)
+    sampled from the job's newest committed model (temperature, then top-k). Raises
+    SpecError for a model that is no language model, JobNotFound for an unknown job."""
     spec, ref, _ = newest_global(settings, job_id)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     if not ds.is_text:
@@ -43,8 +43,9 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
     store = PROCESS.blobs(settings)
     model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
     model.eval()
-    start = text_data.prompt_ids(prompt)
+    tok = ds.tokenizer or ByteTokenizer()
+    start = torch.tensor(tok.encode(prompt or "\n") or [0], dtype=torch.int64)
     new = model.generate_batch(  # type: ignore[operator]
         [start], tokens, temperature=temperature, top_k=top_k,  # with its key-value cache
         generators=[torch.Generator().manual_seed(seed)])[0]
-    return text_data.decode(torch.cat([start, new]))
+    return tok.decode(torch.cat([start, new]).tolist())

@@ -7,6 +7,9 @@
 - ``synthetic``: Gaussian class clusters of any image shape, for benchmarks.
 - ``shakespeare``: real English text for language models (fedq/data/text.py): inputs
   (N, T) byte ids, targets the same shifted by one, each window's work as its group.
+- ``text_files``: your own ``.txt`` and ``.jsonl`` files, read from ``data_dir`` on each
+  machine that loads them, tokenized by bytes or by a local Hugging Face tokenizer
+  (fedq/data/tokens.py); windows as for ``shakespeare``, each file a group.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Dataset:
     y_test: torch.Tensor  # (M,) int64
     num_classes: int  # classes, or the vocabulary size of a text data set
     groups: torch.Tensor | None = None  # (N,) int64: the source (work) of each example
+    tokenizer: Any = None  # a text data set's (fedq.data.tokens.Tokenizer)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -61,7 +65,7 @@ def _standardize(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, tor
 #: Name -> loader (data_dir, **dataset_args) -> Dataset; a job spec's ``dataset``.
 DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
 #: The data sets whose loader reads the spec's ``data_dir`` (the others are built in).
-READS_DATA_DIR = frozenset({"cifar10"})
+READS_DATA_DIR = frozenset({"cifar10", "text_files"})
 
 
 @DATASETS.register("digits")
@@ -129,21 +133,60 @@ def _shakespeare(data_dir: Path | None, block_size: int = 64,
     unknown = sorted(set(authors) - set(text.AUTHORS))
     if unknown or not authors:
         raise DataUnavailable(f"shakespeare: authors must be among {sorted(text.AUTHORS)}")
+    from fedq.data.tokens import ByteTokenizer
+
     found = text.works(tuple(authors))[:max_works or None]
+    sources = [np.frombuffer(data, dtype=np.uint8) for _, data in found]
+    return _windowed("shakespeare", sources, ByteTokenizer(), block_size, val_fraction,
+                     eval_windows)
+
+
+@DATASETS.register("text_files")
+def _text_files(data_dir: Path | None, files: tuple[str, ...] | list[str] = (),
+                tokenizer: str = "bytes",
+                block_size: int = 64, val_fraction: float = 0.1, eval_windows: int = 1024,
+                field: str = "text") -> Dataset:
+    """The ``files`` (paths or glob patterns, relative to ``data_dir`` unless absolute):
+    a ``.jsonl`` file's lines are JSON objects whose ``field`` is one document each, any
+    other file is UTF-8 text. Each file is tokenized by ``tokenizer`` (``bytes``, or a
+    folder with a ``tokenizer.json``); the last ``val_fraction`` of every file's tokens
+    is held out. ``eval_windows`` as for ``shakespeare``."""
+    from fedq.data import text, tokens
+
+    tok = tokens.load_tokenizer(tokenizer, data_dir)
+    found = text.read_files(list(files), data_dir, field)
+    sources = [np.asarray(tok.encode(body), dtype=np.int64) for _, body in found]
+    return _windowed("text_files", sources, tok, block_size, val_fraction, eval_windows)
+
+
+def _windowed(name: str, sources: list[np.ndarray], tokenizer: Any, block_size: int,
+              val_fraction: float, eval_windows: int) -> Dataset:
+    """Token windows of every source (the last ``val_fraction`` of each held out), the
+    source's index as each training window's group."""
     train, test, groups = [], [], []
-    for g, (_, data) in enumerate(found):
-        cut = int(len(data) * (1 - val_fraction))
-        w_train, w_test = text.windows(data[:cut], block_size), text.windows(data[cut:], block_size)
+    for g, ids in enumerate(sources):
+        cut = int(len(ids) * (1 - val_fraction))
+        w_train, w_test = text_windows(ids[:cut], block_size), text_windows(ids[cut:], block_size)
         train.append(w_train)
         test.append(w_test)
         groups.append(np.full(len(w_train), g, dtype=np.int64))
+    if not sum(len(w) for w in train) or not sum(len(w) for w in test):
+        raise DataUnavailable(f"{name}: too little text for one training and one held-out "
+                              f"window of {block_size + 1} tokens")
     tr = torch.from_numpy(np.concatenate(train).astype(np.int64))  # (N, T + 1)
     te = torch.from_numpy(np.concatenate(test).astype(np.int64))
     if 0 < eval_windows < len(te):
         te = te[np.linspace(0, len(te) - 1, eval_windows).round().astype(np.int64)]
-    return Dataset("shakespeare", tr[:, :-1].contiguous(), tr[:, 1:].contiguous(),
-                   te[:, :-1].contiguous(), te[:, 1:].contiguous(), text.VOCAB,
-                   torch.from_numpy(np.concatenate(groups)))
+    return Dataset(name, tr[:, :-1].contiguous(), tr[:, 1:].contiguous(),
+                   te[:, :-1].contiguous(), te[:, 1:].contiguous(), tokenizer.vocab_size,
+                   torch.from_numpy(np.concatenate(groups)), tokenizer)
+
+
+def text_windows(ids: np.ndarray, block_size: int) -> np.ndarray:
+    """(N, block_size + 1) non-overlapping windows of the token ids ``ids``."""
+    n = max(0, (len(ids) - 1) // block_size)
+    idx = np.arange(n)[:, None] * block_size + np.arange(block_size + 1)[None, :]
+    return ids[idx]
 
 
 @lru_cache(maxsize=4)

@@ -22,7 +22,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fedq.errors import DataUnavailable
@@ -93,9 +92,65 @@ def decode(ids: torch.Tensor | list[int]) -> str:
     return bytes(int(v) for v in values).decode("utf-8", errors="replace")
 
 
-def windows(data: bytes, block_size: int) -> np.ndarray:
-    """(N, block_size + 1) non-overlapping windows of ``data``."""
-    arr = np.frombuffer(data, dtype=np.uint8)
-    n = (len(arr) - 1) // block_size
-    idx = np.arange(n)[:, None] * block_size + np.arange(block_size + 1)[None, :]
-    return arr[idx]
+#: The most bytes of text files one data set reads (its tokens are held in memory).
+MAX_TEXT_BYTES = 2 << 30
+
+
+def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
+               ) -> list[tuple[str, str]]:
+    """(path, text) of every file ``patterns`` name, in order, each pattern's matches
+    sorted: a path or a glob pattern, relative to ``data_dir`` (else the working folder)
+    unless absolute. A ``.jsonl`` file is one JSON object a line whose ``field`` string
+    is a document (documents joined by a blank line); any other file is UTF-8 text.
+    DataUnavailable, naming the file (and line), for anything else."""
+    import glob
+    import json
+
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise DataUnavailable("text_files: files: give one or more paths or glob patterns")
+    base = data_dir if data_dir is not None else Path.cwd()
+    paths: list[Path] = []
+    for pattern in patterns:
+        full = Path(pattern).expanduser()
+        full = full if full.is_absolute() else base / full
+        if glob.has_magic(str(full)):
+            matched = sorted(Path(m) for m in glob.glob(str(full), recursive=True))
+            matched = [m for m in matched if m.is_file()]
+            if not matched:
+                raise DataUnavailable(f"text_files: no file matches {full}")
+            paths += matched
+        elif full.is_file():
+            paths.append(full)
+        else:
+            raise DataUnavailable(f"text_files: {full}: no such file")
+    if sum(p.stat().st_size for p in paths) > MAX_TEXT_BYTES:
+        raise DataUnavailable(f"text_files: the files hold more than {MAX_TEXT_BYTES >> 30} "
+                              "GiB of text")
+    out = []
+    for path in paths:
+        try:
+            body = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataUnavailable(f"text_files: {path}: not UTF-8 text (byte {exc.start})") \
+                from None
+        except OSError as exc:
+            raise DataUnavailable(f"text_files: {path}: cannot read it ({exc.strerror})") \
+                from None
+        if path.suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(body.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataUnavailable(f"text_files: {path}:{n}: not JSON ({exc.msg})") \
+                        from None
+                doc = record.get(field) if isinstance(record, dict) else None
+                if not isinstance(doc, str):
+                    raise DataUnavailable(f"text_files: {path}:{n}: no string field "
+                                          f"{field!r}")
+                docs.append(doc)
+            body = "\n\n".join(docs)
+        out.append((str(path), body))
+    return out

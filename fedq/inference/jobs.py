@@ -223,6 +223,7 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
         ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
     except FedqError as exc:
         raise SpecError(f"model.dataset: {exc}") from None
+    byte_level(ds, arch)
     if spec.op == "classify" and ds.is_text:
         raise SpecError(f"op: classify needs an image classifier; {arch['name']} on "
                         f"{arch['dataset']} is a language model (score, generate or embed)")
@@ -585,6 +586,17 @@ def job_facts(database_url: str, job_id: str) -> JobFacts | None:
             InferenceShard.shard, InferenceShard.start, InferenceShard.stop).where(
             InferenceShard.job_id == job_id)).tuples()}
         return JobFacts(job.spec, job.classes, shards)
+
+
+def byte_level(ds: Any, arch: dict[str, Any]) -> None:
+    """SpecError unless a language model's text is bytes: batch inference and ``fedq
+    serve`` read and write text one byte a token (``fedq generate`` samples from a model
+    of any tokenizer)."""
+    name = getattr(ds.tokenizer, "name", "bytes")
+    if ds.is_text and name != "bytes":
+        raise SpecError(f"model.dataset: {arch['name']} on {arch['dataset']} reads text "
+                        f"through the tokenizer {name}; batch inference and fedq serve "
+                        "read bytes only (fedq generate samples from it)")
 
 
 def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: int,

@@ -1168,7 +1168,7 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     from fedq.db.session import ensure_schema
     from fedq.engine.broker import check_broker
     from fedq.errors import FedqError, SpecError
-    from fedq.inference.jobs import model_source
+    from fedq.inference.jobs import byte_level, model_source
     from fedq.inference.run import load_model
     from fedq.protocol.inference import model_key
     from fedq.weights import loads
@@ -1181,6 +1181,7 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     ensure_schema(settings.database_url)
     arch, blob, data = model_source(settings, src, base)
     ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
+    byte_level(ds, arch)
     if data is not None:
         try:
             load_model(arch, loads(data, what=str(src.weights)), torch.device("cpu"))

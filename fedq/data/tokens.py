@@ -1,0 +1,82 @@
+"""Tokenizers of the text data sets: bytes, or a Hugging Face tokenizer read from a
+local folder (its ``tokenizer.json``, as ``save_pretrained`` writes it beside a
+checkpoint), never fetched from the hub.
+
+``tokenizer: bytes`` (the default) is one token a byte, a vocabulary of 256: every text
+round-trips exactly. A folder's tokenizer (``tokenizer: /models/qwen``) is read with the
+``tokenizers`` library of the ``[llm]`` extra; its vocabulary is the data set's, which
+the model's must cover (fedq/models/hf.py checks it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from fedq.errors import DataUnavailable
+
+BYTES = "bytes"
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back."""
+
+    name: str
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """One token a UTF-8 byte; a decoded sequence that is not valid UTF-8 (sampling can
+    make one) has its bad bytes replaced."""
+
+    name = BYTES
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(v) for v in ids).decode("utf-8", errors="replace")
+
+
+class FolderTokenizer:
+    """The tokenizer a folder's ``tokenizer.json`` describes (the ``tokenizers`` library:
+    the fast tokenizer of transformers, without transformers)."""
+
+    def __init__(self, folder: Path) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise DataUnavailable(f"tokenizer {folder}: no tokenizer.json there (a folder "
+                                  "that save_pretrained wrote a tokenizer into)")
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise DataUnavailable(f"tokenizer {folder}: the tokenizers library is missing "
+                                  "(pip install 'fedq[llm]')") from None
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises its own Exception subclasses
+            raise DataUnavailable(f"tokenizer {path}: cannot read it ({exc})") from None
+        self.name = str(folder)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+
+def load_tokenizer(name: str, data_dir: Path | None = None) -> Tokenizer:
+    """``bytes``, or the tokenizer in folder ``name`` (relative to ``data_dir`` unless
+    absolute); DataUnavailable with one line when there is none."""
+    if name == BYTES:
+        return ByteTokenizer()
+    folder = Path(name).expanduser()
+    if not folder.is_absolute() and data_dir is not None:
+        folder = data_dir / folder
+    return FolderTokenizer(folder)
