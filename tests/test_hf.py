@@ -206,6 +206,42 @@ def test_own_text_files_are_read_through_a_local_tokenizer(tmp_path: Path) -> No
         assert line in str(refused.value) and "\n" not in str(refused.value), refused.value
 
 
+def test_conversations_are_rendered_by_the_tokenizers_chat_template(tmp_path: Path) -> None:
+    """``chat: true``: each .jsonl line's ``messages`` becomes text through the chat
+    template in the tokenizer folder's tokenizer_config.json (transformers, local files
+    only); a folder without a template, bytes, and a line that is no conversation are
+    one line each."""
+    import json
+
+    from fedq.data import load_dataset
+    from fedq.errors import DataUnavailable
+
+    bodies = _own_text(tmp_path / "data")
+    tok_dir = _tokenizer(tmp_path / "tok", bodies)
+    lines = [bodies[0][k:k + 400] for k in range(0, 24_000, 400)]
+    chats = [{"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
+             for a, b in zip(lines[::2], lines[1::2], strict=True)]
+    (tmp_path / "data" / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    args = {"files": ["chat.jsonl"], "tokenizer": str(tok_dir), "chat": True,
+            "block_size": 32, "eval_windows": 0}
+    with pytest.raises(DataUnavailable, match=r"tokenizer_config.json has no chat_template"):
+        load_dataset("text_files", tmp_path / "data", args)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                         "{% endfor %}"}))
+    ds = load_dataset("text_files", tmp_path / "data", args)
+    seen = ds.tokenizer.decode(ds.x_train.reshape(-1).tolist())
+    assert seen.startswith(f"<|user|>{lines[0]}\n<|assistant|>{lines[1]}\n"), seen[:200]
+    with pytest.raises(DataUnavailable, match="chat: needs a tokenizer folder"):
+        load_dataset("text_files", tmp_path / "data", {**args, "tokenizer": "bytes"})
+    (tmp_path / "data" / "chat.jsonl").write_text(
+        json.dumps(chats[0]) + "\n" + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataUnavailable, match=r"chat.jsonl:2: messages: not a list of "
+                                              r"\{role, content\} strings$"):
+        load_dataset("text_files", tmp_path / "data", args)
+
+
 def test_inference_of_a_model_with_its_own_tokenizer_is_refused_in_one_line(
         tmp_path: Path) -> None:
     """Batch inference and fedq serve read text one byte a token: a GPT trained on

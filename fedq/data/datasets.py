@@ -145,16 +145,19 @@ def _shakespeare(data_dir: Path | None, block_size: int = 64,
 def _text_files(data_dir: Path | None, files: tuple[str, ...] | list[str] = (),
                 tokenizer: str = "bytes",
                 block_size: int = 64, val_fraction: float = 0.1, eval_windows: int = 1024,
-                field: str = "text") -> Dataset:
+                field: str = "text", chat: bool = False) -> Dataset:
     """The ``files`` (paths or glob patterns, relative to ``data_dir`` unless absolute):
     a ``.jsonl`` file's lines are JSON objects whose ``field`` is one document each, any
-    other file is UTF-8 text. Each file is tokenized by ``tokenizer`` (``bytes``, or a
-    folder with a ``tokenizer.json``); the last ``val_fraction`` of every file's tokens
-    is held out. ``eval_windows`` as for ``shakespeare``."""
+    other file is UTF-8 text; with ``chat`` a ``.jsonl`` line's ``messages`` (a
+    conversation) is rendered by the tokenizer's chat template instead. Each file is
+    tokenized by ``tokenizer`` (``bytes``, or a folder with a ``tokenizer.json``); the
+    last ``val_fraction`` of every file's tokens is held out. ``eval_windows`` as for
+    ``shakespeare``."""
     from fedq.data import text, tokens
 
     tok = tokens.load_tokenizer(tokenizer, data_dir)
-    found = text.read_files(list(files), data_dir, field)
+    render = tokens.chat_renderer(tokenizer, data_dir) if chat else None
+    found = text.read_files(list(files), data_dir, field, render)
     sources = [np.asarray(tok.encode(body), dtype=np.int64) for _, body in found]
     return _windowed("text_files", sources, tok, block_size, val_fraction, eval_windows)
 
@@ -190,7 +193,8 @@ def text_windows(ids: np.ndarray, block_size: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=4)
-def _load(name: str, data_dir: str | None, args_json: str) -> Dataset:
+def _load(name: str, data_dir: str | None, args_json: str, stamp: str = "") -> Dataset:
+    del stamp  # part of the cache's key only
     args = json.loads(args_json)
     if "authors" in args:
         args["authors"] = tuple(args["authors"])
@@ -202,4 +206,11 @@ def load_dataset(name: str, data_dir: str | Path | None = None,
     """Load (once per process) the named dataset; raise UnknownDataset / DataUnavailable."""
     if name not in DATASETS:
         raise UnknownDataset(f"dataset: unknown dataset {name!r} (known: {', '.join(DATASETS)})")
-    return _load(name, str(data_dir) if data_dir else None, json.dumps(args or {}, sort_keys=True))
+    stamp = ""
+    if name == "text_files":  # files of one's own change: read again when they do
+        from fedq.data import text
+
+        stamp = text.files_stamp(list((args or {}).get("files") or ()),
+                                 Path(data_dir) if data_dir else None)
+    return _load(name, str(data_dir) if data_dir else None,
+                 json.dumps(args or {}, sort_keys=True), stamp)

@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,15 +98,19 @@ def decode(ids: torch.Tensor | list[int]) -> str:
 MAX_TEXT_BYTES = 2 << 30
 
 
-def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
-               ) -> list[tuple[str, str]]:
-    """(path, text) of every file ``patterns`` name, in order, each pattern's matches
-    sorted: a path or a glob pattern, relative to ``data_dir`` (else the working folder)
-    unless absolute. A ``.jsonl`` file is one JSON object a line whose ``field`` string
-    is a document (documents joined by a blank line); any other file is UTF-8 text.
-    DataUnavailable, naming the file (and line), for anything else."""
+def files_stamp(patterns: list[str], data_dir: Path | None) -> str:
+    """What changes when a file ``patterns`` name changes (each one's path, size and
+    modification time), or "" when they do not resolve (:func:`read_files` says why)."""
+    try:
+        return ";".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                        for p in _resolve(patterns, data_dir))
+    except (DataUnavailable, OSError, TypeError):
+        return ""
+
+
+def _resolve(patterns: list[str], data_dir: Path | None) -> list[Path]:
+    """The files ``patterns`` name, in order, each pattern's matches sorted."""
     import glob
-    import json
 
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise DataUnavailable("text_files: files: give one or more paths or glob patterns")
@@ -123,6 +129,20 @@ def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
             paths.append(full)
         else:
             raise DataUnavailable(f"text_files: {full}: no such file")
+    return paths
+
+
+def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
+               chat: Callable[[Any], str] | None = None) -> list[tuple[str, str]]:
+    """(path, text) of every file ``patterns`` name, in order, each pattern's matches
+    sorted: a path or a glob pattern, relative to ``data_dir`` (else the working folder)
+    unless absolute. A ``.jsonl`` file is one JSON object a line whose ``field`` string
+    is a document (documents joined by a blank line), or with ``chat`` its
+    ``messages`` rendered by it (a tokenizer's chat template); any other file is UTF-8
+    text. DataUnavailable, naming the file (and line), for anything else."""
+    import json
+
+    paths = _resolve(patterns, data_dir)
     if sum(p.stat().st_size for p in paths) > MAX_TEXT_BYTES:
         raise DataUnavailable(f"text_files: the files hold more than {MAX_TEXT_BYTES >> 30} "
                               "GiB of text")
@@ -146,6 +166,13 @@ def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
                 except json.JSONDecodeError as exc:
                     raise DataUnavailable(f"text_files: {path}:{n}: not JSON ({exc.msg})") \
                         from None
+                if chat is not None:
+                    try:
+                        docs.append(chat(record.get("messages") if isinstance(record, dict)
+                                         else None))
+                    except ValueError as exc:
+                        raise DataUnavailable(f"text_files: {path}:{n}: {exc}") from None
+                    continue
                 doc = record.get(field) if isinstance(record, dict) else None
                 if not isinstance(doc, str):
                     raise DataUnavailable(f"text_files: {path}:{n}: no string field "

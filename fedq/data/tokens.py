@@ -5,13 +5,17 @@ checkpoint), never fetched from the hub.
 ``tokenizer: bytes`` (the default) is one token a byte, a vocabulary of 256: every text
 round-trips exactly. A folder's tokenizer (``tokenizer: /models/qwen``) is read with the
 ``tokenizers`` library of the ``[llm]`` extra; its vocabulary is the data set's, which
-the model's must cover (fedq/models/hf.py checks it).
+the model's must cover (fedq/models/hf.py checks it). A folder whose
+``tokenizer_config.json`` has a ``chat_template`` also renders conversations
+(:func:`chat_renderer`, with transformers).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fedq.errors import DataUnavailable
 
@@ -71,12 +75,51 @@ class FolderTokenizer:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
 
+def chat_renderer(name: str, data_dir: Path | None = None) -> Callable[[Any], str]:
+    """The chat template of tokenizer folder ``name`` (its ``tokenizer_config.json``,
+    read by transformers with local files only), as a function of one conversation
+    (``[{role, content}, ...]``) to its text; DataUnavailable with one line when there
+    is no template, or the conversation is not one (ValueError)."""
+    if name == BYTES:
+        raise DataUnavailable("text_files: chat: needs a tokenizer folder whose "
+                              "tokenizer_config.json has a chat_template, not bytes")
+    folder = _folder(name, data_dir)
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataUnavailable(f"tokenizer {folder}: chat templates need transformers "
+                              "(pip install 'fedq[llm]')") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds for a folder it cannot read
+        raise DataUnavailable(f"tokenizer {folder}: cannot read it "
+                              f"({str(exc).splitlines()[0][:200]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise DataUnavailable(f"tokenizer {folder}: its tokenizer_config.json has no "
+                              "chat_template (chat: true renders conversations with it)")
+
+    def render(messages: Any) -> str:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages: not a list of {role, content} strings")
+        try:
+            return str(tok.apply_chat_template(messages, tokenize=False))
+        except Exception as exc:  # the template's own error (jinja2, raise_exception)
+            raise ValueError(f"the chat template refused it ({str(exc)[:200]})") from None
+
+    return render
+
+
+def _folder(name: str, data_dir: Path | None) -> Path:
+    folder = Path(name).expanduser()
+    return folder if folder.is_absolute() or data_dir is None else data_dir / folder
+
+
 def load_tokenizer(name: str, data_dir: Path | None = None) -> Tokenizer:
     """``bytes``, or the tokenizer in folder ``name`` (relative to ``data_dir`` unless
     absolute); DataUnavailable with one line when there is none."""
     if name == BYTES:
         return ByteTokenizer()
-    folder = Path(name).expanduser()
-    if not folder.is_absolute() and data_dir is not None:
-        folder = data_dir / folder
-    return FolderTokenizer(folder)
+    return FolderTokenizer(_folder(name, data_dir))
