@@ -361,3 +361,41 @@ def test_deleting_a_chunked_blob_removes_its_chunks(redis_db: str) -> None:
     assert sorted(k.decode() for k in client.keys("fedq:blob:jobs/jd/*")) == sorted(
         ["fedq:blob:" + kept.key] + [f"fedq:blob:{kept.key}.chunk{i:05d}" for i in range(4)])
     assert bytes(store.get(kept)) == data
+
+
+def test_a_writer_stopped_mid_blob_leaves_nothing_once_its_key_is_deleted(
+        redis_db: str, s3_env: dict[str, str], tmp_path: Path) -> None:
+    """A worker killed mid-upload leaves no blob anyone reads (the manifest, or S3's
+    completion, comes last) but did leave its chunks: Redis chunks with no manifest, an
+    unfinished S3 multipart upload. Deleting the key (a round's settle deletes its
+    updates by key: fedq/coordinator/commit.py) removes them, and nothing else."""
+    import redis
+
+    from fedq.blobs import chunks
+
+    store = open_store(redis_db, chunk_bytes=CHUNK)
+    key, other = "jobs/jo/r00002/updates/c000001-a1", "jobs/jo/r00002/updates/c000001-a10"
+    client = redis.Redis.from_url(redis_db)
+    for i in range(3):  # its first three chunks written, then the writer was killed
+        client.set("fedq:blob:" + chunks.chunk_key(key, i), b"x" * CHUNK)
+    kept, data = _chunked_ref(store, other)  # a neighbour whose key begins the same
+    store.delete_keys([key])
+    assert sorted(k.decode() for k in client.keys("fedq:blob:jobs/jo/*")) == sorted(
+        ["fedq:blob:" + kept.key] + [f"fedq:blob:{kept.key}.chunk{i:05d}" for i in range(4)])
+    assert bytes(store.get(kept)) == data
+
+    s3 = open_store(f"s3://fedq/t-{tmp_path.name}", s3_env["FEDQ_S3_ENDPOINT_URL"],
+                    chunk_bytes=CHUNK)
+    full = s3.prefix + key
+    started = s3._client.create_multipart_upload(Bucket=s3.bucket, Key=full)
+    s3._client.upload_part(Bucket=s3.bucket, Key=full, PartNumber=1,
+                           UploadId=started["UploadId"], Body=b"x" * (5 << 20))
+    s3._client.create_multipart_upload(Bucket=s3.bucket, Key=s3.prefix + other)
+
+    def unfinished() -> set[str]:
+        listed = s3._client.list_multipart_uploads(Bucket=s3.bucket, Prefix=s3.prefix)
+        return {u["Key"][len(s3.prefix):] for u in listed.get("Uploads", [])}
+
+    assert unfinished() == {key, other}
+    s3.delete_keys([key])
+    assert unfinished() == {other}

@@ -137,7 +137,24 @@ class RedisBlobStore(BlobStore):
 
     def delete_keys(self, keys: Sequence[str]) -> None:
         """Delete these blobs, and the chunks of those stored as chunks (their manifests
-        are read first: a blob's chunk keys all begin with its key)."""
+        are read first: a blob's chunk keys all begin with its key), and the chunks a
+        writer stopped mid-blob left under any of these keys with no manifest (one SCAN
+        for the keys' common prefix)."""
+        self._delete_listed(keys)
+        if self.chunk_bytes is not None and keys:
+            self._delete_orphans(keys)
+
+    def _delete_orphans(self, keys: Sequence[str]) -> None:
+        wanted = set(keys)
+        common = os.path.commonprefix(list(keys))
+        pattern = KEY_PREFIX + _glob_escape(common) + "*.chunk*"
+        orphans = [k for k in self._client.scan_iter(match=pattern, count=1000)
+                   if k.decode(errors="replace")[len(KEY_PREFIX):].rsplit(".chunk", 1)[0]
+                   in wanted]
+        for j in range(0, len(orphans), 1000):
+            self._client.delete(*orphans[j:j + 1000])
+
+    def _delete_listed(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 1000):
             batch = list(keys[i:i + 1000])
             pipe = self._client.pipeline(transaction=False)
@@ -152,7 +169,8 @@ class RedisBlobStore(BlobStore):
                 self._client.delete(*(KEY_PREFIX + k for k in doomed[j:j + 1000]))
 
     def delete_prefix(self, prefix: str) -> None:
-        keys = list(self._client.scan_iter(match=KEY_PREFIX + prefix + "*", count=1000))
+        keys = list(self._client.scan_iter(match=KEY_PREFIX + _glob_escape(prefix) + "*",
+                                           count=1000))
         if keys:
             self._client.delete(*keys)
 
@@ -399,3 +417,8 @@ def _error(line: bytes) -> Exception:
 
     text = line.decode(errors="replace").lstrip("-+")
     return redis.RedisError(text or "unexpected reply")
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
