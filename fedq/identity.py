@@ -204,7 +204,7 @@ def result_problem(raw: Mapping[str, Any], signer: str | None, sig: str | None, 
     """Why ``raw`` is not a result signed for task ``task_id`` by an active registered
     worker registered for one of ``queues`` (the queue the task was sent to; None: any),
     or None (training results: fedq/coordinator/intake.py; inference shards:
-    fedq/inference/jobs.py; served batches: fedq/inference/serve.py). A worker takes
+    fedq/inference/jobs.py; served batches: fedq/serve/results.py). A worker takes
     tasks only from its registered queues (its broker user's rules), so an answer from
     a worker not registered for the task's queue answers a task it was not given."""
     if signer is None or sig is None:

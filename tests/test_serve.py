@@ -22,16 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from fedq.data import load_dataset
-from fedq.inference.serve import (
-    Refused,
-    Served,
-    check_batch,
-    parse_completion,
-    parse_embeddings,
-    parse_predict,
-    stopped,
-)
 from fedq.models import build_model, seeded_model
+from fedq.serve.openai import parse_completion, parse_embeddings, parse_predict, stopped
+from fedq.serve.results import check_batch
+from fedq.serve.served import Refused, Served
 from fedq.testing.cluster import Cluster, record
 from fedq.testing.procs import start_workers
 from fedq.testing.wait import wait_until
@@ -50,7 +44,7 @@ def test_a_streamed_answer_takes_only_checked_progress_and_a_final_that_continue
     stream ends it with an error event, never with other text."""
     import asyncio
 
-    from fedq.inference.serve import _Item, _pass_on, stream_events, stream_texts
+    from fedq.serve.results import _Item, _pass_on, stream_events, stream_texts
 
     async def run(progress: list[Any], final: str) -> list[str]:
         loop = asyncio.get_running_loop()
@@ -101,7 +95,7 @@ def test_a_published_state_is_read_from_its_notice_and_a_garbled_one_is_refused(
     import asyncio
 
     from fedq.engine.app import app
-    from fedq.inference.serve import Notice, decoded
+    from fedq.serve.results import Notice, decoded
 
     stored = app.backend.encode({"status": "SUCCESS", "result": {"status": "ok"},
                                  "task_id": "t", "traceback": None, "children": []})
@@ -143,14 +137,15 @@ def test_a_batch_answer_longer_than_its_items_may_have_is_refused_unread(
 
     from celery import Celery
 
-    import fedq.inference.serve as serve
+    import fedq.serve.results as serve
     from fedq.engine.backend import RedisBackend
+    from fedq.serve.served import answer_bytes
 
     celery = Celery("test-serve-bound", broker="memory://")
     celery.conf.result_serializer = "json"
     backend = RedisBackend(app=celery, url=redis_db)
     monkeypatch.setattr(serve, "app", SimpleNamespace(backend=backend))
-    bound = serve.answer_bytes("classify", 2)
+    bound = answer_bytes("classify", 2)
     honest = {"status": "ok", "worker": "w", "seconds": 0.1,
               "outputs": [{"i": i, "label": 0, "probs": [1.0, 0.0, 0.0]} for i in range(2)]}
     backend.store_result("fine", honest, "SUCCESS")
@@ -184,7 +179,7 @@ def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path
     import asyncio
 
     import fedq.identity as identity
-    from fedq.inference.serve import _Item, stream_texts
+    from fedq.serve.results import _Item, stream_texts
 
     def worker(name: str) -> identity.Joined:
         key = identity.load_key(tmp_path / f"{name}.key", create=True)
@@ -218,11 +213,11 @@ def test_with_identity_a_streamed_piece_counts_only_signed_for_its_task(tmp_path
 
 
 def test_the_router_sends_each_batch_where_it_is_expected_back_soonest() -> None:
-    """fedq.inference.serve.Router: the class order with nothing measured; then the
+    """fedq.serve.router.Router: the class order with nothing measured; then the
     measured round trips times the backlog per worker; a faster class that comes is
     tried at once (any queue measured fewer than twice is: the first round trip, cold,
     is replaced by the second); every 20th batch probes the queue measured longest ago."""
-    from fedq.inference.serve import Router
+    from fedq.serve.router import Router
 
     r = Router(["gpu_new", "cpu"], live={"cpu": 2})
     assert r.choose() == "cpu"  # the only live queue
@@ -261,7 +256,7 @@ def test_the_router_sends_each_batch_where_it_is_expected_back_soonest() -> None
 
 
 def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
-    """fedq.inference.serve.Batcher with one live worker: requests that come while its
+    """fedq.serve.batcher.Batcher with one live worker: requests that come while its
     batch is out wait and go together when it comes back (sent every max_wait_ms, they
     would be batches of one queued behind it in the broker); a full batch goes at once;
     a batch waits at most twice the measured round trip. The network part (``_send``)
@@ -269,7 +264,7 @@ def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
     import asyncio
     from dataclasses import replace
 
-    from fedq.inference.serve import Batcher
+    from fedq.serve.batcher import Batcher
 
     async def scenario(trip_s: float) -> list[int]:
         batcher = Batcher(replace(SERVED, max_batch=4, max_wait_ms=5))
@@ -320,7 +315,7 @@ def test_while_every_worker_holds_a_batch_the_next_one_grows() -> None:
 
 
 def test_a_dispatch_that_fails_any_way_answers_within_the_batch_timeout() -> None:
-    """fedq.inference.serve.Batcher._dispatch: a send that raises anything (the broker
+    """fedq.serve.batcher.Batcher._dispatch: a send that raises anything (the broker
     away: kombu's OperationalError) is a 502 for the batch's requests, and a send that
     never returns (a publish retrying against a dead broker) a 504 after the batch
     timeout and its grace, each attempt; never a request left waiting. Catch only
@@ -332,7 +327,8 @@ def test_a_dispatch_that_fails_any_way_answers_within_the_batch_timeout() -> Non
 
     from kombu.exceptions import OperationalError
 
-    from fedq.inference.serve import SEND_GRACE_S, Batcher
+    from fedq.serve.batcher import Batcher
+    from fedq.serve.served import SEND_GRACE_S
 
     async def scenario(send: Any) -> tuple[int, float]:
         batcher = Batcher(replace(SERVED, batch_timeout_s=0.2))
@@ -614,7 +610,7 @@ def _raw(port: int, head: bytes, chunks: Iterator[bytes], pause_s: float = 0.0
 
 
 def _bodies_are_bounded(gateway: Gateway) -> None:
-    """What the gateway reads of a request is bounded (fedq.inference.serve.read_json):
+    """What the gateway reads of a request is bounded (fedq.serve.bounds.read_json):
     a 128 MiB body, declared or chunked, is refused (413) long before it is read; a body
     that stops arriving is refused (408) after --read-timeout-s; JSON nested 100,000
     deep is a 400, never a 500. Remove the bound or the timeout and this fails."""
@@ -663,7 +659,7 @@ def _post_raw(port: int, path: str, data: bytes) -> tuple[int, dict[str, Any], A
 
 def test_each_user_has_an_api_key_of_their_own_and_a_revoked_one_is_refused(
         tmp_path: Path, weights: Path) -> None:
-    """`fedq serve-key add/list/revoke` (fedq/inference/keys.py) on the embedded default:
+    """`fedq serve-key add/list/revoke` (fedq/serve/keys.py) on the embedded default:
     once a key exists the gateway takes only an active key; a revoked key is refused
     within a few seconds, and revoking the last key leaves the gateway closed, not open.
     Remove the key table from `authorised` and this fails."""

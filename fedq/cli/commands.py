@@ -196,9 +196,9 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
 
     from fedq.coordinator.enrol import registry
     from fedq.errors import SpecError
-    from fedq.inference.keys import read as read_keys
-    from fedq.inference.serve import prepare, run
     from fedq.inference.spec import ModelSource
+    from fedq.serve.app import prepare, run
+    from fedq.serve.keys import read as read_keys
 
     try:
         args = {"model_args": json.loads(model_args), "dataset_args": json.loads(dataset_args)}
@@ -248,7 +248,7 @@ def serve_key() -> None:
 @expected_errors
 def serve_key_add(name: str) -> None:
     """Make key NAME and print it (once: only its sha256 is kept)."""
-    from fedq.inference import keys
+    from fedq.serve import keys
 
     key = keys.add(_settings().database_url, name)
     out.print(key, highlight=False, soft_wrap=True)
@@ -262,7 +262,7 @@ def serve_key_list() -> None:
     """The keys: name, made, revoked."""
     from rich.table import Table
 
-    from fedq.inference import keys
+    from fedq.serve import keys
 
     table = Table("key", "made", "revoked")
     for row in keys.listed(_settings().database_url):
@@ -276,7 +276,7 @@ def serve_key_list() -> None:
 @expected_errors
 def serve_key_revoke(name: str) -> None:
     """Revoke key NAME: running gateways refuse it within 3 s."""
-    from fedq.inference import keys
+    from fedq.serve import keys
 
     keys.revoke(_settings().database_url, name)
     out.print(f"serve key {name} revoked")

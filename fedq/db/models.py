@@ -261,7 +261,7 @@ class WatchdogAction(Base):
 
 
 class ServeKey(Base):
-    """An API key of ``fedq serve`` (migration 0017; fedq/inference/keys.py): its name,
+    """An API key of ``fedq serve`` (migration 0017; fedq/serve/keys.py): its name,
     the sha256 of the key (the key itself is shown once), and when it was revoked."""
 
     __tablename__ = "serve_keys"

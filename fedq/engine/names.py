@@ -58,5 +58,5 @@ SERVE_TASK = "fedq.serve_batch"
 
 #: The state a served batch's worker writes while it generates: ``{"stream": [text so
 #: far of each item]}`` (fedq/tasks/infer.py), which the gateway turns into a streamed
-#: answer (fedq/inference/serve.py, where it is checked like everything a worker sends).
+#: answer (fedq/serve/results.py, where it is checked like everything a worker sends).
 STREAM_STATE = "STREAMING"

@@ -97,7 +97,7 @@ class Completion(_Strict):
 
 
 class ServeBatch(_Strict):
-    """A batch of ``fedq serve`` requests (fedq/inference/serve.py)."""
+    """A batch of ``fedq serve`` requests (fedq/serve/)."""
 
     format: Literal[MESSAGE_FORMAT] = MESSAGE_FORMAT  # type: ignore[valid-type]
     op: Literal["classify", "generate", "embed"]

@@ -68,7 +68,7 @@ def serve_batch(self: WorkerTask, batch: Any) -> dict[str, Any]:
     """One batch of ``fedq serve`` requests (never raises). It sends no task events
     (received, started, succeeded: three publishes on the request's path, and hundreds
     a second under load); the gateway's /metrics counts the batches instead. No claim
-    or heartbeat: the gateway waits on the batch itself (fedq/inference/serve.py)."""
+    or heartbeat: the gateway waits on the batch itself (fedq/serve/batcher.py)."""
     from fedq.inference.run import serve_batch as run_batch
 
     batch, refused = self.unseal(batch, lambda why: {"status": "error", "error": why,
