@@ -7,8 +7,8 @@ on every read (docs/security.md). Two forms are read:
   characters): what fedq writes since message format 4. BLAKE3 (Aumasson, Neves,
   O'Connor, Wilcox-O'Hearn, 2020) is a 256-bit cryptographic hash with the same
   collision and preimage resistance as SHA-256 (128-bit collision security), and
-  on one thread of this machine hashes a 44.7 MB ResNet-18 model in 8 ms against
-  SHA-256's 39 (docs/benchmarks.md, "BLAKE3 for blob digests").
+  several times faster on one thread (docs/benchmarks.md, "BLAKE3 for blob digests",
+  measures it).
 - SHA-256, written as 64 lowercase hex digits: what fedq wrote before, so that jobs
   begun then (their models' digests in SQL) resume and verify as they were written.
 

@@ -23,8 +23,7 @@ _OVERLAP_HASH_BYTES = 4 << 20
 
 
 #: Below this many bytes a blob is hashed before it is written, not beside it: a
-#: thread to hash in costs about 0.25 ms to start and join, the sha256 of 1 MiB
-#: 0.67 ms (2 cores here, 2026-11-28; a 19 kB update: 0.26 ms threaded, 0.01 ms not).
+#: thread to hash in costs more to start and join than hashing that much takes.
 HASH_BESIDE_BYTES = 1 << 20
 
 

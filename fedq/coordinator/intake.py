@@ -100,8 +100,8 @@ class Sent:
     def shown(self) -> str:
         """What the task's message headers and task events show of it (Celery's
         ``argsrepr``): who it is for, never its argument. Celery would otherwise put a
-        repr of the whole message there, for the dashboard: its presigned URLs, and
-        0.8 ms of the control worker's time a task (docs/benchmarks.md)."""
+        repr of the whole message there, for the dashboard: its presigned URLs, at a
+        cost per task that docs/benchmarks.md measures."""
         which = f"task {self.task}" if self.buffered else f"round {self.round}"
         return f"job {self.job} {which} client {self.client} attempt {self.attempt}"
 

@@ -243,9 +243,8 @@ def record_throughput(session: Any, measurements: Iterable[tuple[str, int, float
     order. ``rows``: the workers' rows when the caller has them (:func:`worker_rows`).
 
     Runs inside the caller's transaction (the round commit). Grouped by worker first,
-    and the rows read in one SELECT: fetching each row in the measurements' order
-    (workers interleaved) read it again from the database every time (0.8 s for a
-    round of 1,000 clients on 2 workers)."""
+    and the rows read in one SELECT, so each worker's row is read once however many
+    clients it trained (docs/benchmarks.md, "Scale")."""
     now = utcnow()
     rates: dict[str, list[float]] = {}
     for hostname, seen, seconds in measurements:

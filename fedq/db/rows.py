@@ -19,8 +19,8 @@ _COLUMNS = [a.key for a in inspect(ClientUpdate).column_attrs]
 
 def insert_rows(session: Any, rows: Sequence[ClientUpdate]) -> None:
     """Insert new ``rows`` in one batched INSERT (within the caller's transaction),
-    without the ORM's unit of work: 1,000 rows take about 0.07 s this way and 0.5 s as
-    ``add_all`` on PostgreSQL (docs/benchmarks.md, "Scale"). Unset attributes take the
+    without the ORM's unit of work (faster than ``add_all`` for a large round:
+    docs/benchmarks.md, "Scale"). Unset attributes take the
     column's default, as ``add_all`` would; ``rows`` stay detached (no ids)."""
     if rows:
         session.execute(insert(ClientUpdate), [

@@ -89,8 +89,8 @@ def _redis(url: str) -> Any:
 
 def _redis_depths(url: str, queues: tuple[str, ...]) -> dict[str, int]:
     """Redis: LLEN of each queue's lists (one per priority step, named as kombu names
-    them) in one round trip. Through kombu's channel this took ~40 ms a scrape for
-    four queues (a redis client object per call); this takes one round trip."""
+    them) in one round trip, on one client (kombu's channel would build a client object
+    per call)."""
     from kombu.transport.redis import PRIORITY_STEPS, Channel
 
     names = [[q if pri == 0 else f"{q}{Channel.sep}{pri}" for pri in PRIORITY_STEPS]

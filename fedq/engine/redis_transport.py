@@ -3,9 +3,9 @@
 kombu 5.7 builds a new ``redis.Redis`` object for every command it sends outside the
 event loop (``Channel.conn_or_acquire``): each message published (``_put``, the task
 events' ``_put_fanout``) and each message a worker takes and acknowledges
-(``QoS.append``, ``QoS.ack``). Building one costs about 0.1 ms here (redis-py 8 fills a
-dictionary of some 200 response callbacks), a quarter of a serving worker's busy time
-in a py-spy profile at concurrency 1 (docs/inference.md). The object holds no
+(``QoS.append``, ``QoS.ack``), and redis-py fills a dictionary of some 200 response
+callbacks for each (docs/inference.md measures what that cost a serving worker). The
+object holds no
 connection of its own (it takes one from the channel's pool for each command), so one
 per channel serves every command; a new pool (after a reconnect) gets a new one.
 
@@ -35,14 +35,12 @@ def batched_publishes() -> Iterator[None]:
     (one round trip) per ``_MAX_BATCH`` commands, instead of one ``LPUSH`` each.
 
     A round's chord is one ``train`` message per client, then its task-sent events:
-    sent one by one they cost a round trip each (about 2 of a tiny round's 16 ms of
-    control work in a py-spy profile, 2026-11-29). Celery publishes them through
+    sent one by one they cost a round trip each. Celery publishes them through
     whichever producer it takes from its pool, so this works below it, on this
     transport's channels, with kombu's own ``PublishBatch`` (a non-transactional
-    pipeline). A full pipeline goes out at once: with all 1,000 of a large round's
-    tasks held to the end, no worker started until the last was built (the round
-    took longer though sending took 0.88 -> 0.36 s); with 64, the first tasks train
-    while the rest are built. What is still held when the block raises is never
+    pipeline). A full pipeline goes out at once, so that the first tasks of a large
+    round train while the rest are built (held to the end, no worker would start
+    until the last was built). What is still held when the block raises is never
     sent; a nested block joins the outer one. Other transports (AMQP) publish at
     once, as before."""
     if getattr(_batch, "sessions", None) is not None:

@@ -54,10 +54,10 @@ def revoke(ids: Sequence[str], why: str, stop: bool = False) -> None:
 def _mark_redis(backend: RedisBackend, ids: Sequence[str], why: str,
                stop: bool = False) -> None:
     """What ``mark_as_revoked`` stores for each id, in two round trips for all of them
-    instead of two each (about 0.5 ms an id on local Redis: 5 s to cancel 10,000 tasks;
-    bench/revoke.py), with ``"stop": true`` added when a running task must stop. As
-    Celery's ``store_result`` does, a task whose result is already ``SUCCESS`` keeps it:
-    the coordinator may still read that result (a lost callback)."""
+    instead of two each (bench/revoke.py measures both), with ``"stop": true`` added
+    when a running task must stop. As Celery's ``store_result`` does, a task whose
+    result is already ``SUCCESS`` keeps it: the coordinator may still read that result
+    (a lost callback)."""
     keys = [backend.get_key_for_task(tid) for tid in ids]
     with backend.client.pipeline(transaction=False) as pipe:
         for key in keys:

@@ -647,9 +647,8 @@ def absorb(settings: Settings, data: Any, job_id: str, shard: int, attempt: int,
 
     The answer is checked against the job's :func:`job_facts` (kept in this process)
     with no transaction of its own; :func:`settle` then takes the job's lock and drops
-    it if the shard is done, the job not running or the attempt not one sent. Before
-    2026-12-01 a transaction read the job and the shard first (docs/inference.md,
-    "What an answer costs the control worker")."""
+    it if the shard is done, the job not running or the attempt not one sent
+    (docs/inference.md, "What an answer costs the control worker")."""
     facts = job_facts(settings.database_url, job_id)
     if facts is None or shard not in facts.shards or attempt < 1:
         return {"status": "dropped", "reason": "no such shard or attempt"}

@@ -71,8 +71,8 @@ def chosen_amp(sha: str, op: str, model: torch.nn.Module, items: Any, batch_size
     """The faster, for this model and operation on ``device``, of its GPU class's mixed
     precision and float32 (``fedq.worker.loop.measured_amp``: timed once per worker
     process, weights and operation on ``amp_probe``, the first batch's forward pass,
-    built only then). A small model can lose under AMP: on an H200, bf16 ran the 10.8M
-    GPT at 0.69x and the small CNN at 0.82x of float32 (docs/inference.md)."""
+    built only then). A small model can lose under AMP (docs/inference.md measured
+    it)."""
     return measured_amp(device_amp(device), ("infer", sha, op),
                         lambda: amp_probe(model, op, items, batch_size, device), device)
 

@@ -286,7 +286,7 @@ class WorkerProcess:
         """Shut the worker down and wait; SIGKILL if it lingers past ``timeout``.
 
         The default is Celery's cold shutdown (SIGQUIT), cut short after 1.5 s: the
-        demo and the tests stop idle workers, and a worker takes about 6 s to close its
+        demo and the tests stop idle workers, and a worker takes seconds to close its
         connections on its own. A task still running would be re-queued (acks_late)
         or re-dispatched at its round's deadline. Pass SIGTERM and a longer timeout for
         a warm shutdown that finishes the running task first."""

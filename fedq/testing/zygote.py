@@ -1,18 +1,14 @@
 """A process that has imported torch once and forks ``celery worker`` processes on request.
 
-The test suite starts about 460 workers and ``fedq`` commands. Started cold on this
-2-core machine, a worker spent about 3.5 s of CPU importing torch, Celery and the rest
-before it was ready, forked 0.3 s (2026-11-30, with torch importing in 2.9 s); the
-suite's Python processes spent 2,862 CPU-seconds in all, 1,905 forked (counted with
-process accounting, ``accton``), and it took 21.5 minutes, not 33.5. They are forked
-from this process instead: each child is still a real ``celery -A fedq worker`` (or
+The test suite starts hundreds of workers and ``fedq`` commands, and a worker started
+cold spends seconds of CPU importing torch, Celery and the rest before it is ready.
+They are forked from this process instead: each child is still a real ``celery -A fedq worker`` (or
 ``python -m fedq.cli``) process, run by that module's own entry point with its own
 arguments, environment, working directory, session and output files, but the imports
 that do not depend on the environment are already done (README.md, "Run the tests").
 
 Only the test harness uses it (``fedq.testing.procs.use_zygote``), and the benchmarks'
-smoke runs in CI (``FEDQ_TEST_ZYGOTE=1``, tests/test_bench_smoke.py: 13 min 44 s instead
-of 18 min 34 s alone, 1,023 Python CPU-seconds instead of 1,396, the same day).
+smoke runs in CI (``FEDQ_TEST_ZYGOTE=1``, tests/test_bench_smoke.py).
 ``fedq demo`` and the benchmarks' real runs start their workers as plain subprocesses.
 fedq's Celery app is not imported here: it reads its settings from the environment,
 which differs per worker.
@@ -39,7 +35,7 @@ from typing import Any, NoReturn, TextIO
 
 from fedq.testing.procs import import_time_env
 
-# torch._dynamo: every worker imports it at start (fedq/worker/signals.py, 3.2 s here);
+# torch._dynamo: every worker imports it at start (fedq/worker/signals.py);
 # sklearn.model_selection: the digits data set's split, at a worker's first task.
 PRELOAD = ("torch", "torch._dynamo", "numpy", "sklearn.datasets", "sklearn.model_selection",
            "safetensors.torch", "sqlalchemy", "pydantic", "redis", "kombu.transport.redis",
@@ -53,7 +49,7 @@ OPTIONAL = ("transformers", "transformers.models.auto.modeling_auto", "peft")
 def _child(request: dict[str, Any], reply: TextIO) -> NoReturn:
     """In the forked child: become the process the request names, then end as Python's
     own exit does (non-daemon threads joined, atexit handlers run, output flushed), less
-    tearing down every module: with torch loaded that took 1.2 s a process."""
+    tearing down every module (slow with torch loaded)."""
     try:
         code = _become(request, reply)
     except SystemExit as stop:

@@ -136,8 +136,8 @@ def measured_amp(amp: str, key: tuple[object, ...],
     the probe (a first batch's pass, built by ``make_probe``) faster here: it runs once
     in each to warm up, then :data:`AMP_PROBE_RUNS` times, and the fastest run counts.
     Measured once per ``key`` in a worker process and logged; the probe is built only
-    then. Small models lose under AMP (on an H200, bf16 ran fedq's CNN at 0.82x and a
-    10.8M GPT at 0.69x of float32: docs/inference.md), large ones gain. Nothing is
+    then. Small models lose under AMP, large ones gain (docs/inference.md measured
+    both). Nothing is
     measured (nor built) where the class has no mode or FEDQ_AMP=off."""
     if amp == "off":
         return "off"

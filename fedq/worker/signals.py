@@ -41,9 +41,9 @@ def prepare(sender: Any = None, **_: Any) -> None:
     """Set torch's threads and import the training stack before the first task arrives
     (deferred to here: ``fedq.worker.signals`` is imported by every process that loads
     the app, and only workers need torch). A worker that trains imports torch._dynamo
-    too: torch.optim's optimizers import it when the first one is built (3.2 s of CPU on
-    this 2-core machine, torch 2.14), which was inside the worker's first task while its
-    round waited. The control worker builds no optimizer and skips it."""
+    too: torch.optim's optimizers import it when the first one is built, seconds of CPU
+    that would otherwise fall inside the worker's first task while its round waits. The
+    control worker builds no optimizer and skips it."""
     import torch
 
     import fedq.worker.update  # noqa: F401  (torch, torchvision, the model zoo)
