@@ -139,16 +139,23 @@ class RedisBlobStore(BlobStore):
         """Delete these blobs, and the chunks of those stored as chunks (their manifests
         are read first: a blob's chunk keys all begin with its key), and the chunks a
         writer stopped mid-blob left under any of these keys with no manifest (one SCAN
-        for the keys' common prefix)."""
+        for the keys' common prefix; skipped for a user that may not SCAN, such as a
+        worker's: the coordinator's deletion of the round removes them)."""
         self._delete_listed(keys)
         if self.chunk_bytes is not None and keys:
             self._delete_orphans(keys)
 
     def _delete_orphans(self, keys: Sequence[str]) -> None:
+        import redis
+
         wanted = set(keys)
         common = os.path.commonprefix(list(keys))
         pattern = KEY_PREFIX + _glob_escape(common) + "*.chunk*"
-        orphans = [k for k in self._client.scan_iter(match=pattern, count=1000)
+        try:
+            found = list(self._client.scan_iter(match=pattern, count=1000))
+        except redis.exceptions.NoPermissionError:
+            return
+        orphans = [k for k in found
                    if k.decode(errors="replace")[len(KEY_PREFIX):].rsplit(".chunk", 1)[0]
                    in wanted]
         for j in range(0, len(orphans), 1000):

@@ -129,20 +129,27 @@ class S3BlobStore(BlobStore):
     def delete_keys(self, keys: Sequence[str]) -> None:
         """Delete these objects, and abort the multipart uploads under any of these keys
         that a writer stopped mid-blob left unfinished (their parts are kept, and billed,
-        until aborted)."""
+        until aborted; skipped for credentials that may not list them)."""
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes 1,000 keys
             objects = [{"Key": self.prefix + k} for k in keys[i:i + 1000]]
             self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
         if not keys:
             return
+        from botocore.exceptions import ClientError
+
         wanted = {self.prefix + k for k in keys}
         common = self.prefix + os.path.commonprefix(list(keys))
-        for page in self._client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=common):
-            for upload in page.get("Uploads", []):
-                if upload["Key"] in wanted:
-                    self._client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        try:
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=common):
+                for upload in page.get("Uploads", []):
+                    if upload["Key"] in wanted:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("AccessDenied",
+                                                                  "NotImplemented"):
+                raise
 
     def delete_prefix(self, prefix: str) -> None:
         paginator = self._client.get_paginator("list_objects_v2")
