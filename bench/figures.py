@@ -33,7 +33,7 @@ def main() -> int:
         cluster.start(fast1=["cpu"], fast2=["cpu"], control=["control"])
         cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="3")
         try:
-            for spec, wanted in ((SYNC, ("progress", "timeline", "bytes")),
+            for spec, wanted in ((SYNC, ("progress", "timeline", "bytes", "utilisation")),
                                  (BUFFERED, ("staleness",))):
                 job = cluster.submit(spec)
                 view = cluster.wait(job, timeout=600)

@@ -154,10 +154,11 @@ def test_buffered_job_on_the_embedded_default(embedded: Cluster) -> None:
     # The commands, on the embedded default.
     plots = cluster.fedq("plot", job, "--out", str(cluster.home / "plots")).stdout.split()
     assert sorted(Path(p).name for p in plots if p.endswith(".png")) == sorted(
-        f"{job}-{n}.png" for n in ("progress", "timeline", "bytes", "staleness"))
+        f"{job}-{n}.png" for n in ("progress", "timeline", "bytes", "utilisation",
+                                   "staleness"))
     report = cluster.home / "report.html"
     cluster.fedq("report", job, "--out", str(report))
-    assert report.read_text().count('src="data:image/png;base64,') == 4
+    assert report.read_text().count('src="data:image/png;base64,') == 5
     # fedq metrics on the embedded default (SQLite, filesystem broker): versions count
     # as rounds; the queue depths come from the broker's folder.
     scrape = {(s.name, tuple(sorted(s.labels.items()))): s.value

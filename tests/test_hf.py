@@ -74,6 +74,28 @@ def test_a_lora_model_federates_its_adapters_and_every_process_builds_the_same_b
     assert len(full.state_dict()) == len(dict(full.lm.state_dict()))
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path) -> None:
+    """``gradient_checkpointing: true`` recomputes the decoder's activations in the
+    backward pass: the same loss and the same adapter gradients as without it, and the
+    model says it checkpoints."""
+    x = torch.randint(0, 256, (2, 16))
+    grads = []
+    for on in (False, True):
+        model = build_model("hf_causal_lm", *BYTES, config=LLAMA, lora=LORA,
+                            gradient_checkpointing=on)
+        model.train()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1))
+        loss.backward()
+        grads.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if p.requires_grad}))
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True
+                            for m in model.modules())
+        assert checkpointing == on
+    (plain_loss, plain), (ckpt_loss, ckpt) = grads
+    assert ckpt_loss == pytest.approx(plain_loss, abs=1e-6) and plain.keys() == ckpt.keys()
+    assert all(torch.allclose(plain[n], ckpt[n], atol=1e-6) for n in plain)
+
+
 def test_a_worker_with_another_checkpoint_at_the_path_refuses_in_one_line(
         tmp_path: Path) -> None:
     """``fedq submit`` pins the checkpoint's digest into the job's model_args; a worker

@@ -24,6 +24,7 @@ from fedq.engine.logs import CONTEXT_FIELDS, TaskContext, json_formatter, task_c
 from fedq.errors import ConfigError
 from fedq.observe.plots import PHASES, figures, write_figures
 from fedq.observe.report import render
+from fedq.observe.utilisation import job_utilisation, worker_utilisation
 from fedq.settings import load_settings
 from fedq.testing.cluster import DIGITS, Cluster, base_env
 from fedq.testing.procs import run_module
@@ -88,6 +89,17 @@ def test_task_rows_say_where_the_time_went(observed: tuple[Cluster, str]) -> Non
     table = shown.stdout
     assert "down+up s" in table and "train s" in table
     assert re.search(r"│ \d+\.\d\d\+\d+\.\d\d │", table), table  # download+upload
+    # where each worker's time went: the cpu worker's compute is its tasks' training;
+    # the bad worker's tasks never reported how they trained
+    out = json.loads(cluster.fedq("results", job, "--json").stdout)
+    [cpu] = out["workers"]
+    assert cpu["worker"] == "cpu@test" and cpu["tasks"] == 3 * ROUNDS
+    assert cpu["compute_s"] == pytest.approx(sum(c["train_seconds"] for c in ok), abs=0.01)
+    assert cpu["transfer_s"] == pytest.approx(
+        sum(c["download_seconds"] + c["upload_seconds"] for c in ok), abs=0.01)
+    assert 0 < cpu["utilisation"] <= 1 and out["utilisation"] == cpu["utilisation"]
+    assert cpu["window_s"] >= cpu["compute_s"] + cpu["transfer_s"] + cpu["waiting_s"] - 0.01
+    assert f"cpu@test: {cpu['utilisation']:.0%} computing" in table, table
 
 
 @pytest.mark.slow
@@ -96,7 +108,8 @@ def test_figures_draw_every_round_and_task(observed: tuple[Cluster, str],
     cluster, job = observed
     record, rounds, clients = _data(cluster, job)
     figs = figures(record, rounds, clients)
-    assert set(figs) == {"progress", "timeline", "bytes"}  # not buffered: no staleness
+    # not buffered: no staleness
+    assert set(figs) == {"progress", "timeline", "bytes", "utilisation"}
     accuracy = figs["progress"].axes[0].lines[0]
     assert list(accuracy.get_xdata()) == [1, 2, 3]
     assert list(accuracy.get_ydata()) == [r["accuracy"] for r in rounds]
@@ -112,8 +125,13 @@ def test_figures_draw_every_round_and_task(observed: tuple[Cluster, str],
     drawn = sum(bar.get_height() for container in up.containers for bar in container)
     assert drawn == pytest.approx(sum(c["bytes_up"] for c in clients) / 1e6)
     assert len(up.containers) == len({c["client"] for c in clients})
+    # where the cpu worker's time went: its window, split four ways
+    [share] = worker_utilisation(clients)
+    bars = [bar.get_width() for c in figs["utilisation"].axes[0].containers for bar in c]
+    assert bars == pytest.approx([share[k] for k in ("compute_s", "transfer_s", "other_s",
+                                                     "waiting_s")])
     paths = write_figures(figs, tmp_path, job)
-    assert len(paths) == 6
+    assert len(paths) == 8
     for path in paths:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") if path.suffix == ".png" else b"<svg" in data
@@ -123,7 +141,7 @@ def test_figures_draw_every_round_and_task(observed: tuple[Cluster, str],
     # The CLI writes the same files; bad input is one line and exit 2.
     cli = cluster.fedq("plot", job, "--out", str(tmp_path / "cli"), "--format", "png")
     assert sorted(Path(p).name for p in cli.stdout.split()) == sorted(
-        f"{job}-{n}.png" for n in ("progress", "timeline", "bytes"))
+        f"{job}-{n}.png" for n in ("progress", "timeline", "bytes", "utilisation"))
     bad = cluster.fedq("plot", job, "--format", "gif", check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "gif" in bad.stderr
     missing = cluster.fedq("plot", "nosuchjob", check=False)
@@ -138,7 +156,9 @@ def test_report_is_one_self_contained_page(observed: tuple[Cluster, str],
     cluster.fedq("report", job, "--out", str(out))
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page
-    assert len(re.findall(r'<img alt="[a-z]+" src="data:image/png;base64,', page)) == 3
+    assert len(re.findall(r'<img alt="[a-z]+" src="data:image/png;base64,', page)) == 4
+    used = re.search(r'<table id="utilisation">(.*?)</table>', page, re.S)
+    assert used and "cpu@test" in used.group(1) and "bad@test" not in used.group(1)
     rounds = re.search(r'<table id="rounds">(.*?)</table>', page, re.S)
     assert rounds and rounds.group(1).count("<tr") == 1 + ROUNDS
     clients = re.search(r'<table id="clients">(.*?)</table>', page, re.S)
@@ -200,6 +220,9 @@ def test_metrics_endpoint_scraped(observed: tuple[Cluster, str]) -> None:
     assert value("fedq_worker_tasks_total", worker="cpu@test", result="done") == 3 * ROUNDS
     assert value("fedq_worker_tasks_total", worker="bad@test", result="failed") == ROUNDS
     assert value("fedq_worker_samples_per_second", worker="cpu@test", queues="cpu") > 0
+    [share] = worker_utilisation(clients)
+    assert value("fedq_worker_utilization_ratio", job=job, worker="cpu@test") == \
+        pytest.approx(share["utilisation"])
     assert value("fedq_broker_up") == 1
     assert value("fedq_queue_depth", queue="cpu") == 0
     assert value("fedq_queue_depth", queue="gpu_new") == 2
@@ -401,3 +424,27 @@ def test_a_rounds_measurements_fold_into_each_worker_in_order(tmp_path: Path,
         assert (a.tasks_done, b.tasks_done) == (5, 2)  # only measurements with work in them
         assert (a.tasks_failed, b.tasks_failed) == (1, 1) and a.gpu_peak_mb == 20.0
         assert s.get(Worker, "?") is None
+
+
+def test_a_workers_window_splits_into_compute_transfer_other_and_waiting() -> None:
+    """Two tasks of w1 four seconds apart, one of w2, and rows that say nothing of how
+    they trained (an error, a task never started): each worker's window runs from its
+    first task's start to its last one's end on its own clock."""
+    rows = [
+        {"worker": "w1", "started_at": "2026-01-01T00:00:00+00:00", "seconds": 10.0,
+         "train_seconds": 6.0, "download_seconds": 1.0, "upload_seconds": 2.0},
+        {"worker": "w1", "started_at": "2026-01-01T00:00:14+00:00", "seconds": 10.0,
+         "train_seconds": 8.0, "download_seconds": 0.0, "upload_seconds": 1.0},
+        {"worker": "w2", "started_at": "2026-01-01T05:00:00+00:00", "seconds": 4.0,
+         "train_seconds": 2.0, "download_seconds": None, "upload_seconds": 1.0},
+        {"worker": "w2", "started_at": "2026-01-01T05:00:09+00:00", "seconds": 1.0,
+         "train_seconds": None},  # an error: it never said how it trained
+        {"worker": "w3", "started_at": None, "seconds": 0.0, "train_seconds": None},
+    ]
+    w1, w2 = worker_utilisation(rows)
+    assert w1 == {"worker": "w1", "tasks": 2, "window_s": 24.0, "compute_s": 14.0,
+                  "transfer_s": 4.0, "other_s": 2.0, "waiting_s": 4.0,
+                  "utilisation": round(14 / 24, 4)}
+    assert (w2["window_s"], w2["utilisation"], w2["waiting_s"]) == (4.0, 0.5, 0.0)
+    assert job_utilisation([w1, w2]) == round(16 / 28, 4)
+    assert worker_utilisation([]) == [] and job_utilisation([]) is None

@@ -21,6 +21,7 @@ from fedq.cli.output import (
     job_json,
     out,
     results_table,
+    utilisation_lines,
 )
 from fedq.errors import ConfigError, FedqError, JobNotFound
 from fedq.settings import Settings
@@ -118,10 +119,15 @@ class Training(JobKind):
         if out_path is not None:
             raise FedqError(f"--out: job {job_id} is a training job; --out writes an "
                             "inference job's outputs")
+        from fedq.observe.utilisation import job_utilisation, worker_utilisation
+
         rows = round_results(settings, job_id)
         if as_json:
-            click.echo(json.dumps({"job": job_json(view), "rounds": rows,
-                                   "clients": client_results(settings, job_id)}, indent=2))
+            clients = client_results(settings, job_id)
+            workers = worker_utilisation(clients)
+            click.echo(json.dumps({"job": job_json(view), "rounds": rows, "clients": clients,
+                                   "workers": workers,
+                                   "utilisation": job_utilisation(workers)}, indent=2))
         elif as_csv:
             writer = csv.DictWriter(sys.stdout, fieldnames=ROUND_FIELDS, lineterminator="\n")
             writer.writeheader()
@@ -132,6 +138,8 @@ class Training(JobKind):
             summary = buffered_summary(clients, sum(r["seconds"] or 0 for r in rows))
             if summary:
                 out.print(summary, highlight=False)
+            for line in utilisation_lines(worker_utilisation(clients)):
+                out.print(line, highlight=False)
             if per_client:
                 out.print(clients_table(clients))
 

@@ -169,6 +169,13 @@ def buffered_summary(rows: list[dict[str, Any]], seconds: float | None) -> str:
     return "\n".join(lines)
 
 
+def utilisation_lines(workers: list[dict[str, Any]]) -> list[str]:
+    """Where each worker's time went (fedq.observe.utilisation), one line each."""
+    return [f"{w['worker']}: {w['utilisation']:.0%} computing ({w['compute_s']:.1f} s of "
+            f"{w['window_s']:.1f} s; moving the model {w['transfer_s']:.1f} s, waiting "
+            f"{w['waiting_s']:.1f} s)" for w in workers if w["utilisation"] is not None]
+
+
 #: How each status is shown: done well green, under way cyan, not used yellow, failed red.
 STATUS_COLORS: dict[str, str] = {
     JobStatus.RUNNING: "cyan", JobStatus.COMPLETED: "green", JobStatus.FAILED: "red",

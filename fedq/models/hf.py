@@ -15,6 +15,8 @@ In a spec: ``model: hf_causal_lm`` with ``model_args``:
   adds ``digest``, a BLAKE3 digest of the folder's safetensors files (:func:`pin`), and
   a worker whose checkpoint at that path is not the same refuses the task in one line:
   every worker trains the same base;
+- ``gradient_checkpointing: true``: activations recomputed in the backward pass, not
+  kept (less memory for a longer step);
 - ``lora: {r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, v_proj]}``: the
   base is frozen and only the adapters train. The model's ``state_dict`` is then the
   adapters alone: they are what a round's global model, each update, verification,
@@ -163,8 +165,11 @@ def pin(model_args: dict[str, Any]) -> dict[str, Any]:
 def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
                  config: dict[str, Any] | None = None, path: str = "",
                  lora: dict[str, Any] | None = None, seed: int = 0,
-                 digest: str = "") -> nn.Module:
-    """input_shape: (block_size,); num_classes: the dataset's vocabulary size."""
+                 digest: str = "", gradient_checkpointing: bool = False) -> nn.Module:
+    """input_shape: (block_size,); num_classes: the dataset's vocabulary size.
+    ``gradient_checkpointing``: the decoder layers' activations are computed again in
+    the backward pass instead of kept (transformers' own, non-reentrant), trading
+    compute for memory; the same gradients."""
     require_extra("transformers", "llm", "model hf_causal_lm")
     if lora is not None:
         require_extra("peft", "llm", "model hf_causal_lm with lora")
@@ -194,6 +199,13 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
                     f"{digests.short(mine)}...) are not the job's ({digests.short(digest)}"
                     f"...): every worker must hold the same checkpoint")
             lm = _load(AutoModelForCausalLM, folder, num_classes)
+        if gradient_checkpointing:
+            if not getattr(lm, "supports_gradient_checkpointing", False):
+                raise ValueError(f"hf_causal_lm: gradient_checkpointing: "
+                                 f"{type(lm).__name__} does not support it")
+            lm.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            lm.config.use_cache = False  # a cache is for generation, not training
         if lora is not None:
             lm = _with_lora(lm, lora)
     return HFCausalLM(lm, adapters_only=lora is not None)

@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 
 from fedq.db import ClientUpdate, Job, Round, WatchdogAction, Worker, session_scope
 from fedq.db.models import aware
 from fedq.db.session import ensure_schema
 from fedq.errors import require_extra
+from fedq.observe.utilisation import worker_utilisation
 from fedq.settings import Settings
 from fedq.status import JobStatus, RoundStatus
 
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 #: Round duration histogram buckets, seconds: a tiny zero-compute round to an hour.
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
+
+#: Besides the running jobs, the newest this many jobs have their workers' utilisation
+#: in a scrape (each costs a read of its finished tasks' timings).
+UTILISATION_JOBS = 5
 
 class FedqCollector:
     """A prometheus-client collector: each scrape reads the database once.
@@ -80,6 +85,15 @@ class FedqCollector:
                 .join(Job, Job.id == ClientUpdate.job_id)
                 .where(ClientUpdate.round_number == Job.committed_round)
                 .group_by(ClientUpdate.job_id, ClientUpdate.status)).all()
+            # where each worker's time went, in the running jobs and the newest few
+            recent = select(Job.id).order_by(Job.created_at.desc()).limit(UTILISATION_JOBS)
+            timed = s.execute(
+                select(ClientUpdate.job_id, ClientUpdate.worker, ClientUpdate.started_at,
+                       ClientUpdate.seconds, ClientUpdate.train_seconds,
+                       ClientUpdate.download_seconds, ClientUpdate.upload_seconds)
+                .join(Job, Job.id == ClientUpdate.job_id)
+                .where(or_(Job.status == JobStatus.RUNNING, Job.id.in_(recent)),
+                       ClientUpdate.train_seconds.is_not(None))).all()
             workers = s.scalars(select(Worker)).all()
             repairs = s.execute(select(WatchdogAction.action, func.count())
                                 .group_by(WatchdogAction.action)).all()
@@ -186,6 +200,20 @@ class FedqCollector:
             if util is not None:
                 gpu_util.add_metric([host], util / 100)
         yield from (rate, tasks, seen, gpu_mem, gpu_util, available)
+
+        busy = GaugeMetricFamily("fedq_worker_utilization_ratio",
+                                 "Share of a worker's window in a job spent computing "
+                                 "(running jobs and the newest few; "
+                                 "fedq.observe.utilisation)",
+                                 labels=["job", "worker"])
+        per_job: dict[str, list[dict[str, Any]]] = {}
+        for row in timed:
+            per_job.setdefault(row.job_id, []).append(row._asdict())
+        for job_id, job_rows in per_job.items():
+            for w in worker_utilisation(job_rows):
+                if w["utilisation"] is not None:
+                    busy.add_metric([job_id, w["worker"]], w["utilisation"])
+        yield busy
 
         repaired = CounterMetricFamily("fedq_watchdog_repairs", "Repairs the watchdog made",
                                        labels=["action"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedq.errors import require_extra
+from fedq.observe.utilisation import worker_utilisation
 from fedq.status import RoundStatus, UpdateStatus
 
 #: Colours of a task's phases in the timeline (matplotlib's tab10 palette).
@@ -159,6 +160,31 @@ def bytes_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
     return fig
 
 
+def utilisation_figure(workers: list[dict[str, Any]], title: str = "") -> Any:
+    """Each worker's window (its first task's start to its last task's end) split into
+    computing, moving the model and its update, other work in a task, and waiting
+    between tasks (fedq.observe.utilisation), as stacked horizontal bars."""
+    plt = _pyplot()
+    parts = (("compute_s", "computing", "#2ca02c"), ("transfer_s", "moving the model", "#1f77b4"),
+             ("other_s", "other work in a task", "#bcbd22"),
+             ("waiting_s", "waiting between tasks", "#d62728"))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(workers)), constrained_layout=True)
+    names = [w["worker"] for w in workers]
+    left = [0.0] * len(workers)
+    for key, label, color in parts:
+        widths = [w[key] for w in workers]
+        ax.barh(names, widths, left=left, label=label, color=color)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, w in enumerate(workers):
+        if w["utilisation"] is not None:
+            ax.text(left[y], y, f" {w['utilisation']:.0%}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds of the worker's window")
+    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4)
+    fig.suptitle(title or "where each worker's time went", y=1.08 if workers else 1.0)
+    return fig
+
+
 def staleness_figure(clients: list[dict[str, Any]], title: str = "") -> Any:
     """Buffered jobs: how stale the updates were (histogram) and per version (mean)."""
     plt = _pyplot()
@@ -227,6 +253,10 @@ def figures(job: dict[str, Any], rounds: list[dict[str, Any]],
     out = {"progress": progress_figure(rounds, f"{name}: progress"),
            "timeline": timeline_figure(rounds, clients, f"{name}: where the time went"),
            "bytes": bytes_figure(clients, f"{name}: bytes per round")}
+    workers = worker_utilisation(clients)
+    if workers:
+        out["utilisation"] = utilisation_figure(workers, f"{name}: where each worker's "
+                                                         "time went")
     if any(c.get("staleness") is not None for c in clients):
         out["staleness"] = staleness_figure(clients, f"{name}: staleness")
     begun = _when(job.get("created_at"))

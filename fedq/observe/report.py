@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from fedq.observe.utilisation import worker_utilisation
 from fedq.status import RoundStatus, UpdateStatus
 
 #: Rows shown as failed.
@@ -91,6 +92,8 @@ def render(job: dict[str, Any], rounds: list[dict[str, Any]], clients: list[dict
 <h2>Figures</h2>{images}
 <h2>Rounds</h2>{table(rounds, ROUND_COLUMNS, "rounds")}
 <h2>Client tasks</h2>{table(clients, CLIENT_COLUMNS, "clients")}
+<h2>Where the workers' time went</h2>{table(worker_utilisation(clients), UTILISATION_COLUMNS,
+                                            "utilisation")}
 <h2>Workers</h2>{table(env_rows, ("worker", "queues", "hardware", "torch", "cuda", "gpus",
                                    "cpus", "memory_gb", "python", "system",
                                    "samples_per_second", "tasks_done",
@@ -99,6 +102,10 @@ def render(job: dict[str, Any], rounds: list[dict[str, Any]], clients: list[dict
 </body></html>
 """
 
+
+#: fedq.observe.utilisation's entries, as the report shows them.
+UTILISATION_COLUMNS = ("worker", "tasks", "utilisation", "compute_s", "transfer_s", "other_s",
+                       "waiting_s", "window_s")
 
 SHARD_COLUMNS = ("shard", "start", "stop", "status", "attempt", "backups", "queue", "worker",
                  "device", "seconds", "error")
