@@ -309,6 +309,12 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     assert done.status == "completed", done.error
     spec = JobSpec.model_validate({**lora, "model_args": pinned_args("hf_causal_lm",
                                                                       lora["model_args"])})
+    from fedq.models.hf import checkpoint_digest
+
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        stored = s.get(Job, job)
+        assert stored is not None  # fedq submit pinned the checkpoint it saw
+        assert stored.spec["model_args"]["digest"] == checkpoint_digest(folder)
     adapters = initial_weights(spec)
     size = len(dumps(adapters, {"job": job}))
     model_bytes = (folder / "model.safetensors").stat().st_size
