@@ -179,9 +179,9 @@ def utilisation_figure(workers: list[dict[str, Any]], title: str = "") -> Any:
         if w["utilisation"] is not None:
             ax.text(left[y], y, f" {w['utilisation']:.0%}", va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds of the worker's window")
-    ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4)
-    fig.suptitle(title or "where each worker's time went", y=1.08 if workers else 1.0)
+    ax.set_xlabel("seconds of the worker's window (its share computing at the right)")
+    fig.legend(fontsize=7, loc="outside lower center", ncol=4)
+    fig.suptitle(title or "where each worker's time went")
     return fig
 
 
