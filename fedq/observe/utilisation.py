@@ -47,8 +47,9 @@ def worker_utilisation(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, A
         busy = sum(d for _, d, _, _ in tasks)
         compute = sum(c for _, _, c, _ in tasks)
         transfer = sum(t for _, _, _, t in tasks)
-        out.append({"worker": worker, "tasks": len(tasks), "window_s": round(window, 3),
-                    "compute_s": round(compute, 3), "transfer_s": round(transfer, 3),
+        window, compute = round(window, 3), round(compute, 3)  # as shown, and divided
+        out.append({"worker": worker, "tasks": len(tasks), "window_s": window,
+                    "compute_s": compute, "transfer_s": round(transfer, 3),
                     "other_s": round(max(0.0, busy - compute - transfer), 3),
                     "waiting_s": round(max(0.0, window - busy), 3),
                     "utilisation": round(min(1.0, compute / window), 4) if window > 0
@@ -57,6 +58,8 @@ def worker_utilisation(clients: Iterable[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def job_utilisation(workers: list[dict[str, Any]]) -> float | None:
-    """The job's utilisation: its workers' compute over their windows, summed."""
+    """The job's utilisation: its workers' compute over their windows, summed (one
+    worker's: its own)."""
     window = sum(w["window_s"] for w in workers)
-    return round(sum(w["compute_s"] for w in workers) / window, 4) if window > 0 else None
+    return round(min(1.0, sum(w["compute_s"] for w in workers) / window), 4) if window > 0 \
+        else None
