@@ -23,6 +23,7 @@ from fedq.protocol.envelope import (
     MESSAGE_FORMAT,
     BlobDigest,
     FormatError,
+    first_error,
 )
 
 Int32 = Annotated[int, Field(ge=0, le=INT32)]
@@ -129,14 +130,6 @@ class ShardResult(_Strict):
     sig: str | None = Field(default=None, max_length=200)  # its signature (fedq/identity.py)
 
 
-def _first_error(exc: ValidationError, what: str) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or what
-    value = err.get("input")
-    shown = "" if isinstance(value, (dict, list)) else f" (got {str(value)[:60]!r})"
-    return f"malformed {what}: {where}: {err['msg']}{shown}"
-
-
 def parse_task(data: Any) -> ShardTask:
     if not isinstance(data, dict):
         raise FormatError(f"shard task is a {type(data).__name__}, not an object")
@@ -147,7 +140,7 @@ def parse_task(data: Any) -> ShardTask:
     try:
         task = ShardTask.model_validate(data)
     except ValidationError as exc:
-        raise FormatError(_first_error(exc, "shard task")) from None
+        raise FormatError(first_error(exc, "shard task")) from None
     if task.stop <= task.start:
         raise FormatError(f"shard task: empty range {task.start}..{task.stop}")
     if (task.split is None) == (task.inputs is None):
@@ -161,7 +154,7 @@ def parse_result(data: Any) -> ShardResult:
     try:
         return ShardResult.model_validate(data)
     except ValidationError as exc:
-        raise FormatError(_first_error(exc, "shard result")) from None
+        raise FormatError(first_error(exc, "shard result")) from None
 
 
 def _finite(value: Any) -> bool:
@@ -232,7 +225,7 @@ def parse_batch(data: Any) -> ServeBatch:
     try:
         batch = ServeBatch.model_validate(data)
     except ValidationError as exc:
-        raise FormatError(_first_error(exc, "serve batch")) from None
+        raise FormatError(first_error(exc, "serve batch")) from None
     for n, item in enumerate(batch.items):
         if batch.op == "classify":
             if not isinstance(item, list) or len(item) > 1 << 20 or \
@@ -245,5 +238,5 @@ def parse_batch(data: Any) -> ServeBatch:
             try:
                 Completion.model_validate(item)
             except ValidationError as exc:
-                raise FormatError(_first_error(exc, f"serve batch item {n}")) from None
+                raise FormatError(first_error(exc, f"serve batch item {n}")) from None
     return batch
