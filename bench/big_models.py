@@ -6,12 +6,13 @@ Usage: ``.venv/bin/python -m bench.big_models`` writes the table into
 docs/benchmarks.md ("Large models"); ``--no-write`` only prints it; ``--sizes`` picks
 the models by name (``50MB,200MB,800MB``).
 
-Each size runs one job (2 clients, 2 rounds, FedAvg; ``zero_compute``: each client
-sends a small change of the whole model, so what is measured is moving, checking and
-averaging the bytes) on a fresh deployment, so each process's peak resident memory
-(``VmHWM``) is that job's. Redis's memory is sampled every 0.2 s; the table shows its
-peak above what it held before the job. A blob over FEDQ_BLOB_CHUNK_MB (64 MiB) is
-kept as chunks (fedq/blobs/chunks.py): before chunks, Redis refused the 800 MB model.
+Each size runs one job (2 clients, 2 rounds, FedAvg; zero compute,
+``FEDQ_TEST_ZERO_COMPUTE``: each client sends a small change of the whole model, so what
+is measured is moving, checking and averaging the bytes) on a fresh deployment, so each
+process's peak resident memory (``VmHWM``) is that job's. Redis's memory is sampled
+every 0.2 s; the table shows its peak above what it held before the job. A blob over
+FEDQ_BLOB_CHUNK_MB (64 MiB) is kept as chunks (fedq/blobs/chunks.py): before chunks,
+Redis refused the 800 MB model.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ class Row:
 
 
 def _spec(name: str, n_layer: int, n_embd: int) -> dict[str, object]:
-    return {"name": f"big-{name}", "model": "gpt",
+    return {"name": f"zero-compute-big-{name}", "model": "gpt",
             "model_args": {"n_layer": n_layer, "n_head": 16, "n_embd": n_embd},
             "dataset": "shakespeare", "dataset_args": {"block_size": 32},
-            "num_clients": 2, "clients_per_round": 2, "rounds": 2, "zero_compute": True,
+            "num_clients": 2, "clients_per_round": 2, "rounds": 2,
             "eval_every": 0, "keep_updates": 0, "round_timeout_s": 1800,
             "queues": {"cpu": -1}, "seed": 0}
 

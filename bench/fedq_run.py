@@ -27,7 +27,7 @@ def fedq_cluster(ctx: Context, name: str, workers: int, *,
                  torch_threads: int = 1) -> Iterator[Cluster]:
     """A running fedq deployment: Redis + PostgreSQL with a
     control worker and ``workers`` training workers on ``cpu``; ``slow`` maps a worker
-    index to its FEDQ_SLOWDOWN. A smoke run gets one shared deployment with two
+    index to its FEDQ_TEST_SLOWDOWN. A smoke run gets one shared deployment with two
     training workers, whatever is asked (it checks the code, not the figures)."""
     if ctx.smoke:
         if ctx.shared is None:
@@ -50,7 +50,7 @@ def _deployment(ctx: Context, name: str, workers: int, slow: dict[int, float] | 
         try:
             cluster.fedq("db", "upgrade")
             procs = [cluster.worker("control", ["control"])]
-            procs += [cluster.worker(f"w{i}", ["cpu"], **({"FEDQ_SLOWDOWN": str(slow[i])}
+            procs += [cluster.worker(f"w{i}", ["cpu"], **({"FEDQ_TEST_SLOWDOWN": str(slow[i])}
                                                          if slow and i in slow else {}))
                       for i in range(workers)]
             cluster.workers += procs  # stopped by cluster.stop(), even half-started
@@ -154,12 +154,13 @@ def _tree_mb(pid: int, field: str = "VmRSS") -> float:
 
 def zero_compute_spec(model: str, rounds: int, clients: int, **extra: Any) -> dict[str, Any]:
     """A zero-compute job: every client of every round sends a small change of the whole
-    model; no evaluation."""
+    model (its name starts ``zero-compute-``, which the workers of
+    :func:`fedq.testing.cluster.base_env` know; fedq/testing/faults.py); no evaluation."""
     if model == "resnet18":
         base = {"model": "resnet18_cifar", "dataset": "synthetic",
                 "dataset_args": {"n_train": 64, "n_test": 16}}
     else:
         base = {"model": "mlp", "dataset": "digits"}
-    return {"name": f"bench-{model}", **base, "num_clients": clients,
-            "clients_per_round": clients, "rounds": rounds, "zero_compute": True,
+    return {"name": f"zero-compute-{model}", **base, "num_clients": clients,
+            "clients_per_round": clients, "rounds": rounds,
             "eval_every": 0, "keep_updates": 0, "round_timeout_s": 600, **extra}

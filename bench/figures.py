@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.figures            # about 2 minutes on 2 cores
 
 Digits on the embedded default, three training workers of which one is 3 times
-slower (``FEDQ_SLOWDOWN=3``: the straggler the timeline should make obvious), then
+slower (``FEDQ_TEST_SLOWDOWN=3``: the straggler the timeline should make obvious), then
 the same workers on a buffered job (K=2, C=4) for the staleness figure. Writes
 docs/img/observe-*.png.
 """
@@ -31,7 +31,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fedq-figures-") as tmp:
         cluster = Cluster(Path(tmp), base_env(Path(tmp) / "home"))
         cluster.start(fast1=["cpu"], fast2=["cpu"], control=["control"])
-        cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="3")
+        cluster.add("slow", ["cpu"], FEDQ_TEST_SLOWDOWN="3")
         try:
             for spec, wanted in ((SYNC, ("progress", "timeline", "bytes", "utilisation")),
                                  (BUFFERED, ("staleness",))):

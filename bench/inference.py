@@ -7,7 +7,7 @@
 Real deployments on Redis (the broker and result backend) with real workers:
 
 - batch: a GPT ``generate`` job on ``--workers`` workers (default 2), the last slowed
-  4x (``FEDQ_SLOWDOWN=4``: it sleeps three times its compute after each shard). A fast
+  4x (``FEDQ_TEST_SLOWDOWN=4``: it sleeps three times its compute after each shard). A fast
   worker alone and the slow one alone first (their standalone items/s), then all of
   them: fedq's items/s against the sum of the standalone ones, against a static equal
   split (the same share of the items each, run on each worker alone: the slowest share
@@ -233,7 +233,7 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
     out: dict[str, Any] = {"prompts": setup.prompts, "workers": setup.workers,
                            "in_process": _batched_floor(weights, prompts, setup)}
     q = [setup.queue]
-    for name, env in (("fast", {}), ("slow", {"FEDQ_SLOWDOWN": "4"})):
+    for name, env in (("fast", {}), ("slow", {"FEDQ_TEST_SLOWDOWN": "4"})):
         cluster = _cluster(home / name, redis_url, db_url)
         try:
             cluster.start(control=["control"])
@@ -248,7 +248,7 @@ def batch(home: Path, redis_url: str, db_url: str, setup: Setup) -> dict[str, An
         fast = {"fast" if setup.workers == 2 else f"fast{i}": q
                 for i in range(1, setup.workers)}
         cluster.start(control=["control"], **fast)
-        cluster.add("slow", q, FEDQ_SLOWDOWN="4")
+        cluster.add("slow", q, FEDQ_TEST_SLOWDOWN="4")
         out["both"] = _job(cluster, spec)
     finally:
         cluster.stop()

@@ -2,7 +2,7 @@
 
 3. Bytes per round for update codecs none / fp16 / int8 / int8+zstd, with each job's
    final test accuracy.
-4. Heterogeneous time-to-accuracy: 4 workers, one slowed 4x (FEDQ_SLOWDOWN=4); wall
+4. Heterogeneous time-to-accuracy: 4 workers, one slowed 4x (FEDQ_TEST_SLOWDOWN=4); wall
    time from submit to the first round whose global model reaches 90% test accuracy,
    waiting for every client vs a per-task time budget.
 5. Scale: 1,000 clients per round on local workers (round time, the control worker's
@@ -74,7 +74,7 @@ def heterogeneous(ctx: Context) -> Section:
     sec = Section(
         "4. Heterogeneous time-to-accuracy",
         "Digits, small_cnn, 4 clients on 4 training workers, one of them slowed 4× "
-        "(FEDQ_SLOWDOWN=4: each training step takes four times as long), after a "
+        "(FEDQ_TEST_SLOWDOWN=4: each training step takes four times as long), after a "
         "one-round warm-up job; SGD with learning rate 0.01, so that 90% takes several "
         "rounds. Wait-for-all: 2 local epochs per task, every round "
         "waits for the slow worker. Time-budgeted: each task trains until "
@@ -207,7 +207,7 @@ def scale(ctx: Context) -> Section:
 
 
 def lognormal_slowdowns(workers: int, sigma: float = 1.0, seed: int = 0) -> list[float]:
-    """Per-worker FEDQ_SLOWDOWN: speeds drawn log-normal(0, sigma) (seeded), scaled so
+    """Per-worker FEDQ_TEST_SLOWDOWN: speeds drawn log-normal(0, sigma) (seeded), scaled so
     the fastest worker runs at full speed (slowdown 1)."""
     speed = np.exp(np.random.default_rng(seed).normal(0.0, sigma, workers))
     return [round(float(speed.max() / v), 2) for v in speed]
@@ -242,7 +242,7 @@ def buffered_modes(ctx: Context, cluster: Any, slow: list[float], title: str,
         f"Digits, small_cnn, {2 * workers} clients, {workers} training workers {where} "
         "whose speeds are drawn log-normal (sigma = 1, seed 0), times 4 so "
         "that the six emulated machines do not queue for this machine's two cores "
-        f"(FEDQ_SLOWDOWN {', '.join(f'{x:g}' for x in sorted(slow))}), after a one-round "
+        f"(FEDQ_TEST_SLOWDOWN {', '.join(f'{x:g}' for x in sorted(slow))}), after a one-round "
         "warm-up job. Synchronous: "
         f"{workers} clients per round, {rounds} rounds; wait-for-all trains 2 local epochs "
         "per task, time-budgeted trains until `time_budget_s` (the fast workers' median "
@@ -359,7 +359,7 @@ def buffered_lm(ctx: Context) -> Section:
         "7. Buffered asynchronous vs synchronous: the language model",
         f"A GPT (2 layers, 2 heads, width 64, context 32 bytes; AdamW lr 0.003) on "
         f"Shakespeare and Milton, {2 * workers} clients (IID), {workers} training workers on "
-        "Redis + PostgreSQL with section 6's log-normal speeds (FEDQ_SLOWDOWN "
+        "Redis + PostgreSQL with section 6's log-normal speeds (FEDQ_TEST_SLOWDOWN "
         f"{', '.join(f'{x:g}' for x in sorted(slow))}), after a one-round warm-up job. "
         f"Synchronous: {workers} clients per round, {rounds} rounds of {steps} inner steps "
         "each (wait for all), or until the time budget (the fast workers' median task "

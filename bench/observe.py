@@ -4,8 +4,8 @@ JSON logs against neither.
     .venv/bin/python -m bench.observe            # about 3 minutes on 2 cores
 
 Redis (broker, result backend, blobs) + PostgreSQL, a control worker and 4 training
-workers, 4 clients per round, ``zero_compute: true``, 61 rounds per job (the first
-is not timed). Two deployments, one with Celery's text logs and one with
+workers, 4 clients per round, zero compute (``FEDQ_TEST_ZERO_COMPUTE``), 61 rounds per
+job (the first is not timed). Two deployments, one with Celery's text logs and one with
 ``FEDQ_LOG_FORMAT=json``; in each, jobs alternate between no scraper and a
 ``fedq metrics`` process scraped once a second (Prometheus' default is every 15 s:
 this is 15 times harsher), ``PAIRS`` times, so the scraper is compared within one

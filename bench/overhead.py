@@ -42,7 +42,7 @@ def run(ctx: Context) -> Section:
         f"small change. Seconds per round: median over {rounds - 1} consecutive rounds "
         "(the first, which includes loading, is not counted), min–max in brackets. "
         "fedq: Redis broker/result backend/blob store + PostgreSQL, a control worker and "
-        f"{CLIENTS} training workers (one process each), `zero_compute: true`, "
+        f"{CLIENTS} training workers (one process each), zero compute (`FEDQ_TEST_ZERO_COMPUTE`), "
         "`eval_every: 0`, `keep_updates: 0`. Floor: a bare Celery chord on the same Redis "
         "moving the same bytes (bench/floor_app.py: tasks GET the global blob and SET it "
         "back; the callback GETs the updates, averages them with numpy, SETs the global "

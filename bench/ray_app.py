@@ -81,7 +81,7 @@ def serve_main(cfg: dict[str, Any]) -> None:
 
 class Generator:
     """One actor of the pool: the GPT loaded once; the second actor to start is slowed
-    (it sleeps ``slow - 1`` times its compute after each batch, as FEDQ_SLOWDOWN does)."""
+    (it sleeps ``slow - 1`` times its compute after each batch, as FEDQ_TEST_SLOWDOWN does)."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg

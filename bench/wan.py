@@ -138,7 +138,7 @@ def wan_cluster(work: Path, relays: Relays, hosts: list[Host], workers_per_host:
             url = host.url(redis_url, host.forward(relays, port))
             extra = {"FEDQ_BLOB_CACHE": str(home / f"cache-{host.name}")} if cache else {}
             for n in range(h * workers_per_host, (h + 1) * workers_per_host):
-                speed = {"FEDQ_SLOWDOWN": f"{slow[n]:g}"} if slow and slow[n] > 1 else {}
+                speed = {"FEDQ_TEST_SLOWDOWN": f"{slow[n]:g}"} if slow and slow[n] > 1 else {}
                 procs.append(WorkerProcess(
                     f"w{n}@{host.name}", ["cpu"], home / "logs" / f"w{n}.log",
                     env={**env, "FEDQ_BROKER_URL": url, "FEDQ_RESULT_BACKEND": url,

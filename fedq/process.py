@@ -9,7 +9,6 @@ the next, and each is kept here, nowhere else:
 - ``accumulator``: FedAvg's model-sized mean buffer, reused round to round (a fresh one
   pays a page fault per 4 kB page every round); released when a job ends;
 - ``store``: one blob store client per URL (connection pools);
-- ``zero_deltas``: the benchmark-only fixed update of ``zero_compute`` jobs;
 - ``uplink_mbit``: a training worker's upload rate, measured on its last large upload
   (``codec: auto`` picks the update codec from it).
 - ``kept``: training tasks that yielded to the machine's owner, where each stopped
@@ -46,7 +45,6 @@ KEPT_TASKS = 2
 class ProcessState:
     models: OrderedDict[str, Weights] = field(default_factory=OrderedDict)
     stores: dict[tuple[str, str | None, int], BlobStore] = field(default_factory=dict)
-    zero_deltas: dict[tuple[object, float], Weights] = field(default_factory=dict)
     uplink_mbit: float | None = None
     kept: OrderedDict[tuple[str, int, str], Any] = field(default_factory=OrderedDict)
     _accumulator: Accumulator | None = None
@@ -99,7 +97,6 @@ class ProcessState:
         if self._accumulator is not None:
             self._accumulator.release()
         self.stores.clear()
-        self.zero_deltas.clear()
         self.uplink_mbit = None
         self.kept.clear()
 

@@ -84,9 +84,6 @@ class Settings(BaseModel):
         "auto", "``auto``: the faster, timed on a model's first batch, of float32 and the "
         "GPU class's mixed precision (bf16 from sm_80, fp16 on 7.x; "
         "fedq.worker.loop.measured_amp); ``off``: float32 on every GPU")
-    slowdown: float = setting(
-        1.0, ">= 1: make this worker's training steps that many times slower (emulates a "
-        "slower machine in tests and benchmarks)", ge=1)
     emulate_hardware: Path | None = setting(
         None, "a JSON hardware report used instead of probing (tests)")
     skip_hardware_check: bool = setting(

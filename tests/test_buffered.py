@@ -119,7 +119,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp_path = tmp_path_factory.mktemp("buffered")
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(w1=["cpu"], w2=["cpu"], control=["control"])
-    cluster.add("w3", ["cpu"], FEDQ_SLOWDOWN="4")  # a slower machine: stale updates
+    cluster.add("w3", ["cpu"], FEDQ_TEST_SLOWDOWN="4")  # a slower machine: stale updates
     yield cluster
     cluster.stop()
 

@@ -533,7 +533,7 @@ def test_worker_paused_past_the_heartbeat_bound_is_redispatched(
     its heartbeat stops, so its client is re-dispatched to another worker and the round
     commits with every client; SIGCONT; the sleeper's copy is never counted a second
     time."""
-    # Not SLOWED: FEDQ_SLOWDOWN sleeps after a step 19 times the step's wall time, and a
+    # Not SLOWED: FEDQ_TEST_SLOWDOWN sleeps after a step 19 times the step's wall time, and a
     # pause inside a step would count (a SIGSTOP of 20 s: a sleep of 6 minutes after the
     # SIGCONT, and the late copy never came within the test's wait).
     cluster = redis_cluster

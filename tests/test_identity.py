@@ -347,7 +347,7 @@ def test_one_registered_machine_counts_at_most_its_cap_however_many_processes_it
     for process in ("m1", "m2", "m3"):
         cluster.add(process, ["cpu"], **_joined_worker(cluster, "m"))
     # the honest machine is three times slower: the hostile one answers first, often
-    cluster.add("h1", ["cpu"], **_joined_worker(cluster, "h"), FEDQ_SLOWDOWN="3")
+    cluster.add("h1", ["cpu"], **_joined_worker(cluster, "h"), FEDQ_TEST_SLOWDOWN="3")
     capped = {**SPEC, "num_clients": 4, "clients_per_round": 4, "rounds": 2,
               "min_clients": 1, "max_redispatch": 0, "max_updates_per_worker": 1}
     for spec in ({**capped, "name": "capped"},
@@ -413,7 +413,7 @@ def test_a_registered_hostile_machine_posing_as_three_clients_counts_as_one(
                      str(cluster.home / f"{name}.bundle"))
         _join(cluster, name, cluster.home / f"{name}.bundle")
     for name in ("h", "g"):  # honest, three times slower: the hostile processes ask first
-        cluster.add(f"{name}1", ["cpu"], **_joined_worker(cluster, name), FEDQ_SLOWDOWN="3")
+        cluster.add(f"{name}1", ["cpu"], **_joined_worker(cluster, name), FEDQ_TEST_SLOWDOWN="3")
     clean = cluster.submit({**POSING, "name": "clean"})
     assert cluster.wait(clean, timeout=300).status == "completed"
 

@@ -794,7 +794,7 @@ def test_a_fast_worker_finishes_a_slow_workers_last_shard_as_its_backup(
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     try:
         cluster.start(control=["control"])
-        slow = cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="100000")
+        slow = cluster.add("slow", ["cpu"], FEDQ_TEST_SLOWDOWN="100000")
         weights = _classifier_file(tmp_path)
         spec = _spec(tmp_path, model={"weights": weights.name, "name": "small_cnn",
                                       "dataset": "digits"},
@@ -923,7 +923,7 @@ def test_generate_on_redis_survives_a_worker_sigkill(
     # saw w1 hold a shard); its heartbeat beats on while it is slow
     cluster.env.update(FEDQ_HEARTBEAT_S="1", FEDQ_WORKER_LOST_S="4")
     cluster.start(control=["control"])
-    cluster.add("w1", ["cpu"], FEDQ_SLOWDOWN="20")
+    cluster.add("w1", ["cpu"], FEDQ_TEST_SLOWDOWN="20")
     cluster.start_beat()
     weights = _gpt_file(tmp_path)
     prompts = tmp_path / "prompts.jsonl"

@@ -260,9 +260,6 @@ TABLE: dict[str, tuple[Part, Part, tuple[Cell, Cell]]] = {
                          (Tested("tests/test_streaming.py::"
                                  "test_mixing_merges_a_synchronised_fragment_with_the_local_one"),
                           SYNC_ONLY)),
-    "byzantine.clients": ({}, {"byzantine": {"clients": [0]}}, both(update)),
-    "byzantine.scale": ({"byzantine": {"clients": [0]}}, {"byzantine": {"scale": -2.0}},
-                        both(update)),
     "prox_mu": ({}, {"prox_mu": 5.0}, both(update)),
     "min_clients": ({}, {"min_clients": 3}, (decision, Refused("not used by a buffered job"))),
     "min_fraction": ({}, {"min_fraction": 0.5}, (decision, Refused("not used by a buffered job"))),
@@ -294,7 +291,6 @@ TABLE: dict[str, tuple[Part, Part, tuple[Cell, Cell]]] = {
     "aggregation.staleness.b": ({"aggregation": {"staleness": {"kind": "hinge"}}},
                                 {"aggregation": {"staleness": {"b": 0}}},
                                 (BUFFERED_ONLY, model)),
-    "zero_compute": ({}, {"zero_compute": True}, both(update)),
 }
 
 

@@ -416,8 +416,8 @@ def test_a_policy_it_cannot_read_is_one_line_from_doctor(tmp_path: Path) -> None
 
 # -- real workers ----------------------------------------------------------------------
 
-POLITE = {"FEDQ_SLOWDOWN": "40", "FEDQ_RESUME_AFTER_S": "2"}
-# 20 local epochs: a few seconds on the steady worker, minutes at FEDQ_SLOWDOWN=40
+POLITE = {"FEDQ_TEST_SLOWDOWN": "40", "FEDQ_RESUME_AFTER_S": "2"}
+# 20 local epochs: a few seconds on the steady worker, minutes at FEDQ_TEST_SLOWDOWN=40
 OWNER_JOB = {**DIGITS, "name": "owner", "num_clients": 2, "clients_per_round": 2,
              "min_clients": 2, "rounds": 1, "local_epochs": 20, "max_redispatch": 3,
              "round_timeout_s": 300}

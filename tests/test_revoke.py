@@ -149,7 +149,7 @@ def test_a_task_training_when_its_job_is_cancelled_stops_at_its_next_step(
     holds = Holds(cluster.home / "holds")
     cluster.env.update(FEDQ_HEARTBEAT_S="1", **holds.env("training", r"-r1-c0-a1$"))
     cluster.start(control=["control"])
-    worker = cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="100")
+    worker = cluster.add("slow", ["cpu"], FEDQ_TEST_SLOWDOWN="100")
     try:
         job = cluster.submit({**DIGITS, "name": "stopped", "num_clients": 1,
                               "clients_per_round": 1, "rounds": 2, "local_epochs": 5})

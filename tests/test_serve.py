@@ -712,7 +712,7 @@ def test_served_batches_go_where_they_come_back_soonest(redis_cluster: Cluster,
     most to cpu, probing gpu_new now and then (/health's routes). The cpu worker runs two
     tasks at once, and counts so in the batches the gateway keeps out."""
     cluster = redis_cluster
-    cluster.add("slow", ["gpu_new"], FEDQ_SLOWDOWN="100", FEDQ_SKIP_HARDWARE_CHECK="1")
+    cluster.add("slow", ["gpu_new"], FEDQ_TEST_SLOWDOWN="100", FEDQ_SKIP_HARDWARE_CHECK="1")
     fast = cluster.worker("fast", ["cpu"])
     fast.concurrency, fast.pool = 2, "threads"  # two tasks at once
     start_workers([fast])

@@ -297,7 +297,7 @@ def test_a_task_that_yielded_goes_on_where_it_stopped_when_its_machine_is_back(
     cluster.start(control=["control"])
     cluster.start_beat()
     laptop = cluster.add("home", ["site.home"], FEDQ_AC_ONLY="1", FEDQ_RESUME_AFTER_S="1",
-                         FEDQ_POWER_SUPPLY_DIR=str(power), FEDQ_SLOWDOWN="20",
+                         FEDQ_POWER_SUPPLY_DIR=str(power), FEDQ_TEST_SLOWDOWN="20",
                          FEDQ_PARTIAL_MIN="1")
     job = cluster.submit({**DIGITS, "name": "kept", "num_clients": 2, "clients_per_round": 1,
                           "rounds": 1, "local_epochs": 4, "sites": {"home": [0, 1]}})
@@ -402,7 +402,7 @@ def _two_sites(cluster: Cluster, **env: str) -> WorkerProcess:
     cluster.env.update(FEDQ_WATCHDOG_INTERVAL="1", FEDQ_HEARTBEAT_S="1", **env)
     cluster.start(control=["control"], b=["site.b"])
     cluster.start_beat()
-    worker = cluster.add("a", ["site.a"], FEDQ_SLOWDOWN="20")
+    worker = cluster.add("a", ["site.a"], FEDQ_TEST_SLOWDOWN="20")
     sites_open = _sites_open(cluster.env["FEDQ_DATABASE_URL"])
     wait_until(lambda: sites_open() == set(TWO_SITES), 60, what=worker.tail)
     return worker
@@ -504,7 +504,7 @@ def test_a_killed_site_worker_closes_its_site_until_it_is_back(
     # restarted worker refuses them at once, untrained, fedq/engine/revoke.py; before,
     # it trained them first and held the synchronous job's task past its deadline)
     # started again: it registers, and a is open
-    victim = cluster.replace("a", FEDQ_SLOWDOWN="20")
+    victim = cluster.replace("a", FEDQ_TEST_SLOWDOWN="20")
     wait_until(lambda: sites_open() == set(sites), 60, what=victim.tail)
     assert a_row()["available"] is None
     # synchronous: a seed whose first round trains one client at each site and whose

@@ -11,7 +11,7 @@ import yaml
 from fedq.cli.demo import DEMO_SPEC
 from fedq.errors import SpecError
 from fedq.inference.spec import load_inference
-from fedq.spec import load_spec, parse_spec
+from fedq.spec import JobSpec, load_spec, parse_spec
 from fedq.testing.procs import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +72,16 @@ def test_invalid_spec_names_the_field(change: dict, message: str) -> None:
         parse_spec({**BASE, **change})
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["zero_compute", "byzantine"])
+def test_test_faults_are_not_spec_fields_and_stored_ones_are_dropped(field: str) -> None:
+    """A job cannot turn a test fault on (fedq/testing/faults.py); a spec stored by a
+    fedq that had these fields still reads."""
+    with pytest.raises(SpecError, match=f"spec: {field}: unknown field"):
+        parse_spec({**BASE, field: True})
+    stored = {**parse_spec(BASE).to_json(), "zero_compute": False, "byzantine": None}
+    assert JobSpec.stored(stored).to_json() == parse_spec(BASE).to_json()
 
 
 def test_queue_mix_with_rest() -> None:

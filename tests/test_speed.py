@@ -28,7 +28,7 @@ SPEC = {**DIGITS, "num_clients": 3, "clients_per_round": 3, "rounds": 2, "local_
 def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(fast1=["cpu"], fast2=["cpu"], control=["control"])
-    cluster.add("slow", ["cpu"], FEDQ_SLOWDOWN="4")
+    cluster.add("slow", ["cpu"], FEDQ_TEST_SLOWDOWN="4")
     job, view = cluster.run(SPEC)
     assert view.status == "completed", view.error
     settings = cluster.settings
@@ -73,7 +73,7 @@ def test_time_budget_with_a_slow_worker(tmp_path: Path) -> None:
 def test_auto_queue_mix_follows_measured_throughput(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
     cluster.start(gpu=["gpu_new"], control=["control"])
-    cluster.add("cpu", ["cpu"], FEDQ_SLOWDOWN="6")
+    cluster.add("cpu", ["cpu"], FEDQ_TEST_SLOWDOWN="6")
     spec = {**DIGITS, "num_clients": 10, "clients_per_round": 5, "rounds": 2,
             "local_epochs": None, "local_steps": 10, "queues": "auto"}
     job, view = cluster.run(spec)

@@ -20,6 +20,7 @@ from fedq.coordinator.pipeline import Outcome, apply_server, reduce
 from fedq.process import PROCESS
 from fedq.protocol.training import TrainRef, UpdateRef
 from fedq.spec import JobSpec, parse_spec
+from fedq.testing import faults
 from fedq.weights import dumps, loads
 from fedq.worker.update import run_training
 
@@ -138,8 +139,35 @@ def test_codecs_shrink_the_bytes_sent(store: BlobStore) -> None:
     assert none.stats.raw_bytes == fp16.stats.raw_bytes == int8.stats.raw_bytes
 
 
-def test_byzantine_clients_send_the_scaled_update(store: BlobStore) -> None:
-    _, honest = _train(store)
-    _, flipped = _train(store, byzantine={"clients": [0], "scale": -10.0})
+def test_byzantine_clients_send_the_scaled_update(store: BlobStore,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test fault (fedq/testing/faults.py): client 0 of a job named ``attack-*``
+    sends its honest update times -10; the same job under another name is honest."""
+    _, honest = _train(store, name="attack-b")
+    monkeypatch.setenv(*faults.byzantine_env("^attack-", [0], -10.0).popitem())
+    _, other = _train(store, name="t")
+    _, flipped = _train(store, name="attack-b")
     name = "features.0.weight"
     assert torch.allclose(flipped[name], -10 * honest[name], atol=1e-5)
+    assert torch.allclose(other[name], honest[name], atol=1e-6)
+
+
+def test_a_zero_compute_job_trains_nothing(store: BlobStore,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test fault the benchmarks run with (fedq/testing/faults.py): a job whose name
+    matches sends a fixed small change of every weight and no training."""
+    monkeypatch.setenv(faults.ZERO_COMPUTE, faults.ZERO_COMPUTE_JOBS)
+    trained, _ = _train(store, name="t")
+    assert trained.steps > 0
+    ref, delta = _train(store, name="zero-compute-t")
+    assert (ref.steps, ref.samples, ref.stats.seen) == (0, 1, 1)
+    assert all(torch.all(v == 1e-4) for v in delta.values() if v.dtype.is_floating_point)
+
+
+def test_a_malformed_fault_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(faults.BYZANTINE, "0,1")
+    with pytest.raises(ValueError, match="FEDQ_TEST_BYZANTINE='0,1': want REGEX:CLIENTS"):
+        faults.byzantine_scale("attack-a", 0)
+    monkeypatch.setenv(faults.SLOWDOWN, "0.5")
+    with pytest.raises(ValueError, match="FEDQ_TEST_SLOWDOWN='0.5': want a number >= 1"):
+        faults.slowdown()

@@ -13,6 +13,7 @@ import torch
 
 from fedq.blobs import BlobRef, open_store
 from fedq.db import Job, session_scope
+from fedq.testing import faults
 from fedq.testing.cluster import DIGITS, Cluster, base_env, record
 from fedq.weights import loads
 
@@ -63,7 +64,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One embedded deployment for the module (the resume test, last, kills and
     replaces its training workers)."""
     tmp_path = tmp_path_factory.mktemp("embedded")
-    cluster = Cluster(tmp_path, base_env(tmp_path / "home"))
+    cluster = Cluster(tmp_path, {**base_env(tmp_path / "home"), **ATTACKERS})
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"], control=["control"])
     yield cluster
     cluster.stop()
@@ -112,7 +113,10 @@ def test_keep_updates_in_both_modes(embedded: Cluster) -> None:
 
 BYZANTINE = {**DIGITS, "num_clients": 10, "clients_per_round": 10, "rounds": 8,
              "min_clients": 5, "local_epochs": 3}
-ATTACK = {"byzantine": {"clients": [0, 1], "scale": -10.0}}
+# Clients 0 and 1 of a job named attack-* send their update times -10: a fault of the
+# module's workers (fedq/testing/faults.py), which no job spec can set.
+ATTACK = {"name": "attack-byzantine"}
+ATTACKERS = faults.byzantine_env("^attack-", [0, 1], -10.0)
 
 
 @pytest.mark.slow
@@ -171,11 +175,11 @@ def test_resumed_fedadam_job_continues_exactly(embedded: Cluster) -> None:
 
     # Each task of the interrupted job lasts long enough (several seconds) for the kill
     # to land mid-round even on a loaded machine: its workers sleep 5 times each step's
-    # time after the step (FEDQ_SLOWDOWN), which leaves the numbers as they are. (150
+    # time after the step (FEDQ_TEST_SLOWDOWN), which leaves the numbers as they are. (150
     # local epochs at full speed did the same before, at 15 times the CPU.)
     for name in ("w1", "w2", "w3"):
         embedded.by_name(name).kill()  # idle: the whole job is done
-        embedded.replace(name, FEDQ_SLOWDOWN="6")
+        embedded.replace(name, FEDQ_TEST_SLOWDOWN="6")
     interrupted = embedded.submit(spec)
     embedded.wait_for_round(interrupted, 2)
     for name in ("w1", "w2", "w3"):  # the machines go away mid-job

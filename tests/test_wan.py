@@ -163,8 +163,8 @@ def test_partitions_lose_nothing_and_hosts_download_once(
         cluster.workers += workers
         start_workers(workers)
         cluster.start_beat()
-        spec = {"name": "wan", "model": "mlp", "model_args": {"hidden": HIDDEN},
-                "dataset": "digits", "zero_compute": True, "num_clients": 3,
+        spec = {"name": "zero-compute-wan", "model": "mlp",
+                "model_args": {"hidden": HIDDEN}, "dataset": "digits", "num_clients": 3,
                 "clients_per_round": 3, "rounds": 6, "eval_every": 0, "keep_updates": 0,
                 "round_timeout_s": 14, "min_clients": 2, "compression": {"codec": "auto",
                                                        "slow_link_mbit": 100}}
@@ -211,6 +211,7 @@ def test_partitions_lose_nothing_and_hosts_download_once(
         lost = sum(1 for u in updates if u.status not in ("ok", "late"))
         assert lost == 0, [(u.round_number, u.client, u.status, u.error) for u in updates]
         ok = [u for u in updates if u.status == "ok"]
+        assert {(u.steps, u.samples) for u in ok} == {(0, 1)}  # zero compute: no training
         # Each host downloads each round's model once, whatever its workers do.
         for number in range(1, 7):
             model = max(u.bytes_down for u in ok if u.round_number == number)

@@ -216,8 +216,6 @@ def describe(spec: JobSpec) -> str:
                      + (f", mixing {spec.streaming.mixing:g}" if spec.streaming.mixing else ""))
     if spec.prox_mu:
         parts.append(f"FedProx mu {spec.prox_mu}")
-    if spec.byzantine:
-        parts.append(f"byzantine clients {spec.byzantine.clients} x{spec.byzantine.scale}")
     return ", ".join(parts)
 
 

@@ -160,8 +160,6 @@ class Limits:
 def limits(spec: JobSpec, client: int) -> Limits:
     """What client ``client`` can report under ``spec`` (its shard from the partition,
     computed here; cached per process)."""
-    if spec.zero_compute:  # benchmarks: no data, one sample, no steps
-        return Limits(samples=1, steps=0, seen=1)
     n = _shard_sizes(spec.dataset, str(spec.data_dir) if spec.data_dir else "",
                      json.dumps(spec.dataset_args or {}, sort_keys=True),
                      spec.partition.model_dump_json(), spec.num_clients, spec.seed)[client]

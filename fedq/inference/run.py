@@ -32,7 +32,7 @@ from fedq.protocol.inference import (
     parse_task,
 )
 from fedq.redaction import redact_text
-from fedq.settings import get_settings
+from fedq.testing import faults
 from fedq.weights import loads
 from fedq.worker.loop import amp_autocast, device_amp, measured_amp
 
@@ -296,9 +296,7 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         with amp_autocast(amp, device):
             rows = run_items(model, task.op, items, task.start, task.batch_size, device,
                              task.sampling)
-        slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
-        if slowdown > 1:
-            time.sleep((slowdown - 1) * (time.perf_counter() - began))
+        faults.slow_down(began)  # tests and benchmarks only (fedq/testing/faults.py)
         ref = store.put(output_key(task.job, task.shard, task.attempt, signer),
                         encode_rows(rows))
         return {**base, "status": "ok", "key": ref.key, "sha256": ref.sha256, "size": ref.size,
@@ -329,9 +327,7 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device)
         with amp_autocast(amp, device):
             rows = _serve_items(model, msg, items, device, progress if msg.stream else None)
-        slowdown = get_settings().slowdown  # FEDQ_SLOWDOWN: a slower machine, emulated
-        if slowdown > 1:
-            time.sleep((slowdown - 1) * (time.perf_counter() - began))
+        faults.slow_down(began)  # tests and benchmarks only (fedq/testing/faults.py)
         return {"status": "ok", "outputs": rows, "worker": worker,
                 "seconds": time.perf_counter() - start}
     except Exception as exc:  # noqa: BLE001 - reported as data; the gateway sends it again

@@ -171,14 +171,6 @@ class CompressionSpec(_Strict):
         "(fedq/aggregate/downlink.py)")
 
 
-class ByzantineSpec(_Strict):
-    """Robustness experiments only: these clients multiply their honest update by scale
-    (scale -10: a sign flip, ten times as large)."""
-
-    clients: list[int] = Field(min_length=1)
-    scale: float = -10.0
-
-
 class StalenessSpec(_Strict):
     """How an update's weight falls with its staleness (fedq/aggregate/staleness.py)."""
 
@@ -209,6 +201,12 @@ class AggregationSpec(_Strict):
         if lr is not None or server.name not in ("fedavg", "fedavgm"):
             return lr
         return self.buffer / concurrency
+
+
+#: Spec fields that a stored spec may still carry and that mean nothing now: the test
+#: faults are environment variables of the processes a test starts
+#: (fedq/testing/faults.py), never a job's.
+RETIRED = ("zero_compute", "byzantine")
 
 
 class JobSpec(_Strict):
@@ -256,7 +254,6 @@ class JobSpec(_Strict):
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     streaming: StreamingSpec | None = Field(
         default=None, description="Streaming DiLoCo: synchronise one of F fragments per round")
-    byzantine: ByzantineSpec | None = None
     prox_mu: float = Field(default=0.0, ge=0, description="FedProx proximal term (0: off)")
     min_clients: int = Field(default=1, ge=1, description="usable updates a round needs")
     min_fraction: float | None = Field(
@@ -280,15 +277,14 @@ class JobSpec(_Strict):
         default=1, ge=0, description="evaluate the global model on the test split every N "
                                      "rounds and after the last; 0: never")
     aggregation: AggregationSpec = Field(default_factory=AggregationSpec)
-    zero_compute: bool = Field(
-        default=False, description="benchmarks: clients skip training and send a small fixed "
-                                   "change of every weight (the round machinery alone)")
 
     @classmethod
     def stored(cls, data: dict[str, Any]) -> "JobSpec":
         """A spec validated at submit and read back (from the database or a TrainRef):
-        its shape is checked again, its names against the registries are not."""
-        return cls.model_validate(data, context={"stored": True})
+        its shape is checked again, its names against the registries are not. Keys in
+        :data:`RETIRED` are dropped: a stored spec may carry them, a new one may not."""
+        kept = {k: v for k, v in data.items() if k not in RETIRED}
+        return cls.model_validate(kept, context={"stored": True})
 
     @field_validator("model")
     @classmethod
@@ -350,9 +346,6 @@ class JobSpec(_Strict):
             why = None
         if why:  # a round commits with as few as quorum updates: the rule must work there
             yield ("reducer", f"{self.reducer.name} {why}; min_clients is {self.quorum}")
-        if self.byzantine and max(self.byzantine.clients) >= self.num_clients:
-            yield ("byzantine.clients", f"client {max(self.byzantine.clients)} out of range "
-                                        f"0..{self.num_clients - 1}")
         if self.local_steps is None and self.local_epochs is None:
             yield ("local_epochs", "set local_epochs or local_steps")
         if self.optimizer.schedule == "cosine" and self.optimizer.schedule_steps is None \

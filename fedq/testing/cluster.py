@@ -22,6 +22,7 @@ from fedq.coordinator.jobs import FINISHED, JobView, get_job
 from fedq.db import ClientUpdate, Round, session_scope
 from fedq.engine.app import celery_config
 from fedq.settings import Settings, load_settings
+from fedq.testing import faults
 from fedq.testing.procs import WorkerProcess, run_module, start_workers, stop_workers
 from fedq.testing.wait import wait_until
 
@@ -29,17 +30,19 @@ DIGITS = {"name": "t", "model": "small_cnn", "dataset": "digits", "num_clients":
           "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 16,
           "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "seed": 7}
 # For workers whose tasks train to a clock (time_budget_s): each sleeps 19 times a
-# step's wall time after the step (FEDQ_SLOWDOWN), so a task still lasts its budget on
+# step's wall time after the step (FEDQ_TEST_SLOWDOWN), so a task still lasts its budget on
 # a twentieth of the CPU, which the tests run beside it need more. Not for a worker the
 # test pauses: a SIGSTOP inside a step stretches that step's time, and the sleep with it.
-SLOWED = {"FEDQ_SLOWDOWN": "20"}
+SLOWED = {"FEDQ_TEST_SLOWDOWN": "20"}
 
 
 def base_env(home: Path, **urls: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDQ_")}
     # Workers on gpu_new in these tests run on this CPU machine: skip the startup check.
     env.update({"FEDQ_HOME": str(home), "FEDQ_TORCH_THREADS": "1",
-                "FEDQ_SKIP_HARDWARE_CHECK": "1"})
+                "FEDQ_SKIP_HARDWARE_CHECK": "1",
+                # jobs named zero-compute-* skip training (fedq/testing/faults.py)
+                faults.ZERO_COMPUTE: faults.ZERO_COMPUTE_JOBS})
     env.update({k: v for k, v in urls.items() if v})
     return env
 
@@ -63,7 +66,7 @@ class Cluster:
         return self
 
     def add(self, name: str, queues: list[str], **env: str) -> WorkerProcess:
-        """Start one more worker whose environment adds ``env`` (FEDQ_SLOWDOWN=4, say)."""
+        """Start one more worker whose environment adds ``env`` (FEDQ_TEST_SLOWDOWN=4, say)."""
         worker = self.worker(name, queues, **env)
         start_workers([worker])
         self.workers.append(worker)

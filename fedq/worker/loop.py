@@ -23,6 +23,7 @@ from torch import nn
 
 from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
+from fedq.testing import faults
 from fedq.worker import inner
 from fedq.worker.hardware import amp_mode
 
@@ -194,7 +195,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 optimizer: OptimizerSpec, batch_size: int, epochs: int | None,
                 steps: int | None, seed: int, device: torch.device,
                 time_budget: float | None = None, prox_mu: float = 0.0,
-                slowdown: float = 1.0, first_step: int = 0,
+                first_step: int = 0,
                 schedule_steps: int | None = None,
                 schedule_window: tuple[float, float] | None = None,
                 state_path: Path | None = None,
@@ -211,8 +212,6 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     cosine runs from a to b (fractions of the whole schedule) over this round, as the
     round's time passes (its time budget) or its steps do, whichever ends it first, so
     a slow worker is at the same point of the schedule as a fast one at the same moment.
-    ``slowdown`` > 1 sleeps after each step so the step takes that many times as long
-    (FEDQ_SLOWDOWN: emulates a slower machine in tests and benchmarks).
     ``should_stop``: asked before each step; a reason (the owner's machine is needed:
     fedq/worker/owner.py) stops training there, reported as ``yielded``, with where it
     stopped (``kept``, on the CPU); ``resume``: that, to go on from there (``model``
@@ -300,8 +299,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             loss_sum += float(loss.detach())
             seen += len(idx)
             step += 1
-            if slowdown > 1:
-                time.sleep((slowdown - 1) * (time.perf_counter() - step_start))
+            faults.slow_down(step_start)  # tests and benchmarks only (fedq/testing/faults.py)
         else:
             first = n  # the epoch ran out: the next one draws a new order
             continue

@@ -34,6 +34,7 @@ from fedq.protocol.training import MEASURE_UPLINK_BYTES, StepRef, TrainRef, Trai
 from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
+from fedq.testing import faults
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
 from fedq.worker import inner, owner, replica
 from fedq.worker import kept as kept_file
@@ -193,7 +194,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
     why = owner.away()
     if why is not None:  # taken just as the owner came back: hand it on untouched
         raise Yielded(f"{why}: not started")
-    if spec.zero_compute:
+    if faults.zero_compute(spec.name):  # benchmarks only (fedq/testing/faults.py)
         fetched = time.perf_counter()
         global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down,
@@ -237,7 +238,6 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
                         steps=spec.local_steps, seed=seed, device=pick_device(),
                         time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
-                        slowdown=settings.slowdown,
                         first_step=(ref.round - 1) * (spec.local_steps or 0),
                         schedule_steps=spec.schedule_steps,
                         schedule_window=spec.schedule_window(ref.round),
@@ -274,9 +274,9 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
              if not value.dtype.is_floating_point
              else local[name].detach().cpu() - value
              for name, value in base.items()}
-    if spec.byzantine and ref.client in spec.byzantine.clients:  # robustness experiments
-        delta = {k: v * spec.byzantine.scale if v.dtype.is_floating_point else v
-                 for k, v in delta.items()}
+    scale = faults.byzantine_scale(spec.name, ref.client)  # tests only (fedq/testing/faults.py)
+    if scale is not None:
+        delta = {k: v * scale if v.dtype.is_floating_point else v for k, v in delta.items()}
     up, upload, sent = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
                      client=ref.client,
@@ -333,17 +333,10 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
 
 def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, start: float,
                   global_weights: Weights, bytes_down: int, download: float) -> UpdateRef:
-    """Benchmarks: no data, no model, no training; the update changes every floating
-    weight by a small amount that differs per client, so averaging is real work."""
-    step = 1e-4 * (1 + ref.client % 7)
-    shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in global_weights.items())
-    delta = PROCESS.zero_deltas.get((shapes, step))
-    if delta is None:  # the same change every round: made once, so no compute is timed
-        delta = {k: torch.full(shape, step, dtype=dtype) if dtype.is_floating_point
-                 else torch.zeros(shape, dtype=torch.float32)  # as a trained delta
-                 for k, shape, dtype in shapes}
-        PROCESS.zero_deltas.clear()
-        PROCESS.zero_deltas[(shapes, step)] = delta
+    """A zero-compute job's task (``FEDQ_TEST_ZERO_COMPUTE``, fedq/testing/faults.py): no
+    data, no model, no training; the update is :func:`fedq.testing.faults.zero_delta`."""
+    delta = faults.zero_delta(tuple((k, tuple(v.shape), v.dtype)
+                                    for k, v in global_weights.items()), ref.client)
     up, upload, sent = _upload(ref, spec, store, delta)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
                      client=ref.client,

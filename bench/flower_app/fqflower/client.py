@@ -1,4 +1,4 @@
-"""ClientApp: zero training compute (the same work fedq's zero_compute clients do)."""
+"""ClientApp: zero training compute (the same work fedq's zero-compute clients do)."""
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
