@@ -164,6 +164,10 @@ class Settings(BaseModel):
         "worker goes on from it too")
     gpu_memory_fraction: float | None = setting(
         None, "the share of each GPU's memory fedq's torch may allocate", gt=0, le=1)
+    train_memory_mb: float | None = setting(
+        None, "the most MB a training task's weights, gradients and optimizer state may "
+        "take on this worker's device; a task over it (or over the device's free memory) "
+        "is refused before its first step (fedq/worker/fit.py)", gt=0)
     input_dir: Path = setting(Path("/dev/input"), "where the idle probe reads input devices")
     power_dir: Path = setting(Path("/sys/class/power_supply"),
                               "where the power probe reads", env="POWER_SUPPLY_DIR")

@@ -36,7 +36,7 @@ from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.testing import faults
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
-from fedq.worker import inner, owner, replica
+from fedq.worker import fit, inner, owner, replica
 from fedq.worker import kept as kept_file
 from fedq.worker.loop import local_train
 
@@ -210,9 +210,12 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
     seed = client_seed(spec.seed, ref.number, ref.client)
     torch.manual_seed(seed)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
+    settings = get_settings()
+    device = pick_device()
+    fit.check(model, spec.optimizer, device, settings.train_memory_mb,
+              settings.gpu_memory_fraction)
     streaming, mixing = (spec.streaming.fragments, spec.streaming.mixing) if spec.streaming \
         else (0, 0.0)
-    settings = get_settings()
     home = settings.home
     kept_at = replica.replica_path(home, ref.job, ref.client)
     if streaming:  # Streaming DiLoCo: train on from this client's own replica
@@ -236,7 +239,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
     log.info("training: client %d, round %d of job %s", ref.client, ref.round, ref.job)
     stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
                         batch_size=spec.batch_size, epochs=spec.local_epochs,
-                        steps=spec.local_steps, seed=seed, device=pick_device(),
+                        steps=spec.local_steps, seed=seed, device=device,
                         time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
                         first_step=(ref.round - 1) * (spec.local_steps or 0),
                         schedule_steps=spec.schedule_steps,
