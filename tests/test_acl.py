@@ -513,3 +513,57 @@ def test_any_other_send_the_broker_refuses_is_one_line_with_exit_3() -> None:
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "the broker refused a send: OperationalError" in lines[0] \
         and "no permissions" in lines[0], lines
+
+
+def test_reissue_gives_a_lost_machine_a_new_bundle_and_shuts_the_old_one_out(
+        admin: tuple[Cluster, str]) -> None:
+    """`fedq worker reissue NAME`: the name stays (no revoke and rename), its old key and
+    broker password stop working at once, and the new bundle joins from a new machine;
+    a revoked or unknown name is refused in one line, and so is an existing --out file
+    (before anything changes)."""
+    import redis
+
+    from fedq.coordinator import enrol
+
+    cluster, _ = admin
+    home = cluster.home
+    cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out", str(home / "old.bundle"))
+    _join(cluster, "w1", home / "old.bundle")
+    old = json.loads((home / "old.bundle").read_text())
+    assert redis.Redis.from_url(old["services"]["broker_url"]).ping()
+    held = redis.Redis.from_url(old["services"]["broker_url"])
+    held.ping()  # a connection the old machine holds open
+    key_before = enrol.registry(cluster.settings.database_url).active["w1"]
+
+    refused = cluster.fedq("worker", "reissue", "w1", "--out", str(home / "old.bundle"),
+                           check=False)
+    assert refused.returncode == 2 and "old.bundle exists" in refused.stderr, refused.stderr
+    assert "w1" in enrol.registry(cluster.settings.database_url).active  # nothing changed
+
+    done = cluster.fedq("worker", "reissue", "w1", "--out", str(home / "new.bundle"))
+    assert "wrote" in done.stdout and "new.bundle" in done.stdout
+    assert (home / "new.bundle").stat().st_mode & 0o777 == 0o600
+    new = json.loads((home / "new.bundle").read_text())
+    assert new["queues"] == ["cpu"] and new["token"] != old["token"]
+    assert "w1" not in enrol.registry(cluster.settings.database_url).active
+    for client in (held, redis.Redis.from_url(old["services"]["broker_url"])):
+        with pytest.raises((redis.AuthenticationError, redis.ConnectionError)):
+            client.ping()  # the old password, and the connection made with it
+    listed = cluster.fedq("worker", "list").stdout
+    assert "invited" in listed
+
+    again = _join(cluster, "w1-old", home / "old.bundle", check=False)
+    # the old bundle's password is gone: it cannot even reach the broker to ask
+    assert again.startswith("3\n") and "invalid username-password pair" in again, again
+    _join(cluster, "w1-new", home / "new.bundle")
+    assert redis.Redis.from_url(new["services"]["broker_url"]).ping()
+    key_after = enrol.registry(cluster.settings.database_url).active["w1"]
+    assert key_after != key_before
+
+    unknown = cluster.fedq("worker", "reissue", "w9", check=False)
+    assert unknown.returncode == 4 and unknown.stderr.strip().count("\n") == 0
+    assert "no registered worker w9" in unknown.stderr
+    cluster.fedq("worker", "revoke", "w1")
+    gone = cluster.fedq("worker", "reissue", "w1", check=False)
+    assert gone.returncode == 2 and "w1 is revoked, for good" in gone.stderr, gone.stderr
+    assert "Traceback" not in unknown.stderr + gone.stderr + refused.stderr

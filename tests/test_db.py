@@ -23,7 +23,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_migrations_create_schema_matching_orm(db_url: str) -> None:
     upgrade(db_url)
-    assert current_revision(db_url) == "0022"
+    assert current_revision(db_url) == "0023"
     engine = connect(db_url)
     tables = set(inspect(engine).get_table_names())
     assert {"jobs", "rounds", "client_updates", "workers", "alembic_version"} <= tables

@@ -65,6 +65,8 @@ def _refused(url: str, statement: str) -> str:
     raise AssertionError(f"allowed: {statement}")
 
 
+REINVITE = ("UPDATE registered_workers SET state = 'invited', public_key = NULL, "
+            "joined_at = NULL, token_sha256 = 'x' WHERE name = 'live'")
 REFUSED_TO_BOTH = {
     "change the schema": "DROP TABLE client_updates",
     "add a table": "CREATE TABLE evil (x int)",
@@ -72,6 +74,9 @@ REFUSED_TO_BOTH = {
     "read the server's files": "SELECT pg_read_file('/etc/passwd')",
     "move the schema's revision": "UPDATE alembic_version SET version_num = '0001'",
     "make a role": "CREATE ROLE evil LOGIN",
+    # `fedq worker reissue` is the schema owner's (migration 0023): the coordinator's role
+    # is refused by the trigger, the submitter's by its column grants
+    "re-invite an active worker": REINVITE,
 }
 REFUSED_TO_SUBMITTERS = {
     "erase the watchdog's record": "DELETE FROM watchdog_actions",
@@ -121,6 +126,19 @@ def test_each_role_is_refused_what_it_does_not_need(
             record("security", scenario=f"database {kind}: {what}", did=f"`{statement}`",
                    fedq=f"refused by PostgreSQL: {said.splitlines()[0][:70]}",
                    guard=f"the {kind} role (db/roles.py)", outcome="refused")
+    # the owner may: a reissue forgets the key and opens a new invitation
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    plain = make_url(owner).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute(REINVITE)
+        row = conn.execute("SELECT state, public_key FROM registered_workers "
+                           "WHERE name = 'live'").fetchone()
+        assert row == ("invited", None)
+        said = _refused(owner, "UPDATE registered_workers SET state = 'invited', "
+                               "token_sha256 = 'x' WHERE name = 'gone'")
+        assert "worker gone is revoked for good" in said, said
 
 
 @pytest.mark.slow

@@ -48,20 +48,66 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
     qs = [q.strip() for q in queues.split(",") if q.strip()]
     enrol.check_name(name)
     enrol.check_queues(qs)
+    public = identity.public_text(identity.coordinator_key(settings.keys_dir))
+    token = enrol.invite(settings, name, qs)
+    try:
+        bundle, users = _bundle(settings, name, qs, token, public, overrides)
+    except FedqError:  # no broker user, no bundle: no invitation either
+        enrol.withdraw(settings, name)
+        raise
+    _hand_over(bundle, users, out_path, settings.identity)
+
+
+@worker.command("reissue")
+@click.argument("name")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the new join bundle to this file (mode 600) instead of printing it")
+@click.option("--broker-url", help="the broker URL as the worker reaches it "
+                                   "(default: this machine's FEDQ_BROKER_URL)")
+@click.option("--result-backend", help="the result backend as the worker reaches it")
+@click.option("--blob-url", help="the blob store as the worker reaches it")
+@click.option("--s3-endpoint-url", help="the S3 endpoint as the worker reaches it")
+@expected_errors
+def reissue(name: str, out_path: Path | None, **overrides: str | None) -> None:
+    """Make a new join bundle for worker NAME, which lost its bundle or keys (or whose
+    bundle may have leaked): its old key and broker password stop working now, its
+    queues stay. Run `fedq worker join BUNDLE` on its machine again."""
+    import fedq.identity as identity
+    from fedq.coordinator import enrol
+
+    settings = _settings()
+    enrol.check_name(name)
+    if out_path is not None and out_path.exists():  # before anything is changed
+        raise ConfigError(f"{out_path} exists: the bundle is written to a new file only")
+    public = identity.public_text(identity.coordinator_key(settings.keys_dir))
+    token, queues, hosts = enrol.reissue(settings, name)
+    if hosts:
+        err.print(f"fedq: told {', '.join(hosts)} to shut down (they signed as {name})",
+                  highlight=False)
+    bundle, users = _bundle(settings, name, list(queues), token, public, overrides)
+    _hand_over(bundle, users, out_path, settings.identity)
+
+
+def _bundle(settings: Any, name: str, qs: list[str], token: str, public: str,
+            overrides: dict[str, str | None]) -> tuple[dict[str, Any], list[str]]:
+    """Worker ``name``'s join bundle, and the broker users made for it (its own, with a
+    new password, on the coordinator's Redis or RabbitMQ)."""
+    from fedq.coordinator import enrol
+
     services = {k: overrides.get(k) or getattr(settings, k) for k in _SERVICES}
     if settings.embedded_broker:
         err.print("fedq: note: this coordinator uses the embedded broker; a worker on "
                   "another machine cannot reach it (set FEDQ_BROKER_URL)")
-    public = identity.public_text(identity.coordinator_key(settings.keys_dir))
-    token = enrol.invite(settings, name, qs)
-    try:
-        services, users = enrol.own_users(settings, name, qs, services)
-    except FedqError:  # no broker user, no bundle: no invitation either
-        enrol.withdraw(settings, name)
-        raise
-    bundle = {"fedq_bundle": BUNDLE_FORMAT, "name": name, "queues": qs, "token": token,
-              "coordinator_key": public,
-              "services": {k: v for k, v in services.items() if v}}
+    services, users = enrol.own_users(settings, name, qs, services)
+    return {"fedq_bundle": BUNDLE_FORMAT, "name": name, "queues": qs, "token": token,
+            "coordinator_key": public,
+            "services": {k: v for k, v in services.items() if v}}, users
+
+
+def _hand_over(bundle: dict[str, Any], users: list[str], out_path: Path | None,
+               mode: str) -> None:
+    """Print ``bundle`` or write it to ``out_path`` (mode 600), and say how to move it."""
+    name, qs = bundle["name"], bundle["queues"]
     text = json.dumps(bundle, indent=2) + "\n"
     if out_path is None:
         out.print(text, end="", highlight=False, soft_wrap=True, markup=False)
@@ -72,7 +118,7 @@ def add(name: str, queues: str, out_path: Path | None, **overrides: str | None) 
     err.print(f"fedq: the bundle holds a one-time token and the services' passwords: move "
               f"it to the worker's machine privately, run `fedq worker join BUNDLE` there, "
               f"then delete it. This coordinator admits signed results only with "
-              f"FEDQ_IDENTITY=required (now {settings.identity}).", highlight=False)
+              f"FEDQ_IDENTITY=required (now {mode}).", highlight=False)
 
 
 @worker.command("join")

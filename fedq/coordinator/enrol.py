@@ -179,6 +179,44 @@ def join(db_url: str, proof: Any) -> dict[str, Any]:
     return {"ok": True, "name": name, "key": identity.fingerprint(public)}
 
 
+def reissue(settings: Settings, name: str) -> tuple[str, tuple[str, ...], list[str]]:
+    """Invite active (or invited) worker ``name`` again, for a machine that lost its
+    bundle or keys, or whose bundle may have leaked: its key is forgotten (results
+    signed with it are rejected from the next one on), the Celery workers that signed
+    as it are told to shut down, its broker users are turned off with their
+    connections, and a new one-time token is made (the new bundle brings a new
+    password). Returns the token, its queues and the hosts told. A revoked name stays
+    revoked."""
+    from sqlalchemy.exc import DBAPIError
+
+    ensure_schema(settings.database_url)
+    token = secrets.token_urlsafe(32)
+    try:
+        with session_scope(settings.database_url) as s:
+            row = s.get(RegisteredWorker, name)
+            if row is None:
+                raise NoSuchWorker(f"no registered worker {name} (`fedq worker list`)")
+            if row.state == REVOKED:
+                raise ConfigError(f"worker {name} is revoked, for good: add a new name "
+                                  f"(`fedq worker add`)")
+            row.state, row.public_key, row.joined_at = INVITED, None, None
+            row.redis_secret = None  # until the new bundle's user is made
+            row.token_sha256 = hashlib.sha256(token.encode()).hexdigest()
+            row.created_at = utcnow()
+            queues = tuple(row.queues.split(","))
+            hosts = sorted(h for h in s.scalars(select(ClientUpdate.worker).distinct()
+                                                .where(ClientUpdate.signer == name)) if h)
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
+            raise
+        raise ConfigError(f"worker {name}: the database refused the reissue "
+                          f"({str(exc.orig).splitlines()[0][:160]}): run it with the "
+                          f"database owner's URL, the one `fedq db upgrade` uses") from None
+    _disconnect(settings, name, hosts)
+    log.warning("worker %s re-invited: its old key and broker password no longer work", name)
+    return token, queues, hosts
+
+
 def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
     """Revoke worker ``name``: its results are rejected from the next one on, and each
     Celery worker that signed as it is told to shut down (:func:`cut_off`). Returns the
@@ -194,6 +232,13 @@ def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
         member = _member(row)
         hosts = sorted(h for h in s.scalars(select(ClientUpdate.worker).distinct()
                                             .where(ClientUpdate.signer == name)) if h)
+    _disconnect(settings, name, hosts)
+    return member, hosts
+
+
+def _disconnect(settings: Settings, name: str, hosts: list[str]) -> None:
+    """Tell ``hosts`` (the Celery workers that signed as ``name``) to shut down, then
+    turn ``name``'s Redis and RabbitMQ users off and drop their connections."""
     from fedq.coordinator import acl, rabbit
 
     cut_off(hosts)  # first, while they can still hear it
@@ -206,7 +251,6 @@ def revoke(settings: Settings, name: str) -> tuple[Member, list[str]]:
         acl.disable_user(url, name)  # its connections dropped, its password gone
     if amqp:
         rabbit.disable_user(settings.broker_url, name, settings.rabbitmq_api)
-    return member, hosts
 
 
 def cut_off(hosts: list[str]) -> None:

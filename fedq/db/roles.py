@@ -18,9 +18,10 @@ submitter      SELECT on every table; INSERT, UPDATE, DELETE on jobs, rounds,
                worker, sets a key)
 =============  =================================================================
 
-Whoever writes registered_workers, a trigger (migration 0020) keeps each worker's
-state moving forward only: a revoked name never comes back, an active worker's key
-never changes.
+Whoever writes registered_workers, a trigger (migrations 0020 and 0023) keeps each
+worker's state moving forward only: a revoked name never comes back, an active worker's
+key never changes in place; only the schema's owner may re-invite an active worker, its
+key forgotten (``fedq worker reissue``).
 
 Tables a later migration adds get the same rights (``ALTER DEFAULT PRIVILEGES`` for
 the owner); run the command again after an upgrade to be sure.
