@@ -235,7 +235,9 @@ def test_conversations_are_rendered_by_the_tokenizers_chat_template(tmp_path: Pa
     one line each."""
     import json
 
+    from fedq.coordinator.evaluation import evaluate
     from fedq.data import load_dataset
+    from fedq.data.datasets import IGNORE
     from fedq.errors import DataUnavailable
 
     bodies = _own_text(tmp_path / "data")
@@ -252,9 +254,45 @@ def test_conversations_are_rendered_by_the_tokenizers_chat_template(tmp_path: Pa
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
                          "{% endfor %}"}))
-    ds = load_dataset("text_files", tmp_path / "data", args)
-    seen = ds.tokenizer.decode(ds.x_train.reshape(-1).tolist())
+    every = load_dataset("text_files", tmp_path / "data", {**args, "loss_on": "all"})
+    seen = every.tokenizer.decode(every.x_train.reshape(-1).tolist())
     assert seen.startswith(f"<|user|>{lines[0]}\n<|assistant|>{lines[1]}\n"), seen[:200]
+    assert not (every.y_train == IGNORE).any()
+
+    # loss_on: assistant (the default): the loss is taken on the assistant turns alone
+    ds = load_dataset("text_files", tmp_path / "data", args)
+    targets = ds.y_train[ds.y_train != IGNORE]
+    said = ds.tokenizer.decode(targets.tolist())
+    assert lines[1][:60] in said and lines[3][:60] in said  # the assistant's words...
+    assert lines[0][:60] not in said and lines[2][:60] not in said  # ...never the user's
+    assert "<|user|>" not in said and "<|assistant|>" in said
+    assert 0.3 < len(targets) / every.y_train.numel() < 0.7  # half of each conversation
+    # a window whose targets are all the user's is left out; the inputs are whole
+    assert len(ds.x_train) < len(every.x_train) and (ds.x_train != IGNORE).all()
+    assert ((ds.y_train != IGNORE).any(dim=1)).all() and (ds.y_test != IGNORE).any()
+    # the held-out loss counts the assistant's tokens alone
+    model = torch.nn.Sequential(torch.nn.Embedding(ds.num_classes, ds.num_classes))
+    _, loss = evaluate(model, ds.x_test, ds.y_test, device=torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(ds.x_test).flatten(0, 1)
+    kept = ds.y_test.flatten() != IGNORE
+    want = torch.nn.functional.cross_entropy(logits[kept], ds.y_test.flatten()[kept])
+    assert loss == pytest.approx(float(want), rel=1e-5)
+
+    with pytest.raises(DataUnavailable, match=r"loss_on: 'users': all or assistant$"):
+        load_dataset("text_files", tmp_path / "data", {**args, "loss_on": "users"})
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({  # the turn count first
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{{ messages|length }}{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{{ m['content'] }}\n{% endfor %}"}))
+    with pytest.raises(DataUnavailable, match=r"chat.jsonl:1: message 2: the chat template "
+                                              r"does not render each turn as a prefix"):
+        load_dataset("text_files", tmp_path / "data", args)
+    assert load_dataset("text_files", tmp_path / "data", {**args, "loss_on": "all"})
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                         "{% endfor %}"}))
     with pytest.raises(DataUnavailable, match="chat: needs a tokenizer folder"):
         load_dataset("text_files", tmp_path / "data", {**args, "tokenizer": "bytes"})
     (tmp_path / "data" / "chat.jsonl").write_text(

@@ -7,6 +7,7 @@ from torch import nn
 
 from fedq.aggregate.types import Weights
 from fedq.data import load_dataset
+from fedq.data.datasets import IGNORE
 from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
 from fedq.spec import JobSpec
@@ -17,16 +18,19 @@ from fedq.weights import state_of
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
              device: torch.device, batch_size: int = 1024) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on (x, y): per example for a
-    classifier, per token (nats per byte) for a language model."""
+    classifier, per token (nats per token) for a language model, over the targets that
+    are not :data:`fedq.data.datasets.IGNORE`."""
     model.to(device).eval()
     correct, loss_sum = 0, 0.0
+    counted = int((y != IGNORE).sum())
     for start in range(0, len(y), batch_size):
         xb, yb = x[start:start + batch_size].to(device), y[start:start + batch_size].to(device)
         logits = model(xb).flatten(0, -2)  # (B, classes) or (B * T, vocab)
         yb = yb.flatten()
-        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == yb).sum())
-    return correct / y.numel(), loss_sum / y.numel()
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum",
+                                                      ignore_index=IGNORE))
+        correct += int((logits.argmax(dim=1) == yb).sum())  # never equal to IGNORE
+    return correct / max(counted, 1), loss_sum / max(counted, 1)
 
 
 def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:

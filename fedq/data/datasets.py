@@ -29,6 +29,9 @@ from fedq.registry import Registry
 
 # The test split never depends on a job's seed, so accuracies compare across jobs.
 SPLIT_SEED = 20240601
+#: A target no loss is taken on (torch's cross_entropy ``ignore_index``): the tokens of a
+#: conversation that the assistant did not say, with ``loss_on: assistant``.
+IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -145,43 +148,88 @@ def _shakespeare(data_dir: Path | None, block_size: int = 64,
 def _text_files(data_dir: Path | None, files: tuple[str, ...] | list[str] = (),
                 tokenizer: str = "bytes",
                 block_size: int = 64, val_fraction: float = 0.1, eval_windows: int = 1024,
-                field: str = "text", chat: bool = False) -> Dataset:
+                field: str = "text", chat: bool = False,
+                loss_on: str = "assistant") -> Dataset:
     """The ``files`` (paths or glob patterns, relative to ``data_dir`` unless absolute):
     a ``.jsonl`` file's lines are JSON objects whose ``field`` is one document each, any
     other file is UTF-8 text; with ``chat`` a ``.jsonl`` line's ``messages`` (a
     conversation) is rendered by the tokenizer's chat template instead. Each file is
     tokenized by ``tokenizer`` (``bytes``, or a folder with a ``tokenizer.json``); the
     last ``val_fraction`` of every file's tokens is held out. ``eval_windows`` as for
-    ``shakespeare``."""
+    ``shakespeare``. ``loss_on``, for ``chat``: ``assistant`` (the default) takes the
+    loss on the assistant turns' tokens alone (every other target is :data:`IGNORE`, and
+    a window with none is left out), in training and in the held-out loss; ``all`` on
+    every token."""
     from fedq.data import text, tokens
 
+    if loss_on not in ("all", "assistant"):
+        raise DataUnavailable(f"text_files: loss_on: {loss_on!r}: all or assistant")
     tok = tokens.load_tokenizer(tokenizer, data_dir)
-    render = tokens.chat_renderer(tokenizer, data_dir) if chat else None
+    render = tokens.chat_renderer(tokenizer, data_dir, turns=loss_on == "assistant") \
+        if chat else None
     found = text.read_files(list(files), data_dir, field, render)
-    sources = [np.asarray(tok.encode(body), dtype=np.int64) for _, body in found]
-    return _windowed("text_files", sources, tok, block_size, val_fraction, eval_windows)
+    sources, targets = [], []
+    for _, body, spans in found:
+        if spans is None or loss_on == "all":
+            sources.append(np.asarray(tok.encode(body), dtype=np.int64))
+            targets.append(sources[-1])
+            continue
+        assert isinstance(tok, tokens.FolderTokenizer)  # chat needs a folder's tokenizer
+        ids, starts = tok.encode_with_starts(body)
+        sources.append(np.asarray(ids, dtype=np.int64))
+        targets.append(_assistant_only(sources[-1], np.asarray(starts, dtype=np.int64),
+                                       spans))
+    return _windowed("text_files", sources, tok, block_size, val_fraction, eval_windows,
+                     targets)
+
+
+def _assistant_only(ids: np.ndarray, starts: np.ndarray,
+                    spans: list[tuple[int, int]]) -> np.ndarray:
+    """``ids`` with every token that does not start inside one of ``spans`` (sorted,
+    disjoint character ranges) replaced by :data:`IGNORE`."""
+    out = np.full_like(ids, IGNORE)
+    if spans:
+        first = np.asarray([s for s, _ in spans], dtype=np.int64)
+        last = np.asarray([e for _, e in spans], dtype=np.int64)
+        k = np.searchsorted(first, starts, side="right") - 1
+        inside = (k >= 0) & (starts < last[np.maximum(k, 0)])
+        out[inside] = ids[inside]
+    return out
 
 
 def _windowed(name: str, sources: list[np.ndarray], tokenizer: Any, block_size: int,
-              val_fraction: float, eval_windows: int) -> Dataset:
+              val_fraction: float, eval_windows: int,
+              targets: list[np.ndarray] | None = None) -> Dataset:
     """Token windows of every source (the last ``val_fraction`` of each held out), the
-    source's index as each training window's group."""
+    source's index as each training window's group. ``targets``: each source's ids as
+    targets, :data:`IGNORE` where no loss is taken (default: the ids); a window with no
+    target left is dropped."""
     train, test, groups = [], [], []
     for g, ids in enumerate(sources):
         cut = int(len(ids) * (1 - val_fraction))
-        w_train, w_test = text_windows(ids[:cut], block_size), text_windows(ids[cut:], block_size)
-        train.append(w_train)
-        test.append(w_test)
-        groups.append(np.full(len(w_train), g, dtype=np.int64))
+        wanted = ids if targets is None else targets[g]
+        parts = []
+        for lo, hi in ((0, cut), (cut, len(ids))):
+            x = text_windows(ids[lo:hi], block_size)
+            y = text_windows(wanted[lo:hi], block_size)
+            kept = (y[:, 1:] != IGNORE).any(axis=1)
+            parts.append(np.concatenate([x[kept, :-1], y[kept, 1:]], axis=1))
+        train.append(parts[0])
+        test.append(parts[1])
+        groups.append(np.full(len(parts[0]), g, dtype=np.int64))
     if not sum(len(w) for w in train) or not sum(len(w) for w in test):
         raise DataUnavailable(f"{name}: too little text for one training and one held-out "
-                              f"window of {block_size + 1} tokens")
-    tr = torch.from_numpy(np.concatenate(train).astype(np.int64))  # (N, T + 1)
+                              f"window of {block_size + 1} tokens"
+                              + (" with an assistant turn in it" if targets is not None
+                                 and any(t is not s for t, s in zip(targets, sources,
+                                                                    strict=True)) else ""))
+    tr = torch.from_numpy(np.concatenate(train).astype(np.int64))  # (N, 2T): inputs, targets
     te = torch.from_numpy(np.concatenate(test).astype(np.int64))
     if 0 < eval_windows < len(te):
         te = te[np.linspace(0, len(te) - 1, eval_windows).round().astype(np.int64)]
-    return Dataset(name, tr[:, :-1].contiguous(), tr[:, 1:].contiguous(),
-                   te[:, :-1].contiguous(), te[:, 1:].contiguous(), tokenizer.vocab_size,
+    t = block_size
+    return Dataset(name, tr[:, :t].contiguous(), tr[:, t:].contiguous(),
+                   te[:, :t].contiguous(), te[:, t:].contiguous(), tokenizer.vocab_size,
                    torch.from_numpy(np.concatenate(groups)), tokenizer)
 
 
@@ -203,14 +251,22 @@ def _load(name: str, data_dir: str | None, args_json: str, stamp: str = "") -> D
 
 def load_dataset(name: str, data_dir: str | Path | None = None,
                  args: dict[str, Any] | None = None) -> Dataset:
-    """Load (once per process) the named dataset; raise UnknownDataset / DataUnavailable."""
+    """Load (once per process) the named dataset; raise UnknownDataset / DataUnavailable.
+    ``text_files`` is read again when one of its files, or its tokenizer folder's JSON
+    files, changes (size or modification time)."""
     if name not in DATASETS:
         raise UnknownDataset(f"dataset: unknown dataset {name!r} (known: {', '.join(DATASETS)})")
     stamp = ""
     if name == "text_files":  # files of one's own change: read again when they do
         from fedq.data import text
 
-        stamp = text.files_stamp(list((args or {}).get("files") or ()),
-                                 Path(data_dir) if data_dir else None)
+        given = args or {}
+        where = Path(data_dir) if data_dir else None
+        stamp = text.files_stamp(list(given.get("files") or ()), where)
+        tokenizer = given.get("tokenizer", "bytes")
+        if isinstance(tokenizer, str) and tokenizer != "bytes":  # and its folder's files
+            folder = Path(tokenizer).expanduser()
+            folder = folder if folder.is_absolute() or where is None else where / folder
+            stamp += "|" + text.files_stamp([str(folder / "*.json")], None)
     return _load(name, str(data_dir) if data_dir else None,
                  json.dumps(args or {}, sort_keys=True), stamp)

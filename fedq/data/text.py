@@ -132,14 +132,21 @@ def _resolve(patterns: list[str], data_dir: Path | None) -> list[Path]:
     return paths
 
 
+#: Between two documents of a ``.jsonl`` file.
+DOC_SEPARATOR = "\n\n"
+
+
 def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
-               chat: Callable[[Any], str] | None = None) -> list[tuple[str, str]]:
-    """(path, text) of every file ``patterns`` name, in order, each pattern's matches
-    sorted: a path or a glob pattern, relative to ``data_dir`` (else the working folder)
-    unless absolute. A ``.jsonl`` file is one JSON object a line whose ``field`` string
-    is a document (documents joined by a blank line), or with ``chat`` its
-    ``messages`` rendered by it (a tokenizer's chat template); any other file is UTF-8
-    text. DataUnavailable, naming the file (and line), for anything else."""
+               chat: Callable[[Any], tuple[str, list[tuple[int, int]]]] | None = None,
+               ) -> list[tuple[str, str, list[tuple[int, int]] | None]]:
+    """(path, text, spans) of every file ``patterns`` name, in order, each pattern's
+    matches sorted: a path or a glob pattern, relative to ``data_dir`` (else the working
+    folder) unless absolute. A ``.jsonl`` file is one JSON object a line whose ``field``
+    string is a document (documents joined by a blank line), or with ``chat`` its
+    ``messages`` rendered by it (a tokenizer's chat template, fedq.data.tokens
+    .chat_renderer); any other file is UTF-8 text. ``spans``: with ``chat``, the
+    (start, end) characters of the text's assistant turns; else None. DataUnavailable,
+    naming the file (and line), for anything else."""
     import json
 
     paths = _resolve(patterns, data_dir)
@@ -156,8 +163,11 @@ def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
         except OSError as exc:
             raise DataUnavailable(f"text_files: {path}: cannot read it ({exc.strerror})") \
                 from None
+        spans: list[tuple[int, int]] | None = None
         if path.suffix == ".jsonl":
-            docs = []
+            docs: list[str] = []
+            at = 0  # where the next document starts in the joined text
+            spans = [] if chat is not None else None
             for n, line in enumerate(body.splitlines(), 1):
                 if not line.strip():
                     continue
@@ -166,18 +176,21 @@ def read_files(patterns: list[str], data_dir: Path | None, field: str = "text",
                 except json.JSONDecodeError as exc:
                     raise DataUnavailable(f"text_files: {path}:{n}: not JSON ({exc.msg})") \
                         from None
-                if chat is not None:
+                if chat is not None and spans is not None:
                     try:
-                        docs.append(chat(record.get("messages") if isinstance(record, dict)
-                                         else None))
+                        doc, turns = chat(record.get("messages") if isinstance(record, dict)
+                                          else None)
                     except ValueError as exc:
                         raise DataUnavailable(f"text_files: {path}:{n}: {exc}") from None
-                    continue
-                doc = record.get(field) if isinstance(record, dict) else None
-                if not isinstance(doc, str):
-                    raise DataUnavailable(f"text_files: {path}:{n}: no string field "
-                                          f"{field!r}")
+                    spans += [(at + start, at + end) for start, end in turns]
+                else:
+                    value = record.get(field) if isinstance(record, dict) else None
+                    if not isinstance(value, str):
+                        raise DataUnavailable(f"text_files: {path}:{n}: no string field "
+                                              f"{field!r}")
+                    doc = value
                 docs.append(doc)
-            body = "\n\n".join(docs)
-        out.append((str(path), body))
+                at += len(doc) + len(DOC_SEPARATOR)
+            body = DOC_SEPARATOR.join(docs)
+        out.append((str(path), body, spans))
     return out

@@ -71,15 +71,31 @@ class FolderTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_with_starts(self, text: str) -> tuple[list[int], list[int]]:
+        """The token ids of ``text`` and where each token starts in it (a character
+        offset)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [int(start) for start, _ in enc.offsets]
+
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
 
-def chat_renderer(name: str, data_dir: Path | None = None) -> Callable[[Any], str]:
+#: A conversation rendered: its text, and the (start, end) character spans of its
+#: assistant turns (each from the end of what comes before it, the assistant's header
+#: included where the template puts one there, to the end of the turn, its end-of-turn
+#: marker included).
+Rendered = tuple[str, list[tuple[int, int]]]
+
+
+def chat_renderer(name: str, data_dir: Path | None = None,
+                  turns: bool = True) -> Callable[[Any], Rendered]:
     """The chat template of tokenizer folder ``name`` (its ``tokenizer_config.json``,
     read by transformers with local files only), as a function of one conversation
-    (``[{role, content}, ...]``) to its text; DataUnavailable with one line when there
-    is no template, or the conversation is not one (ValueError)."""
+    (``[{role, content}, ...]``) to its text and its assistant turns' spans (none
+    looked for unless ``turns``); DataUnavailable with one line when there is no
+    template; ValueError when the conversation is not one, or the template does not
+    render each turn as a prefix of the whole (the spans could not be found)."""
     if name == BYTES:
         raise DataUnavailable("text_files: chat: needs a tokenizer folder whose "
                               "tokenizer_config.json has a chat_template, not bytes")
@@ -99,15 +115,32 @@ def chat_renderer(name: str, data_dir: Path | None = None) -> Callable[[Any], st
         raise DataUnavailable(f"tokenizer {folder}: its tokenizer_config.json has no "
                               "chat_template (chat: true renders conversations with it)")
 
-    def render(messages: Any) -> str:
+    def text(messages: list[Any], prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        try:
+            return str(tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=prompt))
+        except Exception as exc:  # the template's own error (jinja2, raise_exception)
+            raise ValueError(f"the chat template refused it ({str(exc)[:200]})") from None
+
+    def render(messages: Any) -> Rendered:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages):
             raise ValueError("messages: not a list of {role, content} strings")
-        try:
-            return str(tok.apply_chat_template(messages, tokenize=False))
-        except Exception as exc:  # the template's own error (jinja2, raise_exception)
-            raise ValueError(f"the chat template refused it ({str(exc)[:200]})") from None
+        whole = text(messages)
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(messages if turns else ()):
+            if message["role"] != "assistant":
+                continue
+            before, upto = text(messages[:i], prompt=True), text(messages[:i + 1])
+            if not (upto.startswith(before) and whole.startswith(upto)):
+                raise ValueError(f"message {i + 1}: the chat template does not render each "
+                                 "turn as a prefix of the conversation, so its assistant "
+                                 "turns cannot be found (loss_on: all trains on every token)")
+            spans.append((len(before), len(upto)))
+        return whole, spans
 
     return render
 

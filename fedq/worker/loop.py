@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fedq.data.datasets import IGNORE
 from fedq.settings import get_settings
 from fedq.spec import OptimizerSpec
 from fedq.testing import faults
@@ -115,8 +116,11 @@ def lr_at(step: int, spec: OptimizerSpec, horizon: int | None,
 
 
 def task_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (B, K) against (B,), or (B, T, V) against (B, T)."""
-    return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
+    """Mean cross-entropy of logits (B, K) against (B,), or (B, T, V) against (B, T), over
+    the targets that are not :data:`fedq.data.datasets.IGNORE` (a batch has one at
+    least: a window without one is never made)."""
+    return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten(),
+                                       ignore_index=IGNORE)
 
 
 def device_amp(device: torch.device) -> str:
