@@ -27,6 +27,7 @@ LLAMA = {"model_type": "llama", **TINY}
 QWEN = {"model_type": "qwen2", **TINY}
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 BYTES = (16,), 256  # the byte-level corpora's input shape and vocabulary
+ROOT = Path(__file__).resolve().parents[1]
 
 SPEC: dict[str, Any] = {
     "name": "hf", "model": "hf_causal_lm", "dataset": "shakespeare",
@@ -426,3 +427,58 @@ def _check_the_result(cluster: Cluster, job: str, spec: JobSpec, checkpoint: Pat
     text = cluster.fedq("generate", job, "--prompt", "ROMEO.", "--tokens", "20")
     assert text.stdout.startswith("ROMEO.") and len(text.stdout.encode()) > len("ROMEO.")
     assert "Warning" not in text.stderr, text.stderr
+
+
+def test_the_readmes_lora_example_on_a_tiny_checkpoint(tmp_path: Path) -> None:
+    """The README's LoRA block: `python -m fedq.models.tiny DIR` writes a checkpoint with
+    its tokenizer and text, `fedq submit examples/lora_checkpoint.yaml --set ...` points
+    the example at it, and a worker's task trains and sends the adapters alone. The
+    tiny checkpoint's ChatML template finds the assistant's turns for the loss mask. A
+    malformed --set is one line, exit 2, no job."""
+    import json
+
+    from fedq.blobs import global_key, open_store
+    from fedq.data import load_dataset
+    from fedq.data.datasets import IGNORE
+    from fedq.protocol.training import TrainRef, UpdateRef
+    from fedq.spec import load_spec
+    from fedq.worker.update import run_training
+
+    ckpt = tmp_path / "ckpt"
+    env = base_env(tmp_path / "home")
+    made = run_module("fedq.models.tiny", [str(ckpt)], env, 120)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith(f"wrote {ckpt}: a llama checkpoint of 0.4M parameters")
+    again = run_module("fedq.models.tiny", [str(ckpt)], env, 120)
+    assert again.returncode == 2 and again.stderr.strip() == \
+        f"fedq: error: {ckpt}: not a new or empty folder"
+
+    sets = [f"model_args.path={ckpt}", f"dataset_args.tokenizer={ckpt}",
+            f"data_dir={ckpt / 'text'}", "local_steps=2", "dataset_args.block_size=32"]
+    spec = load_spec(ROOT / "examples" / "lora_checkpoint.yaml", sets)
+    spec = JobSpec.model_validate({**spec.to_json(), "model_args": pinned_args(
+        "hf_causal_lm", spec.model_args)})
+    store = open_store(str(tmp_path / "blobs"))
+    adapters = initial_weights(spec)
+    assert adapters and all("lora_" in k for k in adapters)
+    blob = store.put(global_key("j", 0), dumps(adapters))
+    out = UpdateRef.from_json(run_training(TrainRef("j", 1, 0, "cpu", spec.to_json(),
+                                                    blob).to_json(), store, "w"))
+    assert out.status == "ok" and out.steps == 2, out.error
+    assert out.bytes_up < (ckpt / "model.safetensors").stat().st_size / 10
+
+    chats = [{"messages": [{"role": "user", "content": f"question {k} " * 20},
+                           {"role": "assistant", "content": f"answer {k} " * 20}]}
+             for k in range(40)]
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "c.jsonl").write_text("\n".join(json.dumps(c) for c in chats))
+    ds = load_dataset("text_files", tmp_path / "chat", {
+        "files": ["c.jsonl"], "tokenizer": str(ckpt), "chat": True, "block_size": 32})
+    said = ds.tokenizer.decode(ds.y_train[ds.y_train != IGNORE].tolist())
+    assert "answer 3 answer" in said and "question" not in said and "<|im_end|>" in said
+
+    bad = run_module("fedq.cli", ["submit", str(ROOT / "examples" / "lora_checkpoint.yaml"),
+                                  "--set", "model_args.path"], env, 120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--set 'model_args.path': want KEY=VALUE" in bad.stderr
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").glob("*.db"))

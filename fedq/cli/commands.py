@@ -66,8 +66,11 @@ def _settings() -> Any:
 @main.command()
 @click.argument("spec_paths", metavar="SPEC...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="set a field of every SPEC before it is checked (repeat it): KEY a "
+                   "dotted path such as model_args.path, VALUE read as YAML")
 @expected_errors
-def submit(spec_paths: tuple[Path, ...]) -> None:
+def submit(spec_paths: tuple[Path, ...], sets: tuple[str, ...]) -> None:
     """Validate each SPEC (YAML or JSON) and start its job; prints one job id per line.
 
     All specs are validated before any job starts."""
@@ -75,7 +78,7 @@ def submit(spec_paths: tuple[Path, ...]) -> None:
     from fedq.coordinator.planning import job_queues
     from fedq.spec import load_spec
 
-    specs = [load_spec(path) for path in spec_paths]
+    specs = [load_spec(path, sets) for path in spec_paths]
     settings = _settings()
     for spec in specs:
         click.echo(submit_job(settings, spec))

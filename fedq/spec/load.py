@@ -9,6 +9,7 @@ column, the field and, for a misspelt name, a suggestion, e.g.::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -117,10 +118,49 @@ def read_spec_file(path: str | Path
         raise SpecError(f"{where}: not valid YAML: {problem}") from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a YAML or JSON job spec file."""
+def load_spec(path: str | Path, sets: Sequence[str] = ()) -> JobSpec:
+    """Read and validate a YAML or JSON job spec file, with ``sets`` applied first
+    (:func:`apply_sets`)."""
     data, positions = read_spec_file(path)
+    if sets:
+        data = apply_sets(data, sets, str(path))
+        keys = [tuple(item.partition("=")[0].split(".")) for item in sets]
+        positions = {k: v for k, v in positions.items()  # the file no longer says these
+                     if not any(k[:len(key)] == key for key in keys)}
     return parse_spec(data, str(path), positions)
+
+
+def apply_sets(data: Any, sets: Sequence[str], source: str = "spec") -> dict[str, Any]:
+    """A copy of spec ``data`` with each ``KEY=VALUE`` of ``sets`` applied in order (as
+    ``fedq submit --set`` gives them): KEY is a dotted path of fields (``rounds``,
+    ``model_args.lora.r``), its mappings made where the spec has none; VALUE is read as
+    YAML (``3``, ``true``, ``[a.txt, b.txt]``, ``{r: 8}``; a plain word is a string).
+    A malformed item is one :class:`SpecError` line."""
+    import copy
+
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    out = copy.deepcopy(data)
+    for item in sets:
+        key, eq, raw = item.partition("=")
+        path = key.split(".")
+        if not eq or not all(p.strip() == p and p for p in path):
+            raise SpecError(f"--set {item[:80]!r}: want KEY=VALUE, KEY a field's dotted "
+                            f"path (model_args.path=/models/qwen)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise SpecError(f"--set {key}: its value is not YAML ({problem})") from None
+        here = out
+        for depth, part in enumerate(path[:-1]):
+            nxt = here.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise SpecError(f"--set {key}: {'.'.join(path[:depth + 1])} is not a "
+                                f"mapping in {source}")
+            here = nxt
+        here[path[-1]] = value
+    return out
 
 
 def _yaml_positions(node: Any, path: tuple[str | int, ...] = ()
