@@ -546,15 +546,27 @@ def test_reissue_gives_a_lost_machine_a_new_bundle_and_shuts_the_old_one_out(
     new = json.loads((home / "new.bundle").read_text())
     assert new["queues"] == ["cpu"] and new["token"] != old["token"]
     assert "w1" not in enrol.registry(cluster.settings.database_url).active
-    for client in (held, redis.Redis.from_url(old["services"]["broker_url"])):
-        with pytest.raises((redis.AuthenticationError, redis.ConnectionError)):
+    for what, client in (("an open connection", held),
+                         ("a new connection", redis.Redis.from_url(
+                             old["services"]["broker_url"]))):
+        with pytest.raises((redis.AuthenticationError, redis.ConnectionError)) as said:
             client.ping()  # the old password, and the connection made with it
+        record("security", scenario=f"identity: a reissued worker's old bundle, {what}",
+               did="PING with the old bundle's broker password after `fedq worker "
+                   "reissue w1`",
+               fedq=f"refused by Redis: {str(said.value).splitlines()[0][:60]}",
+               guard="enrol.reissue: acl.disable_user, then a new password",
+               outcome="refused")
     listed = cluster.fedq("worker", "list").stdout
     assert "invited" in listed
 
     again = _join(cluster, "w1-old", home / "old.bundle", check=False)
     # the old bundle's password is gone: it cannot even reach the broker to ask
     assert again.startswith("3\n") and "invalid username-password pair" in again, again
+    record("security", scenario="identity: a reissued worker's old bundle joins again",
+           did="`fedq worker join OLD_BUNDLE` on another machine after the reissue",
+           fedq=again.splitlines()[-1][:90], guard="enrol.reissue (old password gone, "
+           "old token replaced)", outcome="refused; nothing registered")
     _join(cluster, "w1-new", home / "new.bundle")
     assert redis.Redis.from_url(new["services"]["broker_url"]).ping()
     key_after = enrol.registry(cluster.settings.database_url).active["w1"]
