@@ -4,6 +4,7 @@ the federated update, on real workers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,6 @@ def _tokenizer(folder: Path, corpus: list[str]) -> Path:
 
 def _own_text(folder: Path) -> list[str]:
     """Two plays as a .txt file and a .jsonl file of scenes (real English text)."""
-    import json
 
     from fedq.data import text
 
@@ -234,7 +234,6 @@ def test_conversations_are_rendered_by_the_tokenizers_chat_template(tmp_path: Pa
     template in the tokenizer folder's tokenizer_config.json (transformers, local files
     only); a folder without a template, bytes, and a line that is no conversation are
     one line each."""
-    import json
 
     from fedq.coordinator.evaluation import evaluate
     from fedq.data import load_dataset
@@ -373,6 +372,10 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     # and the export carries the tokenizer that plain transformers loads beside it
     bodies = _own_text(tmp_path / "data")
     tok_dir = _tokenizer(tmp_path / "tok", bodies)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({  # a chat template, for --chat
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
     full = cluster.submit({**SPEC, "name": "hf-diloco", "model_args": {"config": QWEN},
                            "server": {"name": "diloco"}, "dataset": "text_files",
                            "data_dir": str(tmp_path / "data"),
@@ -382,6 +385,11 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     assert cluster.wait(full, timeout=300).status == "completed"
     said = cluster.fedq("generate", full, "--prompt", "ROMEO.", "--tokens", "8").stdout
     assert said.startswith("ROMEO.") and len(said) > len("ROMEO."), said
+    reply = cluster.fedq("generate", full, "--chat", "Who art thou?", "--tokens", "8").stdout
+    assert reply.strip() and "Who art thou" not in reply and "<|" not in reply[:2], reply
+    refused = cluster.fedq("generate", job, "--chat", "hi", check=False)
+    assert refused.returncode == 2 and "--chat needs a model trained through a tokenizer " \
+        "folder" in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
     exported = tmp_path / "qwen"
     cluster.fedq("export", full, str(exported))
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -435,11 +443,11 @@ def test_the_readmes_lora_example_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     the example at it, and a worker's task trains and sends the adapters alone. The
     tiny checkpoint's ChatML template finds the assistant's turns for the loss mask. A
     malformed --set is one line, exit 2, no job."""
-    import json
 
     from fedq.blobs import global_key, open_store
     from fedq.data import load_dataset
     from fedq.data.datasets import IGNORE
+    from fedq.data.tokens import chat_prompt
     from fedq.protocol.training import TrainRef, UpdateRef
     from fedq.spec import load_spec
     from fedq.worker.update import run_training
@@ -476,6 +484,9 @@ def test_the_readmes_lora_example_on_a_tiny_checkpoint(tmp_path: Path) -> None:
         "files": ["c.jsonl"], "tokenizer": str(ckpt), "chat": True, "block_size": 32})
     said = ds.tokenizer.decode(ds.y_train[ds.y_train != IGNORE].tolist())
     assert "answer 3 answer" in said and "question" not in said and "<|im_end|>" in said
+    # what `fedq generate --chat` asks the model with, and where its reply ends
+    assert chat_prompt(str(ckpt), None, "hi") == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>")
 
     bad = run_module("fedq.cli", ["submit", str(ROOT / "examples" / "lora_checkpoint.yaml"),
                                   "--set", "model_args.path"], env, 120)

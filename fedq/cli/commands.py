@@ -325,18 +325,23 @@ def status(job_id: str | None, as_json: bool) -> None:
 @main.command()
 @click.argument("job_id")
 @click.option("--prompt", default="", help="text to continue (default: a new line)")
-@click.option("--tokens", default=200, show_default=True, help="bytes to sample")
+@click.option("--tokens", default=200, show_default=True, help="tokens to sample")
 @click.option("--temperature", default=0.8, show_default=True)
 @click.option("--top-k", default=40, show_default=True, help="0: no top-k cut")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--chat", "message", default=None,
+              help="a user message: print the model's reply, through its tokenizer's chat "
+                   "template, up to its end-of-turn token (instead of --prompt)")
 @expected_errors
 def generate(job_id: str, prompt: str, tokens: int, temperature: float, top_k: int,
-             seed: int) -> None:
+             seed: int, message: str | None) -> None:
     """Sample text from JOB's newest global model (a language-model job)."""
     from fedq.coordinator.generate import generate as sample
 
+    if message is not None and prompt:
+        raise ConfigError("give --prompt or --chat, not both")
     click.echo(sample(_settings(), job_id, prompt, tokens, temperature=temperature,
-                      top_k=top_k or None, seed=seed))
+                      top_k=top_k or None, seed=seed, chat=message))
 
 
 @main.command(name="export")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from fedq.blobs import BlobRef
 from fedq.coordinator.jobs import get_job
 from fedq.data import load_dataset
-from fedq.data.tokens import ByteTokenizer
+from fedq.data.tokens import ByteTokenizer, FolderTokenizer, chat_prompt
 from fedq.db import Job, session_scope
 from fedq.errors import SpecError
 from fedq.models import build_model
@@ -30,10 +32,15 @@ def newest_global(settings: Settings, job_id: str) -> tuple[JobSpec, BlobRef, in
 
 
 def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
-             temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> str:
+             temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
+             chat: str | None = None) -> str:
     """``prompt`` followed by ``tokens`` tokens (of the job's data set's tokenizer)
-    sampled from the job's newest committed model (temperature, then top-k). Raises
-    SpecError for a model that is no language model, JobNotFound for an unknown job."""
+    sampled from the job's newest committed model (temperature, then top-k). With
+    ``chat``: the model's reply to that user message, rendered by the tokenizer
+    folder's chat template, up to its end-of-turn text (the reply alone). Raises
+    SpecError for a model that is no language model, or ``chat`` without a tokenizer
+    folder; DataUnavailable for one without a chat template; JobNotFound for an
+    unknown job."""
     spec, ref, _ = newest_global(settings, job_id)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     if not ds.is_text:
@@ -44,8 +51,20 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
     model.load_state_dict(loads(store.get(ref), what=f"blob {ref.key}"))
     model.eval()
     tok = ds.tokenizer or ByteTokenizer()
+    end = None
+    if chat is not None:
+        if not isinstance(tok, FolderTokenizer):
+            raise SpecError(f"job {job_id}: --chat needs a model trained through a "
+                            "tokenizer folder with a chat template (dataset_args.tokenizer); "
+                            "this job's tokenizer is bytes")
+        folder = spec.dataset_args.get("tokenizer")
+        prompt, end = chat_prompt(str(folder), Path(spec.data_dir) if spec.data_dir else None,
+                                  chat)
     start = torch.tensor(tok.encode(prompt or "\n") or [0], dtype=torch.int64)
     new = model.generate_batch(  # type: ignore[operator]
         [start], tokens, temperature=temperature, top_k=top_k,  # with its key-value cache
         generators=[torch.Generator().manual_seed(seed)])[0]
-    return tok.decode(torch.cat([start, new]).tolist())
+    if chat is None:
+        return tok.decode(torch.cat([start, new]).tolist())
+    reply = tok.decode(new.tolist())
+    return reply.split(end, 1)[0] if end else reply

@@ -96,24 +96,7 @@ def chat_renderer(name: str, data_dir: Path | None = None,
     looked for unless ``turns``); DataUnavailable with one line when there is no
     template; ValueError when the conversation is not one, or the template does not
     render each turn as a prefix of the whole (the spans could not be found)."""
-    if name == BYTES:
-        raise DataUnavailable("text_files: chat: needs a tokenizer folder whose "
-                              "tokenizer_config.json has a chat_template, not bytes")
-    folder = _folder(name, data_dir)
-    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise DataUnavailable(f"tokenizer {folder}: chat templates need transformers "
-                              "(pip install 'fedq[llm]')") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds for a folder it cannot read
-        raise DataUnavailable(f"tokenizer {folder}: cannot read it "
-                              f"({str(exc).splitlines()[0][:200]})") from None
-    if not getattr(tok, "chat_template", None):
-        raise DataUnavailable(f"tokenizer {folder}: its tokenizer_config.json has no "
-                              "chat_template (chat: true renders conversations with it)")
+    tok = _chat_tokenizer(name, data_dir)
 
     def text(messages: list[Any], prompt: bool = False) -> str:
         if not messages:
@@ -143,6 +126,46 @@ def chat_renderer(name: str, data_dir: Path | None = None,
         return whole, spans
 
     return render
+
+
+def chat_prompt(name: str, data_dir: Path | None, message: str) -> tuple[str, str | None]:
+    """The text that asks tokenizer folder ``name``'s model for a reply to ``message`` (a
+    user turn rendered by its chat template, with the generation prompt), and the text
+    that ends the reply (its ``eos_token``; None where it names none). DataUnavailable
+    with one line when there is no template."""
+    tok = _chat_tokenizer(name, data_dir)
+    try:
+        text = str(tok.apply_chat_template([{"role": "user", "content": message}],
+                                           tokenize=False, add_generation_prompt=True))
+    except Exception as exc:  # the template's own error (jinja2, raise_exception)
+        raise DataUnavailable(f"tokenizer {name}: the chat template refused the message "
+                              f"({str(exc)[:200]})") from None
+    eos = getattr(tok, "eos_token", None)
+    return text, eos if isinstance(eos, str) and eos else None
+
+
+def _chat_tokenizer(name: str, data_dir: Path | None) -> Any:
+    """Tokenizer folder ``name`` read by transformers (local files only), which has a
+    chat template; DataUnavailable with one line otherwise."""
+    if name == BYTES:
+        raise DataUnavailable("text_files: chat: needs a tokenizer folder whose "
+                              "tokenizer_config.json has a chat_template, not bytes")
+    folder = _folder(name, data_dir)
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataUnavailable(f"tokenizer {folder}: chat templates need transformers "
+                              "(pip install 'fedq[llm]')") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds for a folder it cannot read
+        raise DataUnavailable(f"tokenizer {folder}: cannot read it "
+                              f"({str(exc).splitlines()[0][:200]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise DataUnavailable(f"tokenizer {folder}: its tokenizer_config.json has no "
+                              "chat_template (chat: true renders conversations with it)")
+    return tok
 
 
 def _folder(name: str, data_dir: Path | None) -> Path:
