@@ -168,6 +168,9 @@ class Settings(BaseModel):
         None, "the most MB a training task's weights, gradients and optimizer state may "
         "take on this worker's device; a task over it (or over the device's free memory) "
         "is refused before its first step (fedq/worker/fit.py)", gt=0)
+    control_memory_mb: float | None = setting(
+        None, "the most MB the control worker may hold while it aggregates; fedq submit "
+        "refuses a job whose model would need more (fedq/coordinator/capacity.py)", gt=0)
     input_dir: Path = setting(Path("/dev/input"), "where the idle probe reads input devices")
     power_dir: Path = setting(Path("/sys/class/power_supply"),
                               "where the power probe reads", env="POWER_SUPPLY_DIR")

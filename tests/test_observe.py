@@ -362,7 +362,8 @@ def test_doctor_times_the_broker_and_a_blob_each_way(observed: tuple[Cluster, st
            "FEDQ_BLOB_CHUNK_MB": "8"}
     shown = run_module("fedq.cli", ["doctor", "--services"], env, 120)
     assert shown.returncode == 0, shown.stderr
-    assert "one value a blob up to 8 MiB, a larger one as chunks of that size" in shown.stdout
+    assert "one value a blob up to 8 MiB, a larger one as chunks of that size and a " \
+        "manifest, at most 10,000 chunks" in shown.stdout
     assert links["blob_layout"] == store_for(cluster.settings).layout()
     bad = run_module("fedq.cli", ["doctor", "--services"],
                      {**cluster.env, "FEDQ_BROKER_URL": "redis://127.0.0.1:1/0"}, 120)

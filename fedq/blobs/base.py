@@ -106,12 +106,23 @@ class BlobStore(ABC):
         if self.chunk_bytes is None:
             return "one value a blob"
         return (f"one value a blob up to {_mib(self.chunk_bytes)}, a larger one as chunks "
-                f"of that size and a manifest")
+                f"of that size and a manifest, at most {chunks.MAX_CHUNKS:,} chunks")
 
     def prepare(self) -> str:
         """Make the store ready to be written (an S3 store creates its bucket); one
         line saying what was done."""
         return "nothing to prepare"
+
+    def max_blob_bytes(self) -> int | None:
+        """The largest blob this store can keep, in bytes (None: no limit of its own)."""
+        if self.chunk_bytes is None:
+            return None
+        return chunks.MAX_CHUNKS * self.chunk_bytes
+
+    def room(self) -> tuple[int, str] | None:
+        """(bytes this store can still take, what says so) where its server caps the
+        memory it holds (Redis's ``maxmemory``); None where nothing does."""
+        return None
 
     #: A blob larger than this many bytes is written as chunks and a manifest
     #: (fedq/blobs/chunks.py); None: always one value (a file, or an S3 object that the

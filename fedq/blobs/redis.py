@@ -187,6 +187,24 @@ class RedisBlobStore(BlobStore):
         return (super().layout() + f" (a chunk: at most {MAX_VALUE_BYTES >> 20} MiB; "
                 "FEDQ_BLOB_CHUNK_MB)")
 
+    def max_blob_bytes(self) -> int | None:
+        return MAX_VALUE_BYTES if self.chunk_bytes is None else super().max_blob_bytes()
+
+    def room(self) -> tuple[int, str] | None:
+        """What Redis's ``maxmemory`` leaves above what it holds now; None when it has
+        no ``maxmemory`` (or does not say: an ACL user may not run INFO)."""
+        import redis
+
+        try:
+            memory = self._client.info("memory")
+        except redis.RedisError:
+            return None
+        most, used = int(memory.get("maxmemory") or 0), int(memory.get("used_memory") or 0)
+        if most <= 0:
+            return None
+        return max(0, most - used), (f"Redis at {self.url} has {(most - used) / 2**20:,.0f} "
+                                     f"MiB free below its maxmemory of {most / 2**20:,.0f} MiB")
+
     def check(self) -> None:
         import redis
 

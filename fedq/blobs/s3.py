@@ -28,6 +28,9 @@ from fedq.settings import secret
 
 #: S3's smallest part of a multipart upload (all but the last).
 MIN_PART_BYTES = 5 << 20
+#: A multipart upload's most parts and an object's most bytes (max_blob_bytes says where from).
+MAX_PARTS = 10_000
+MAX_OBJECT_BYTES = 5 << 40
 
 
 class S3BlobStore(BlobStore):
@@ -158,9 +161,15 @@ class S3BlobStore(BlobStore):
             if objects:
                 self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
 
+    def max_blob_bytes(self) -> int:
+        """A multipart upload has at most 10,000 parts, an object at most 5 TiB
+        (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html)."""
+        return min(MAX_PARTS * self.part_bytes, MAX_OBJECT_BYTES)
+
     def layout(self) -> str:
         return (f"one PUT a blob up to {self.part_bytes / 2**20:g} MiB, a larger one in "
-                "parts of that size (a multipart upload; FEDQ_BLOB_CHUNK_MB, at least 5)")
+                "parts of that size (a multipart upload; FEDQ_BLOB_CHUNK_MB, at least 5), "
+                f"at most {self.max_blob_bytes() / 2**30:,.0f} GiB a blob")
 
     def prepare(self) -> str:
         """Create the bucket unless it exists (the compose file's s3-init step)."""

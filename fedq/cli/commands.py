@@ -438,6 +438,8 @@ def _print_links(links: dict[str, Any]) -> None:
         out.print(f"blobs     {links['blob_store']}: [red]not reachable[/]", highlight=False)
     if links.get("blob_layout"):
         out.print(f"          {links['blob_layout']}", highlight=False)
+    if links.get("blob_room"):
+        out.print(f"          {links['blob_room']}", highlight=False)
     limits = links.get("limits") or []
     if limits:
         who = (f"registered worker {links['joined_as']}" if links.get("joined_as")

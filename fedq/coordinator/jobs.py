@@ -40,6 +40,7 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     ensure_schema(settings.database_url)
 
     # Deferred: torch builds the initial model; status, results and watch never need it.
+    from fedq.coordinator import capacity
     from fedq.coordinator.evaluation import initial_weights
     from fedq.weights import dumps
 
@@ -52,8 +53,10 @@ def submit(settings: Settings, spec: JobSpec) -> str:
         raise SpecError(f"model {spec.model} with {spec.model_args or 'no arguments'} cannot "
                         f"be built for dataset {spec.dataset}: {exc}") from None
     job_id = uuid.uuid4().hex[:12]
+    body = dumps(weights, {"job": job_id})
+    capacity.check(settings, spec, store, len(body))
     try:
-        blob = store.put(global_key(job_id, 0), dumps(weights, {"job": job_id}))
+        blob = store.put(global_key(job_id, 0), body)
         with session_scope(settings.database_url) as s:
             s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
                       total_rounds=spec.rounds, committed_round=0, global_key=blob.key,

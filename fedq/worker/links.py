@@ -41,6 +41,8 @@ def check_services(settings: Settings, size: int = PROBE_BYTES) -> dict[str, Any
     try:
         store = store_for(settings)
         report["blob_layout"] = store.layout()
+        if (room := store.room()) is not None:  # Redis's maxmemory
+            report["blob_room"] = room[1]
         data = os.urandom(size)
         # a joined worker may write only its own updates: the probe is one
         key = (f"jobs/{PROBE_JOB}/updates/{settings.joined_as}/" if settings.joined_as

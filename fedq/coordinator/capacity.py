@@ -1,0 +1,104 @@
+"""Will a job's model fit where it must be kept? Checked at submit, before anything is
+written, so that a model too large for the blob store or for the control worker is one
+line with its numbers instead of a socket error or an out-of-memory kill mid-round.
+
+Three limits, each where it is known:
+
+- the blob store's largest blob (:meth:`~fedq.blobs.base.BlobStore.max_blob_bytes`:
+  Redis's 512 MiB value, or its most chunks; S3's most parts of a multipart upload);
+- the room the store's server leaves (:meth:`~fedq.blobs.base.BlobStore.room`: Redis's
+  ``maxmemory``). A synchronous job keeps every round's global model (a resumed or
+  reported job reads them) and one round's updates until its settle: ``rounds + 1``
+  globals and ``clients_per_round`` updates, each at most the global's size;
+- the control worker's memory, where ``FEDQ_CONTROL_MEMORY_MB`` says how much it may use.
+  Aggregating holds about :data:`HELD_COPIES` copies of the model (the global model, the
+  update being read, the accumulator, the new global's bytes) and the server optimizer's
+  state (DiLoCo's and FedAvgM's momentum: one copy; FedAdam, FedYogi, FedAdagrad: two),
+  on top of the :data:`PROCESS_BYTES` a control worker holds with no model
+  (docs/benchmarks.md, "Large models": 3.8 copies at 810 MB, 0.9 GB at 52 MB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedq.aggregate.server import make_server
+from fedq.blobs.base import BlobStore
+from fedq.errors import SpecError
+from fedq.settings import Settings
+from fedq.spec import JobSpec
+
+MB = 2**20
+#: Copies of the model the control worker holds while it aggregates.
+HELD_COPIES = 4
+#: What a control worker holds before any model (the 50 MB row of the large-model table).
+PROCESS_BYTES = 768 * MB
+
+
+class DoesNotFit(SpecError):
+    """A job's model is larger than a store or the control worker can hold."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a job asks of the store and of the control worker, in bytes."""
+
+    blob: int  # the global model as one blob
+    store: int  # what the store keeps at the job's busiest moment
+    control: int  # what the control worker holds while it aggregates
+    state_copies: int  # of those, copies of the model that are server optimizer state
+
+
+def need(spec: JobSpec, blob_bytes: int) -> Need:
+    """What ``spec``'s job needs with a global model of ``blob_bytes`` bytes."""
+    copies = state_copies(spec)
+    stored = blob_bytes * (spec.rounds + 1 + spec.clients_per_round)
+    if spec.aggregation.mode == "buffered":
+        stored = blob_bytes * (spec.rounds + 1 + spec.aggregation.buffer)
+    return Need(blob=blob_bytes, store=stored,
+                control=PROCESS_BYTES + blob_bytes * (HELD_COPIES + copies),
+                state_copies=copies)
+
+
+def state_copies(spec: JobSpec) -> int:
+    """How many tensors of state the job's server optimizer keeps per model tensor (its
+    own :meth:`update` on a one-element tensor, twice, says)."""
+    server = make_server(spec.server.name, spec.server.params())
+    state: dict[str, torch.Tensor] = {}
+    for _ in range(2):
+        _, state = server.update(torch.ones(1), state)
+    return len(state)
+
+
+def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int) -> Need:
+    """``spec``'s :class:`Need`; raises :class:`DoesNotFit` with one line of numbers when
+    it is over a limit of ``store`` or of ``FEDQ_CONTROL_MEMORY_MB``."""
+    got = need(spec, blob_bytes)
+    most = store.max_blob_bytes()
+    if most is not None and got.blob > most:
+        raise DoesNotFit(
+            f"the model is {_mb(got.blob)} MB as a blob and blob store {store.url} keeps "
+            f"at most {_mb(most)} MB a blob ({store.layout()}): raise FEDQ_BLOB_CHUNK_MB "
+            "or use a smaller model")
+    room = store.room()
+    if room is not None and got.store > room[0]:
+        raise DoesNotFit(
+            f"the job keeps up to {_mb(got.store)} MB in the blob store ({spec.rounds + 1} "
+            f"global models and a round's updates, {_mb(got.blob)} MB each) and {room[1]}: "
+            "fewer rounds, a smaller model, or a store with more room")
+    limit = settings.control_memory_mb
+    if limit is not None and got.control > limit * MB:
+        state = f", {got.state_copies} of them {spec.server.name}'s state" \
+            if got.state_copies else ""
+        raise DoesNotFit(
+            f"aggregating needs about {_mb(got.control)} MB on the control worker "
+            f"({HELD_COPIES + got.state_copies} copies of the {_mb(got.blob)} MB model{state}, "
+            f"and {_mb(PROCESS_BYTES)} MB of process) and FEDQ_CONTROL_MEMORY_MB allows "
+            f"{limit:,.0f} MB: use a smaller model or LoRA (model_args.lora)")
+    return got
+
+
+def _mb(size: float) -> str:
+    return f"{size / MB:,.0f}" if size >= 10 * MB else f"{size / MB:.2g}"
