@@ -5,6 +5,7 @@ the federated update, on real workers."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,59 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path) -> None
     (plain_loss, plain), (ckpt_loss, ckpt) = grads
     assert ckpt_loss == pytest.approx(plain_loss, abs=1e-6) and plain.keys() == ckpt.keys()
     assert all(torch.allclose(plain[n], ckpt[n], atol=1e-6) for n in plain)
+
+
+@pytest.mark.parametrize("source", ["config", "path"])
+def test_a_lora_base_held_in_half_precision_trains_float32_adapters(
+        tmp_path: Path, source: str) -> None:
+    """``base_dtype: bfloat16`` holds the frozen base in bfloat16 (half the weights'
+    memory, as the fit check counts it) and the adapters in float32: the same adapter
+    tensors as a float32 base's, a training step moves the adapters alone and the base
+    is the float32 one rounded. Without lora, and for an unknown type, one line each."""
+    from fedq.models.hf import auto_type
+    from fedq.spec import OptimizerSpec
+    from fedq.worker import fit
+
+    where = {"config": LLAMA} if source == "config" else \
+        {"path": str(_checkpoint(tmp_path / "ckpt"))}
+    full = build_model("hf_causal_lm", *BYTES, lora=LORA, **where)
+    half = build_model("hf_causal_lm", *BYTES, lora=LORA, base_dtype="bfloat16", **where)
+    bases = [dict(m.lm.get_base_model().named_parameters()) for m in (full, half)]
+    frozen = [n for n, p in half.named_parameters() if not p.requires_grad]
+    assert frozen and all(bases[1][n.removeprefix("lm.base_model.model.")].dtype ==
+                          torch.bfloat16 for n in frozen if ".lora_" not in n)
+    assert all(torch.equal(bases[1][n], bases[0][n].to(torch.bfloat16))
+               for n in bases[0] if ".lora_" not in n)
+    adapters = half.state_dict()
+    assert all(v.dtype == torch.float32 for v in adapters.values())
+    assert all(torch.equal(adapters[k], v) for k, v in full.state_dict().items())
+    adamw = OptimizerSpec(name="adamw", lr=0.01)
+    assert fit.need(half, adamw).weights < 0.6 * fit.need(full, adamw).weights
+    x = torch.randint(0, 256, (2, 16))
+    opt = torch.optim.AdamW([p for p in half.parameters() if p.requires_grad], lr=0.01)
+    before = {n: p.detach().clone() for n, p in half.named_parameters()}
+    loss = torch.nn.functional.cross_entropy(half(x).float().reshape(-1, 256), x.reshape(-1))
+    loss.backward()
+    opt.step()
+    after = dict(half.named_parameters())
+    assert math.isfinite(loss.item())
+    assert any(not torch.equal(before[n], after[n]) for n in adapters if ".lora_B." in n)
+    assert all(torch.equal(before[n], after[n]) for n in frozen)
+    # and through a worker's training loop (its optimizer, AMP choice, loss)
+    from fedq.worker.loop import local_train
+
+    tokens = torch.randint(0, 256, (16, 16))
+    stats = local_train(half, tokens, tokens, optimizer=adamw, batch_size=4, epochs=None,
+                        steps=3, seed=0, device=torch.device("cpu"))
+    assert stats.steps == 3 and stats.loss is not None and math.isfinite(stats.loss)
+    assert all(torch.equal(before[n], after[n]) for n in frozen)
+    with pytest.raises(ValueError, match=r"^hf_causal_lm: base_dtype: float16 needs lora"):
+        build_model("hf_causal_lm", *BYTES, base_dtype="float16", **where)
+    with pytest.raises(ValueError, match=r"base_dtype: 'int4' is not one of auto, float32"):
+        build_model("hf_causal_lm", *BYTES, lora=LORA, base_dtype="int4", **where)
+    # auto: what the GPU computes fastest (bfloat16 from Ampere on, float16 on Pascal)
+    assert [auto_type(False, False), auto_type(True, False), auto_type(True, True)] == \
+        [torch.float32, torch.float16, torch.bfloat16]
 
 
 def test_a_worker_with_another_checkpoint_at_the_path_refuses_in_one_line(

@@ -20,7 +20,14 @@ In a spec: ``model: hf_causal_lm`` with ``model_args``:
 - ``lora: {r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, v_proj]}``: the
   base is frozen and only the adapters train. The model's ``state_dict`` is then the
   adapters alone: they are what a round's global model, each update, verification,
-  codecs, DP and aggregation see, so an upload is the adapters' size, not the model's.
+  codecs, DP and aggregation see, so an upload is the adapters' size, not the model's;
+- ``base_dtype`` (with ``lora``): the frozen base held in ``float16`` or ``bfloat16``
+  (half the memory of ``float32``, the default), or ``auto``: what the process's GPU
+  computes fastest, bfloat16 where it has it (Ampere and newer), float16 where it
+  does not (Pascal, a GTX 1080), float32 without a GPU. The model is read (or made)
+  in float32 on the host, its adapters added, then the base rounded to that type, so
+  the adapters are float32 and the same tensors in every process whatever its base's
+  type; the device holds the half-precision base.
 
 The hub is never asked: ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE`` are set before
 transformers is imported. A bad argument (an unknown ``model_type``, a missing
@@ -165,7 +172,8 @@ def pin(model_args: dict[str, Any]) -> dict[str, Any]:
 def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
                  config: dict[str, Any] | None = None, path: str = "",
                  lora: dict[str, Any] | None = None, seed: int = 0,
-                 digest: str = "", gradient_checkpointing: bool = False) -> nn.Module:
+                 digest: str = "", gradient_checkpointing: bool = False,
+                 base_dtype: str = "float32") -> nn.Module:
     """input_shape: (block_size,); num_classes: the dataset's vocabulary size.
     ``gradient_checkpointing``: the decoder layers' activations are computed again in
     the backward pass instead of kept (transformers' own, non-reentrant), trading
@@ -183,6 +191,7 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
     if (config is None) == (not path):
         raise ValueError("hf_causal_lm: give exactly one of model_args.config (a new "
                          "model) and model_args.path (a local checkpoint)")
+    dtype = base_type(base_dtype, lora is not None)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # the same base in every process; and no deprecation notice of transformers'
         # own internals on fedq's stderr
@@ -207,8 +216,39 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             lm.config.use_cache = False  # a cache is for generation, not training
         if lora is not None:
-            lm = _with_lora(lm, lora)
+            lm = _with_lora(lm, lora)  # on the float32 base: the same adapters everywhere
+            for p in lm.parameters():
+                if not p.requires_grad and p.dtype.is_floating_point:
+                    p.data = p.data.to(dtype)  # the frozen base, rounded
     return HFCausalLM(lm, adapters_only=lora is not None)
+
+
+#: What ``base_dtype`` takes.
+BASE_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+               "bfloat16": torch.bfloat16}
+
+
+def base_type(name: object, lora: bool) -> torch.dtype:
+    """The dtype ``base_dtype: name`` holds the base in, in this process; ValueError
+    with one line for an unknown name, or a half-precision base without ``lora`` (full
+    training keeps float32 weights; AMP by hardware class does the rest)."""
+    if name == "auto":
+        cuda = torch.cuda.is_available()
+        return auto_type(cuda, cuda and torch.cuda.is_bf16_supported())
+    if not isinstance(name, str) or name not in BASE_DTYPES:
+        raise ValueError(f"hf_causal_lm: base_dtype: {name!r} is not one of auto, "
+                         f"{', '.join(BASE_DTYPES)}")
+    if name != "float32" and not lora:
+        raise ValueError(f"hf_causal_lm: base_dtype: {name} needs lora (a frozen base); "
+                         "full-parameter training keeps float32 weights")
+    return BASE_DTYPES[name]
+
+
+def auto_type(cuda: bool, bf16: bool) -> torch.dtype:
+    """``base_dtype: auto`` on a process with (or without) a GPU that has bfloat16."""
+    if not cuda:
+        return torch.float32
+    return torch.bfloat16 if bf16 else torch.float16
 
 
 PINS["hf_causal_lm"] = pin
@@ -235,11 +275,12 @@ def _config(auto: Any, given: dict[str, Any], input_shape: tuple[int, ...],
 
 
 def _load(auto: Any, folder: Path, num_classes: int) -> nn.Module:
+    """The checkpoint in ``folder`` in float32, whatever type its files hold."""
     if not (folder / "config.json").is_file():
         raise ValueError(f"hf_causal_lm: path {folder}: no config.json there (a folder "
                          f"as save_pretrained writes it)")
     try:
-        lm = auto.from_pretrained(str(folder), local_files_only=True)
+        lm = auto.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise ValueError(f"hf_causal_lm: path {folder}: "
                          f"{str(exc).splitlines()[0][:200]}") from None
