@@ -464,6 +464,39 @@ def test_churn_smoke_run_on_the_gpt_renders_its_table(redis_db: str) -> None:
     assert "--sites" in proc.stdout and "each client's data on one worker's" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_lora_smoke_run_writes_its_table(redis_db: str, tmp_path: Path) -> None:
+    """bench/lora.py --smoke: a tiny checkpoint pretrained by a fedq job and exported,
+    then federated LoRA, full-parameter DiLoCo and one-process LoRA jobs from it; the
+    table has each run's losses and bytes, and LoRA uploads less than full DiLoCo (the
+    adapters alone); a bad argument is one line."""
+    from bench.lora import BEGIN, END
+
+    out = tmp_path / "lm.md"
+    out.write_text(f"# LM\n\nkept\n\n{BEGIN}\nold\n{END}\n")
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.lora", "--smoke", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "kept" in text and "old" not in text and "bench.lora --smoke`" in text
+    rows = _rows(text)
+    lora, full = rows["federated LoRA (r=8, q_proj, v_proj)"], \
+        rows["federated full-parameter DiLoCo"]
+    single = rows["one process, LoRA, all four plays"]
+    assert len(lora[0].split(" → ")) == 2 and len(single[0].split(" → ")) == 1
+    assert all(1.0 < float(r[1]) < 7.0 for r in (lora, full, single))  # nats per token
+    assert float(lora[2].split()[0]) < 0.1 * float(full[2].split()[0])  # MB up a round
+    assert "LoRA's bytes a round <= 2% of full DiLoCo's" in rows
+    bad = subprocess.run([sys.executable, "-m", "bench.lora", "--rounds", "0", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert bad.returncode == 2 and "--rounds: at least 1" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 @pytest.mark.timeout(120)
 def test_kvcache_smoke_run_renders_its_table() -> None:
     """bench/kvcache.py --quick: the smallest GPT with and without the key-value cache,

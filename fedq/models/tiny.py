@@ -39,8 +39,10 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PLAYS = 4
 
 
-def make(folder: Path, family: str = "llama", vocab: int = 512, seed: int = 0) -> Path:
+def make(folder: Path, family: str = "llama", vocab: int = 512, seed: int = 0,
+         sizes: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint, its tokenizer and ``text/`` into ``folder`` (new or empty);
+    ``sizes`` replaces config fields of the family's small one (``hidden_size``, ...).
     ValueError for a folder with something in it, or an unknown family."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
@@ -62,7 +64,7 @@ def make(folder: Path, family: str = "llama", vocab: int = 512, seed: int = 0) -
         vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     size = tok.get_vocab_size(with_added_tokens=True)
-    args = dict(FAMILIES[family])
+    args = {**FAMILIES[family], **(sizes or {})}
     kind = args.pop("model_type")
     ids = {name: tok.token_to_id(name) for name in SPECIAL}
     config = AutoConfig.for_model(kind, vocab_size=size, bos_token_id=ids["<|endoftext|>"],
