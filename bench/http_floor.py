@@ -49,5 +49,8 @@ def app_for(weights: Path) -> Starlette:
 
 
 if __name__ == "__main__":
+    from fedq.serve.app import http_stack
+
+    http, loop = http_stack()  # the gateway's own HTTP stack
     uvicorn.run(app_for(Path(sys.argv[1])), host="127.0.0.1", port=int(sys.argv[2]),
-                log_level="warning")
+                log_level="warning", http=http, loop=loop)

@@ -502,6 +502,8 @@ def test_served_requests_are_batched_bounded_and_survive_a_stopped_worker(
     gateway = Gateway(cluster, [*args, "--max-batch", "8", "--max-wait-ms", "50",
                                 "--batch-timeout-s", "10"], FEDQ_SERVE_API_KEY="k3y")
     try:
+        # uvicorn[standard]'s parser and loop (docs/inference.md measured them against h11)
+        assert "HTTP: httptools on uvloop" in gateway.log.read_text()
         x = load_dataset("digits").x_test[:32]
         want = _reference(weights, x)
         status, body, _ = _post(gateway.port, "/v1/predict", {"inputs": [x[0].tolist()]})

@@ -200,7 +200,7 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
     from fedq.coordinator.enrol import registry
     from fedq.errors import SpecError
     from fedq.inference.spec import ModelSource
-    from fedq.serve.app import prepare, run
+    from fedq.serve.app import http_stack, prepare, run
     from fedq.serve.keys import read as read_keys
 
     try:
@@ -236,7 +236,8 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
               f"{max_batch} after {max_wait_ms:g} ms to {', '.join(wanted)}"
               + ("; API key required" if served.api_key else "")
               + ("; the keys of `fedq serve-key` required" if read_keys(
-                  settings.database_url).required else ""), highlight=False)
+                  settings.database_url).required else "")
+              + "; HTTP: {} on {}".format(*http_stack()), highlight=False)
     run(served, host, port)
 
 

@@ -374,11 +374,22 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
                   input_shape=tuple(ds.input_shape), queues=queues, **options)
 
 
+def http_stack() -> tuple[str, str]:
+    """(HTTP parser, event loop) the gateway runs on: httptools and uvloop, which
+    ``uvicorn[standard]`` installs, where they import here; h11 and asyncio otherwise
+    (uvloop has no Windows build)."""
+    from importlib.util import find_spec
+
+    return ("httptools" if find_spec("httptools") else "h11",
+            "uvloop" if find_spec("uvloop") else "asyncio")
+
+
 def run(served: Served, host: str, port: int) -> None:
     import uvicorn
 
     # No task-sent event per batch: a second publish on each request's path. The
     # dashboard would list every batch; the gateway's /metrics counts them instead.
     app.conf.task_send_sent_event = False
-
-    uvicorn.run(build_app(served), host=host, port=port, log_level="warning")
+    http, loop = http_stack()
+    uvicorn.run(build_app(served), host=host, port=port, log_level="warning", http=http,
+                loop=loop)
