@@ -89,3 +89,10 @@ def test_the_control_worker_is_asked_for_the_copies_its_server_optimizer_keeps(
     _no_job(env, redis_db)
     env["FEDQ_CONTROL_MEMORY_MB"] = "1000"
     assert _submit(tmp_path, env, server={"name": server}).returncode == 0
+
+
+def test_a_buffered_job_is_counted_with_its_buffer() -> None:
+    """A buffered job keeps the updates out and a version's buffer beside its globals."""
+    spec = parse_spec({**SPEC, "aggregation": {"mode": "buffered", "buffer": 3}})
+    need = capacity.need(spec, 10 << 20)
+    assert need.store == (10 << 20) * (spec.rounds + 1 + spec.clients_per_round + 3)

@@ -9,7 +9,8 @@ Three limits, each where it is known:
 - the room the store's server leaves (:meth:`~fedq.blobs.base.BlobStore.room`: Redis's
   ``maxmemory``). A synchronous job keeps every round's global model (a resumed or
   reported job reads them) and one round's updates until its settle: ``rounds + 1``
-  globals and ``clients_per_round`` updates, each at most the global's size;
+  globals and ``clients_per_round`` updates (a buffered job: ``buffer`` more), each at
+  most the global's size;
 - the control worker's memory, where ``FEDQ_CONTROL_MEMORY_MB`` says how much it may use.
   Aggregating holds about :data:`HELD_COPIES` copies of the model (the global model, the
   update being read, the accumulator, the new global's bytes) and the server optimizer's
@@ -54,9 +55,10 @@ class Need:
 def need(spec: JobSpec, blob_bytes: int) -> Need:
     """What ``spec``'s job needs with a global model of ``blob_bytes`` bytes."""
     copies = state_copies(spec)
-    stored = blob_bytes * (spec.rounds + 1 + spec.clients_per_round)
+    updates = spec.clients_per_round  # a buffered job's: those out and a version's buffer
     if spec.aggregation.mode == "buffered":
-        stored = blob_bytes * (spec.rounds + 1 + spec.aggregation.buffer)
+        updates += spec.aggregation.buffer
+    stored = blob_bytes * (spec.rounds + 1 + updates)
     return Need(blob=blob_bytes, store=stored,
                 control=PROCESS_BYTES + blob_bytes * (HELD_COPIES + copies),
                 state_copies=copies)
