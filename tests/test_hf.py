@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -356,32 +357,102 @@ def test_conversations_are_rendered_by_the_tokenizers_chat_template(tmp_path: Pa
         load_dataset("text_files", tmp_path / "data", args)
 
 
-def test_inference_of_a_model_with_its_own_tokenizer_is_refused_in_one_line(
+def test_inference_reads_and_writes_text_through_the_models_own_tokenizer(
         tmp_path: Path) -> None:
-    """Batch inference and fedq serve read text one byte a token: a GPT trained on
-    text_files through a tokenizer of its own is refused at submit."""
-    from fedq.errors import SpecError
-    from fedq.inference import jobs
-    from fedq.inference.spec import parse_inference
-    from fedq.settings import load_settings
+    """Batch inference and fedq serve of a model trained through a tokenizer folder: its
+    shape comes from the folder and ``block_size`` (no training file read), prompts are
+    encoded and texts decoded by it, score counts its tokens, and a generated text may
+    be as long as ``max_tokens`` of its longest tokens (the bound a worker's answer is
+    checked against), never longer; a streamed text holds back a character whose bytes
+    are not all sampled yet."""
+    from fedq.data import shape_of
+    from fedq.data.tokens import ByteTokenizer, load_tokenizer
+    from fedq.inference.jobs import token_chars
+    from fedq.inference.run import complete, load_model, run_items, so_far_text
+    from fedq.protocol.envelope import FormatError
+    from fedq.protocol.inference import check_output, line_bytes
 
-    bodies = _own_text(tmp_path / "data")
-    tok_dir = _tokenizer(tmp_path / "tok", bodies)
-    args = {"files": [str(tmp_path / "data" / "one.txt")], "tokenizer": str(tok_dir),
-            "block_size": 16}
-    gpt = {"n_layer": 1, "n_head": 2, "n_embd": 16}
-    weights = tmp_path / "gpt.safetensors"
-    weights.write_bytes(dumps(state_of(build_model("gpt", (16,), 400, **gpt))))
-    (tmp_path / "prompts.txt").write_text("ROMEO.\n")
-    spec = parse_inference({"kind": "inference", "name": "g", "queues": ["cpu"],
-                            "op": "generate", "inputs": {"prompts": "prompts.txt"},
-                            "model": {"weights": str(weights), "name": "gpt", "args": gpt,
-                                      "dataset": "text_files", "dataset_args": args}})
-    settings = load_settings({"FEDQ_HOME": str(tmp_path / "home")})
-    with pytest.raises(SpecError, match=r"^model.dataset: gpt on text_files reads text "
-                                        r"through the tokenizer .*tok; batch inference and "
-                                        r"fedq serve read bytes only"):
-        jobs.submit(settings, spec, tmp_path)
+    tok_dir = _tokenizer(tmp_path / "tok", _own_text(tmp_path / "data"))
+    args = {"files": ["nowhere/*.txt"], "tokenizer": str(tok_dir), "block_size": 16}
+    shape = shape_of("text_files", args)
+    tok = load_tokenizer(str(tok_dir))
+    assert (shape.input_shape, shape.num_classes, shape.is_text) == ((16,), tok.vocab_size,
+                                                                      True)
+    arch = {"name": "hf_causal_lm", "dataset": "text_files", "dataset_args": args,
+            "args": {"config": QWEN}}
+    model = build_model("hf_causal_lm", (16,), tok.vocab_size, config=QWEN)
+    model = load_model(arch, state_of(model), torch.device("cpu"))
+    prompts = ["ROMEO. What light through yonder", "Who art thou?"]
+    cpu = torch.device("cpu")
+    scored = run_items(model, "score", prompts, 0, 4, cpu, tok=tok)
+    assert [r["tokens"] for r in scored] == [len(tok.encode(p)) - 1 for p in prompts]
+    assert [r["tokens"] for r in run_items(model, "score", prompts, 0, 4, cpu)] == \
+        [len(p.encode()) - 1 for p in prompts]  # bytes, where no tokenizer is given
+    # the longest prompt is scored in pieces of the model's 16 positions, the same sum
+    long = " ".join(prompts * 6)
+    ids = torch.tensor(tok.encode(long))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[None, :16]), -1)[0, :-1].gather(
+            -1, ids[1:16, None])[:, 0].sum().item()
+    assert len(ids) > 17 and run_items(model, "score", [long], 0, 4, cpu,
+                                       tok=tok)[0]["logprob"] < logp
+    made = run_items(model, "generate", prompts, 0, 2, cpu, {"max_tokens": 6, "seed": 3},
+                     tok)
+    again = complete(model, [{"prompt": p, "max_tokens": 6, "temperature": 0.8, "top_k": 40,
+                              "seed": 3 + n} for n, p in enumerate(prompts)], cpu, None, tok)
+    assert [r["text"] for r in made] == [r["text"] for r in again]
+    assert any(len(r["text"]) > 6 for r in made), made  # more characters than tokens
+    embedded = run_items(model, "embed", prompts, 0, 4, cpu, tok=tok)
+    assert {len(r["embedding"]) for r in embedded} == {TINY["hidden_size"]}
+    chars = token_chars(arch)
+    assert chars == tok.token_chars() > 1 and token_chars({"dataset_args": {}}) == 1
+    longest = "x" * (6 * chars)
+    check_output(json.dumps({"i": 0, "text": longest}).encode(), "generate", 0, 1, 0, 6,
+                 chars)
+    with pytest.raises(FormatError, match="more than its max_tokens 6 can decode to"):
+        check_output(json.dumps({"i": 0, "text": longest + "x"}).encode(), "generate", 0, 1,
+                     0, 6, chars)
+    assert line_bytes("generate", 4096, chars) > 12 * 4096 * chars
+    assert so_far_text(ByteTokenizer(), list("é".encode())[:1]) == ""
+    assert so_far_text(ByteTokenizer(), list("aé".encode())) == "aé"
+
+
+def test_a_chat_request_is_rendered_by_the_template_and_checked_field_by_field(
+        tmp_path: Path) -> None:
+    """/v1/chat/completions' request: the messages rendered by the tokenizer folder's
+    chat template into one completion prompt, its end-of-turn text a stop after the
+    request's own; max_completion_tokens read as max_tokens; what fedq does not do
+    (tools, content parts, an unknown role) refused by name."""
+    from fedq.data.tokens import chat_asker
+    from fedq.serve.openai import parse_chat
+    from fedq.serve.served import Served
+
+    ckpt = tmp_path / "ckpt"
+    made = run_module("fedq.models.tiny", [str(ckpt)], base_env(tmp_path / "home"), 120)
+    assert made.returncode == 0, made.stderr
+    ask, end = chat_asker(str(ckpt))
+    served = Served(name="m", op="generate", model={}, arch={}, classes=512,
+                    input_shape=(32,), queues=["cpu"], chat=ask, chat_end=end)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Who art thou?"}]
+    items, prompt, stops = parse_chat({"messages": messages, "max_completion_tokens": 9,
+                                       "n": 2, "seed": 4, "stop": ["\n\n"]}, served)
+    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho art "
+                      "thou?<|im_end|>\n<|im_start|>assistant\n")
+    assert stops == ["\n\n", "<|im_end|>"]
+    assert [(i["prompt"], i["max_tokens"], i["seed"]) for i in items] == \
+        [(prompt, 9, 4), (prompt, 9, 5)]
+    for body, said in [
+            ({"messages": messages, "tools": []}, "tools: not supported by fedq serve"),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+             "messages[0].content: a string"),
+            ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role: one of"),
+            ({"messages": []}, "messages: a list of 1 to"),
+            ({"messages": messages, "max_tokens": 2, "max_completion_tokens": 2},
+             "give one"),
+            ({"prompt": "hi"}, 'expected an object with "messages"')]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            parse_chat(body, served)
 
 
 @pytest.mark.slow
@@ -452,6 +523,99 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     lm = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
     assert lm.config.vocab_size == 400 and tok.decode(tok.encode(bodies[0][:200])) == \
         bodies[0][:200]
+    _infer_and_serve(cluster, full, tok_dir, tmp_path)
+
+
+def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path) -> None:
+    """A model trained through its own BPE tokenizer, used on real workers: `fedq infer`
+    generates, scores and embeds through that tokenizer (the texts the model's in one
+    process, the token counts the tokenizer's), and `fedq serve JOB` answers OpenAI's
+    own Python client: chat completions rendered by the tokenizer's chat template, cut
+    at a stop, whole or streamed, and completions, with usage in the tokenizer's
+    tokens."""
+    import openai
+
+    from fedq.data.tokens import chat_asker, load_tokenizer
+    from fedq.inference.run import complete, run_items
+    from tests.test_serve import Gateway
+
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        row = s.get(Job, job)
+        assert row is not None
+        spec, ref = JobSpec.model_validate(row.spec), BlobRef(row.global_key,
+                                                              row.global_sha256,
+                                                              row.global_size)
+    tok = load_tokenizer(str(tok_dir))
+    model = build_model("hf_causal_lm", (16,), tok.vocab_size, **spec.model_args)
+    model.load_state_dict(loads(store_for(cluster.settings).get(ref)))
+    model.eval()
+    cpu = torch.device("cpu")
+    prompts = ["ROMEO. What light", "Who art thou?", "JULIET."]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    sampling = {"max_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 5}
+    got = {}
+    for op in ("generate", "score", "embed"):
+        path = tmp_path / f"infer-{op}.yaml"
+        path.write_text(yaml.safe_dump({
+            "kind": "inference", "name": f"hf-{op}", "queues": ["cpu"], "op": op,
+            "model": {"job": job}, "inputs": {"prompts": str(tmp_path / "prompts.txt")},
+            "shard_size": 2, "generate": sampling}))
+        out = tmp_path / f"infer-{op}.jsonl"
+        cluster.fedq("infer", str(path), "--out", str(out), timeout=240)
+        got[op] = [json.loads(line) for line in out.read_text().splitlines()]
+    want = run_items(model, "generate", prompts, 0, 1, cpu, sampling, tok)
+    assert got["generate"] == want and all(r["text"] for r in want), (got["generate"], want)
+    scored = run_items(model, "score", prompts, 0, 4, cpu, tok=tok)
+    assert [r["tokens"] for r in got["score"]] == [len(tok.encode(p)) - 1 for p in prompts]
+    assert all(math.isclose(a["logprob"], b["logprob"], abs_tol=1e-3)
+               for a, b in zip(got["score"], scored, strict=True))
+    vectors = run_items(model, "embed", prompts, 0, 4, cpu, tok=tok)
+    assert all(max(abs(x - y) for x, y in zip(a["embedding"], b["embedding"],
+                                              strict=True)) < 1e-4
+               for a, b in zip(got["embed"], vectors, strict=True))
+
+    gateway = Gateway(cluster, [job])
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1",
+                               api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Who art thou?"}]
+        ask, _ = chat_asker(str(tok_dir))
+        prompt = ask(messages)
+        reply = complete(model, [{"prompt": prompt, "max_tokens": 8, "temperature": 1.0,
+                                  "top_k": 0, "seed": 7}], cpu, None, tok)[0]["text"]
+        stop = reply[3:5]  # a stop the reply holds: it ends before it
+        chat = client.chat.completions.create(model=job, messages=messages,  # type: ignore
+                                              max_tokens=8, seed=7, stop=[stop])
+        text = reply[:reply.find(stop)]
+        assert chat.object == "chat.completion" and chat.choices[0].message.role == \
+            "assistant"
+        assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == \
+            (text, "stop"), (chat, reply)
+        assert chat.usage is not None and (chat.usage.prompt_tokens,
+                                           chat.usage.completion_tokens) == \
+            (len(tok.encode(prompt)), len(tok.encode(text)))
+        pieces = list(client.chat.completions.create(
+            model=job, messages=messages, max_tokens=8, seed=7, stop=[stop],  # type: ignore
+            stream=True, stream_options={"include_usage": True}))
+        said = [c for c in pieces if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in said) == text
+        assert said[0].choices[0].delta.role == "assistant"
+        assert said[-1].choices[0].finish_reason == "stop" and pieces[-1].usage is not None
+        whole = client.chat.completions.create(model=job, messages=messages,  # type: ignore
+                                               max_tokens=8, seed=7)
+        assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == \
+            (reply, "length")
+        done = client.completions.create(model=job, prompt="ROMEO.", max_tokens=6, seed=2)
+        alone = complete(model, [{"prompt": "ROMEO.", "max_tokens": 6, "temperature": 1.0,
+                                  "top_k": 0, "seed": 2}], cpu, None, tok)[0]["text"]
+        assert done.choices[0].text == alone and done.usage is not None and \
+            done.usage.prompt_tokens == len(tok.encode("ROMEO."))
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=job, messages=messages,  # type: ignore
+                                           logprobs=True)
+        assert "logprobs: not supported by fedq serve" in refused.value.message
+    finally:
+        gateway.stop()
 
 
 def _check_the_result(cluster: Cluster, job: str, spec: JobSpec, checkpoint: Path,

@@ -227,7 +227,7 @@ def test_a_shard_runs_in_its_devices_mixed_precision(tmp_path: Path, amp: str,
     import fedq.inference.run as run
 
     # the mode chosen (the class's AMP or float32: measured in the test after this one)
-    monkeypatch.setattr(run, "chosen_amp", lambda sha, op, model, items, size, device: amp)
+    monkeypatch.setattr(run, "chosen_amp", lambda sha, op, model, items, size, device, tok: amp)
     store = open_store(str(tmp_path / "blobs"))
     weights = _classifier_file(tmp_path)
     ref = store.put("jobs/abc123/infer/model.safetensors", weights.read_bytes())

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "client_indices", "partition_indices"]
+__all__ = ["DATASETS", "Dataset", "load_dataset", "shape_of", "client_indices", "partition_indices"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DATASETS", "Dataset", "load_dataset"):
+    if name in ("DATASETS", "Dataset", "load_dataset", "shape_of"):
         from fedq.data import datasets
 
         return getattr(datasets, name)

@@ -240,6 +240,37 @@ def text_windows(ids: np.ndarray, block_size: int) -> np.ndarray:
     return ids[idx]
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What a model built for a data set needs of it: its inputs' shape, its classes
+    (or vocabulary), whether it is text, and a text data set's tokenizer."""
+    input_shape: tuple[int, ...]
+    num_classes: int
+    is_text: bool
+    tokenizer: Any = None
+
+
+def shape_of(name: str, args: dict[str, Any] | None = None) -> Shape:
+    """The :class:`Shape` of data set ``name`` with ``args``; ``text_files`` from its
+    ``block_size`` and tokenizer alone, without reading its files (a machine that only
+    runs a trained model has none of them)."""
+    if name == "text_files":
+        import inspect
+
+        from fedq.data import tokens
+
+        given = args or {}
+        default = inspect.signature(_text_files).parameters["block_size"].default
+        block = given.get("block_size", default)
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise DataUnavailable(f"text_files: block_size: {block!r} is not a positive "
+                                  "integer")
+        tok = tokens.load_tokenizer(str(given.get("tokenizer", "bytes")))
+        return Shape((block,), tok.vocab_size, True, tok)
+    ds = load_dataset(name, None, args)
+    return Shape(ds.input_shape, ds.num_classes, ds.is_text, ds.tokenizer)
+
+
 @lru_cache(maxsize=4)
 def _load(name: str, data_dir: str | None, args_json: str, stamp: str = "") -> Dataset:
     del stamp  # part of the cache's key only

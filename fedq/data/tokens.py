@@ -32,6 +32,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_chars(self) -> int:
+        """The most characters one token adds to a decoded text (what bounds a
+        generated text of ``n`` tokens: ``n`` times this)."""
+        ...
+
 
 class ByteTokenizer:
     """One token a UTF-8 byte; a decoded sequence that is not valid UTF-8 (sampling can
@@ -45,6 +50,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(int(v) for v in ids).decode("utf-8", errors="replace")
+
+    def token_chars(self) -> int:
+        return 1  # a byte decodes to at most one character (or one replacement)
 
 
 class FolderTokenizer:
@@ -66,6 +74,7 @@ class FolderTokenizer:
         except Exception as exc:  # the library raises its own Exception subclasses
             raise DataUnavailable(f"tokenizer {path}: cannot read it ({exc})") from None
         self.name = str(folder)
+        self._chars: int | None = None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
@@ -79,6 +88,18 @@ class FolderTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def token_chars(self) -> int:
+        """The longest of each token's text (its vocabulary entry, and the token decoded
+        alone), plus one: a decoder may add a space where a token starts a word."""
+        if self._chars is None:
+            most = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)),
+                       default=1)
+            alone = self._tok.decode_batch([[i] for i in range(self.vocab_size)],
+                                           skip_special_tokens=False)
+            most = max([most, *(len(t) for t in alone)])
+            self._chars = most + 1
+        return self._chars
 
 
 #: A conversation rendered: its text, and the (start, end) character spans of its
@@ -128,20 +149,36 @@ def chat_renderer(name: str, data_dir: Path | None = None,
     return render
 
 
+def chat_asker(name: str, data_dir: Path | None = None
+               ) -> tuple[Callable[[list[dict[str, str]]], str], str | None]:
+    """Tokenizer folder ``name``'s chat template as a function of a conversation
+    (``[{role, content}, ...]``) to the text that asks its model for the next reply
+    (the generation prompt added; ValueError with one line when the template refuses
+    the conversation), and the text that ends a reply (its ``eos_token``; None where it
+    names none). DataUnavailable with one line when there is no template."""
+    tok = _chat_tokenizer(name, data_dir)
+
+    def ask(messages: list[dict[str, str]]) -> str:
+        try:
+            return str(tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True))
+        except Exception as exc:  # the template's own error (jinja2, raise_exception)
+            raise ValueError(f"the chat template refused it ({str(exc)[:200]})") from None
+
+    eos = getattr(tok, "eos_token", None)
+    return ask, eos if isinstance(eos, str) and eos else None
+
+
 def chat_prompt(name: str, data_dir: Path | None, message: str) -> tuple[str, str | None]:
     """The text that asks tokenizer folder ``name``'s model for a reply to ``message`` (a
     user turn rendered by its chat template, with the generation prompt), and the text
-    that ends the reply (its ``eos_token``; None where it names none). DataUnavailable
-    with one line when there is no template."""
-    tok = _chat_tokenizer(name, data_dir)
+    that ends the reply (:func:`chat_asker`). DataUnavailable with one line when there
+    is no template, or it refuses the message."""
+    ask, end = chat_asker(name, data_dir)
     try:
-        text = str(tok.apply_chat_template([{"role": "user", "content": message}],
-                                           tokenize=False, add_generation_prompt=True))
-    except Exception as exc:  # the template's own error (jinja2, raise_exception)
-        raise DataUnavailable(f"tokenizer {name}: the chat template refused the message "
-                              f"({str(exc)[:200]})") from None
-    eos = getattr(tok, "eos_token", None)
-    return text, eos if isinstance(eos, str) and eos else None
+        return ask([{"role": "user", "content": message}]), end
+    except ValueError as exc:
+        raise DataUnavailable(f"tokenizer {name}: {exc}") from None
 
 
 def _chat_tokenizer(name: str, data_dir: Path | None) -> Any:

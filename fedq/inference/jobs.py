@@ -52,9 +52,9 @@ from fedq.inference.spec import InferenceSpec, Inputs, ModelSource
 from fedq.process import PROCESS
 from fedq.protocol.envelope import MESSAGE_FORMAT, FormatError
 from fedq.protocol.inference import (
-    LINE_BYTES,
     check_output,
     inputs_key,
+    line_bytes,
     model_key,
     output_key,
     parse_result,
@@ -160,7 +160,8 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
             trained = job.spec
             arch = {"name": trained["model"], "dataset": trained["dataset"],
                     "args": trained.get("model_args") or {},
-                    "dataset_args": trained.get("dataset_args") or {}}
+                    "dataset_args": _tokenizer_path(trained.get("dataset_args") or {},
+                                                    trained.get("data_dir"))}
             return arch, BlobRef(job.global_key, job.global_sha256, job.global_size), None
     path = Path(src.weights or "")
     path = path if path.is_absolute() else base / path
@@ -171,6 +172,16 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
     arch = {"name": src.name, "dataset": src.dataset, "args": src.args,
             "dataset_args": src.dataset_args}
     return arch, None, data
+
+
+def _tokenizer_path(dataset_args: dict[str, Any], data_dir: str | None) -> dict[str, Any]:
+    """A training job's ``dataset_args`` with a tokenizer folder named relative to its
+    ``data_dir`` made absolute: an inference job reads no data folder of its own."""
+    name = dataset_args.get("tokenizer")
+    if not isinstance(name, str) or name == "bytes" or not data_dir or \
+            Path(name).expanduser().is_absolute():
+        return dataset_args
+    return {**dataset_args, "tokenizer": str(Path(data_dir).expanduser() / name)}
 
 
 def _latest(s: Session, fits: Inputs | None) -> Job | None:
@@ -193,6 +204,13 @@ def embedding_width(arch: dict[str, Any]) -> int:
 
     from fedq.models import MODELS
 
+    if arch["name"] == "hf_causal_lm":  # a transformers model: its config's hidden_size
+        from fedq.models.hf import hidden_size
+
+        try:
+            return hidden_size(arch.get("args") or {})
+        except ValueError as exc:
+            raise SpecError(f"model.args: {exc}") from None
     factory = MODELS.get(arch["name"])
     default = None if factory is None else \
         inspect.signature(factory).parameters.get("n_embd")
@@ -215,15 +233,14 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
     arch, blob, weights_bytes = model_source(settings, spec.model, base, spec.inputs)
 
     # Deferred: torch (the check that the model can be built and fits its weights).
-    from fedq.data import load_dataset
+    from fedq.data import load_dataset, shape_of
     from fedq.inference.run import load_model
     from fedq.weights import loads
 
     try:
-        ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
+        ds = shape_of(arch["dataset"], arch["dataset_args"])
     except FedqError as exc:
         raise SpecError(f"model.dataset: {exc}") from None
-    byte_level(ds, arch)
     if spec.op == "classify" and ds.is_text:
         raise SpecError(f"op: classify needs an image classifier; {arch['name']} on "
                         f"{arch['dataset']} is a language model (score, generate or embed)")
@@ -251,7 +268,11 @@ def submit(settings: Settings, spec: InferenceSpec, base: Path = Path(".")) -> s
         if spec.inputs.dataset != arch["dataset"]:
             raise SpecError(f"inputs.dataset: {spec.inputs.dataset}, but the model reads "
                             f"{arch['dataset']}")
-        x = ds.x_test if spec.inputs.split == "test" else ds.x_train
+        try:
+            data = load_dataset(arch["dataset"], None, arch["dataset_args"])
+        except FedqError as exc:
+            raise SpecError(f"inputs.dataset: {exc}") from None
+        x = data.x_test if spec.inputs.split == "test" else data.x_train
         items = min(len(x), spec.inputs.limit) if spec.inputs.limit else len(x)
     # with backup copies the job's end does not wait on a slow machine's shard, and
     # short shards would only add their overhead (docs/inference.md, "The tail")
@@ -562,10 +583,12 @@ class Verdict:
 
 class JobFacts(NamedTuple):
     """What an answer is checked against that never changes once its job is submitted:
-    the spec, the classes (or embedding width) and each shard's items."""
+    the spec, the classes (or embedding width), each shard's items, and for a generate
+    job the most characters a token of its model's tokenizer decodes to."""
     spec: dict[str, Any]
     classes: int
     shards: dict[int, tuple[int, int]]  # shard -> (start, stop)
+    token_chars: int = 1
 
 
 #: Jobs whose facts the control worker keeps (each a few bytes a shard).
@@ -585,18 +608,16 @@ def job_facts(database_url: str, job_id: str) -> JobFacts | None:
         shards = {n: (start, stop) for n, start, stop in s.execute(select(
             InferenceShard.shard, InferenceShard.start, InferenceShard.stop).where(
             InferenceShard.job_id == job_id)).tuples()}
-        return JobFacts(job.spec, job.classes, shards)
+        chars = token_chars(job.arch) if job.spec.get("op") == "generate" else 1
+        return JobFacts(job.spec, job.classes, shards, chars)
 
 
-def byte_level(ds: Any, arch: dict[str, Any]) -> None:
-    """SpecError unless a language model's text is bytes: batch inference and ``fedq
-    serve`` read and write text one byte a token (``fedq generate`` samples from a model
-    of any tokenizer)."""
-    name = getattr(ds.tokenizer, "name", "bytes")
-    if ds.is_text and name != "bytes":
-        raise SpecError(f"model.dataset: {arch['name']} on {arch['dataset']} reads text "
-                        f"through the tokenizer {name}; batch inference and fedq serve "
-                        "read bytes only (fedq generate samples from it)")
+def token_chars(arch: dict[str, Any]) -> int:
+    """The most characters one token of ``arch``'s tokenizer decodes to (1 for bytes):
+    what a generated text of ``max_tokens`` tokens is bounded by, times that."""
+    from fedq.inference.run import arch_tokenizer
+
+    return arch_tokenizer(arch.get("dataset_args")).token_chars()
 
 
 def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: int,
@@ -625,15 +646,15 @@ def _verify(settings: Settings, data: Any, job_id: str, facts: JobFacts, shard: 
         return Verdict("rejected", f"output key {str(r.key)[:120]!r} is not {expected}", r)
     start, stop = facts.shards[shard]
     op = facts.spec["op"]
-    bound = LINE_BYTES[op] * (stop - start)
+    max_tokens = facts.spec["generate"]["max_tokens"] if op == "generate" else 0
+    bound = line_bytes(op, max_tokens, facts.token_chars) * (stop - start)
     if r.items != stop - start or not 0 < r.size <= bound:
         return Verdict("rejected", f"{r.items} item(s) in {r.size} bytes for a shard of "
                        f"{stop - start} (at most {bound} bytes)", r)
     store = PROCESS.blobs(settings)
     try:
         body = store.get(BlobRef(r.key, r.sha256, r.size), limit=bound)
-        check_output(body, op, start, stop, facts.classes,
-                     facts.spec["generate"]["max_tokens"])
+        check_output(body, op, start, stop, facts.classes, max_tokens, facts.token_chars)
     except (BlobError, FormatError) as exc:
         return Verdict("rejected", f"output of shard {shard}: {exc}", r)
     return Verdict("ok", None, r)

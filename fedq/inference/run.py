@@ -12,14 +12,15 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from fedq.blobs import BlobRef, BlobStore
-from fedq.data import load_dataset
-from fedq.data import text as text_data
+from fedq.data import load_dataset, shape_of
+from fedq.data.tokens import ByteTokenizer, Tokenizer, load_tokenizer
 from fedq.models import build_model
 from fedq.models.device import pick_device
 from fedq.process import PROCESS
@@ -40,10 +41,32 @@ log = logging.getLogger(__name__)
 
 _BUILT: dict[str, torch.nn.Module] = {}  # weights' digest -> the model, loaded (one kept)
 
+BYTES = ByteTokenizer()
+
+
+@lru_cache(maxsize=4)
+def tokenizer_of(name: str) -> Tokenizer:
+    """The tokenizer a model's text goes through: ``bytes``, or the folder its data set's
+    ``dataset_args.tokenizer`` names (read once per process)."""
+    return load_tokenizer(name)
+
+
+def arch_tokenizer(dataset_args: dict[str, Any] | None) -> Tokenizer:
+    """The tokenizer of a model trained on a data set with ``dataset_args``."""
+    name = (dataset_args or {}).get("tokenizer", "bytes")
+    return tokenizer_of(name if isinstance(name, str) else "bytes")
+
+
+def prompt_ids(tok: Tokenizer, prompt: str) -> torch.Tensor:
+    """A prompt's token ids (T,); an empty prompt (or one of no tokens) starts the text
+    at a newline."""
+    ids = tok.encode(prompt) or tok.encode("\n") or [0]
+    return torch.tensor(ids, dtype=torch.int64)
+
 
 def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
                device: torch.device) -> torch.nn.Module:
-    ds = load_dataset(arch["dataset"], None, arch.get("dataset_args") or {})
+    ds = shape_of(arch["dataset"], arch.get("dataset_args") or {})
     model = build_model(arch["name"], ds.input_shape, ds.num_classes, **(arch.get("args") or {}))
     model.load_state_dict(weights)
     return model.to(device).eval()
@@ -67,18 +90,19 @@ def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
 
 
 def chosen_amp(sha: str, op: str, model: torch.nn.Module, items: Any, batch_size: int,
-               device: torch.device) -> str:
+               device: torch.device, tok: Tokenizer = BYTES) -> str:
     """The faster, for this model and operation on ``device``, of its GPU class's mixed
     precision and float32 (``fedq.worker.loop.measured_amp``: timed once per worker
     process, weights and operation on ``amp_probe``, the first batch's forward pass,
     built only then). A small model can lose under AMP (docs/inference.md measured
     it)."""
     return measured_amp(device_amp(device), ("infer", sha, op),
-                        lambda: amp_probe(model, op, items, batch_size, device), device)
+                        lambda: amp_probe(model, op, items, batch_size, device, tok),
+                        device)
 
 
 def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
-              device: torch.device) -> Callable[[], object]:
+              device: torch.device, tok: Tokenizer = BYTES) -> Callable[[], object]:
     """The first batch's forward pass of ``op`` over ``items`` (images as a tensor, or
     prompts or served completions): what ``chosen_amp`` times."""
     if op == "classify":
@@ -86,7 +110,7 @@ def amp_probe(model: torch.nn.Module, op: str, items: Any, batch_size: int,
         return torch.no_grad()(lambda: model(x))
     prompts = [p["prompt"] if isinstance(p, dict) else p for p in list(items)[:batch_size]]
     block = cast(int, model.block_size)
-    ids = [text_data.prompt_ids(p)[:block] for p in prompts] or [text_data.prompt_ids("")]
+    ids = [prompt_ids(tok, p)[:block] for p in prompts] or [prompt_ids(tok, "")]
     x = torch.zeros(len(ids), max(1, max(len(t) for t in ids)), dtype=torch.long)
     for r, t in enumerate(ids):
         x[r, :len(t)] = t
@@ -114,14 +138,17 @@ def classify(model: torch.nn.Module, x: torch.Tensor, start: int, batch_size: in
 
 @torch.no_grad()
 def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size: int,
-          device: torch.device) -> list[dict[str, Any]]:
-    """Each prompt's log-likelihood in nats, byte by byte. A prompt longer than the
+          device: torch.device, tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
+    """Each prompt's log-likelihood in nats, token by token (its first token given, each
+    next one predicted; ``tokens``: how many were). A prompt longer than the
     model's context is scored in pieces of ``block_size`` predictions (the context
     starts again at each piece); pieces of all prompts are batched together."""
     block = cast(int, model.block_size)
     pieces: list[tuple[int, torch.Tensor]] = []
+    counts: list[int] = []
     for n, prompt in enumerate(prompts):
-        ids = text_data.encode(prompt)
+        ids = torch.tensor(tok.encode(prompt), dtype=torch.int64)
+        counts.append(max(len(ids) - 1, 0))
         for lo in range(0, max(len(ids) - 1, 0), block):
             pieces.append((n, ids[lo:lo + block + 1]))
     logprob = [0.0] * len(prompts)
@@ -138,21 +165,20 @@ def score(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
         got = logp.gather(-1, x[:, 1:, None])[..., 0].cpu().masked_fill(~mask, 0.0).sum(-1)
         for (n, _), value in zip(batch, got.tolist()):
             logprob[n] += value
-    return [{"i": start + n, "logprob": min(lp, 0.0),
-             "tokens": max(len(text_data.encode(p)) - 1, 0)}
-            for n, (p, lp) in enumerate(zip(prompts, logprob))]
+    return [{"i": start + n, "logprob": min(lp, 0.0), "tokens": counts[n]}
+            for n, lp in enumerate(logprob)]
 
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device: torch.device,
              max_tokens: int, temperature: float, top_k: int, seed: int,
-             batch_size: int = 1) -> list[dict[str, Any]]:
-    """Each prompt continued by ``max_tokens`` bytes; item ``i`` samples with seed
-    ``seed + i``, so the text does not depend on how the items were sharded or batched.
-    Up to ``batch_size`` prompts are generated together (one forward pass per token for
-    all, :meth:`GPT.generate_batch`), prompts of similar lengths in the same batch (less
-    padding)."""
-    ids = [text_data.prompt_ids(p) for p in prompts]
+             batch_size: int = 1, tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
+    """Each prompt continued by ``max_tokens`` tokens (decoded by ``tok``); item ``i``
+    samples with seed ``seed + i``, so the text does not depend on how the items were
+    sharded or batched. Up to ``batch_size`` prompts are generated together (one forward
+    pass per token for all, :meth:`GPT.generate_batch`), prompts of similar lengths in
+    the same batch (less padding)."""
+    ids = [prompt_ids(tok, p) for p in prompts]
     texts: dict[int, str] = {}
     by_length = sorted(range(len(ids)), key=lambda n: len(ids[n]))
     for sl in _batches(len(by_length), batch_size):
@@ -162,7 +188,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[str], start: int, device:
             top_k=top_k or None,
             generators=[torch.Generator(device=device).manual_seed(seed + start + n)
                         for n in chunk])
-        texts.update((n, text_data.decode(out.cpu())) for n, out in zip(chunk, outs))
+        texts.update((n, tok.decode(out.cpu().tolist())) for n, out in zip(chunk, outs))
     return [{"i": start + n, "text": texts[n]} for n in range(len(prompts))]
 
 
@@ -170,13 +196,14 @@ STREAM_EVERY_S = 0.05
 
 
 def complete(model: torch.nn.Module, items: Sequence[dict[str, Any]], device: torch.device,
-             on_texts: Callable[[list[str]], None] | None = None) -> list[dict[str, Any]]:
+             on_texts: Callable[[list[str]], None] | None = None,
+             tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
     """A served batch's completions, generated together (one forward pass per token for
     the whole batch), each item with its own ``max_tokens``, ``temperature``, ``top_k``
     and ``seed`` (so each text is the one its request gets alone). ``on_texts(texts)``:
     every item's text so far, at most every :data:`STREAM_EVERY_S` (the first token at
-    once), each cut before a UTF-8 sequence that is not complete yet, so that the final
-    text always continues it."""
+    once), each cut before a character that is not complete yet (a UTF-8 sequence whose
+    last bytes are still to come), so that the final text always continues it."""
     texts = [""] * len(items)
     last = [float("-inf")]
 
@@ -186,36 +213,43 @@ def complete(model: torch.nn.Module, items: Sequence[dict[str, Any]], device: to
             return
         last[0] = now
         for n, row in enumerate(new):
-            texts[n] = codecs.getincrementaldecoder("utf-8")("replace").decode(
-                bytes(row.tolist()), final=False)
+            texts[n] = so_far_text(tok, row.tolist())
         on_texts(list(texts))
 
     if items:
         outs = model.generate_batch(  # type: ignore[operator]
-            [text_data.prompt_ids(item["prompt"]).to(device) for item in items],
+            [prompt_ids(tok, item["prompt"]).to(device) for item in items],
             [item["max_tokens"] for item in items],
             temperature=[item["temperature"] for item in items],
             top_k=[item["top_k"] or None for item in items],
             generators=[torch.Generator(device=device).manual_seed(item["seed"])
                         for item in items], on_token=so_far)
-        texts = [text_data.decode(out.cpu()) for out in outs]
+        texts = [tok.decode(out.cpu().tolist()) for out in outs]
     return [{"i": n, "text": text} for n, text in enumerate(texts)]
+
+
+def so_far_text(tok: Tokenizer, ids: list[int]) -> str:
+    """The text of the tokens sampled so far, without a last character still to be
+    completed by the next tokens: bytes of an unfinished UTF-8 sequence (byte-level
+    models), or the replacement character a tokenizer decodes them to."""
+    if isinstance(tok, ByteTokenizer):
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(ids), final=False)
+    return tok.decode(ids).rstrip("\ufffd")
 
 
 @torch.no_grad()
 def embed(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size: int,
-          device: torch.device) -> list[dict[str, Any]]:
+          device: torch.device, tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
     """Each prompt's embedding: the mean of the last layer's normalised hidden states
-    over its bytes, scaled to unit length (so a dot product is the cosine). A prompt
-    longer than the model's context is read in pieces of ``block_size`` bytes (the
+    over its tokens, scaled to unit length (so a dot product is the cosine). A prompt
+    longer than the model's context is read in pieces of ``block_size`` tokens (the
     context starts again at each piece); pieces of all prompts are batched together."""
     block = cast(int, model.block_size)
     pieces: list[tuple[int, torch.Tensor]] = []
     for n, prompt in enumerate(prompts):
-        ids = text_data.prompt_ids(prompt)
+        ids = prompt_ids(tok, prompt)
         pieces += [(n, ids[lo:lo + block]) for lo in range(0, len(ids), block)]
-    width = int(cast(torch.nn.LayerNorm, model.ln_f).normalized_shape[0])
-    total = torch.zeros(len(prompts), width, dtype=torch.float64)
+    total: torch.Tensor | None = None
     for sl in _batches(len(pieces), batch_size):
         batch = pieces[sl]
         x = torch.zeros(len(batch), max(len(ids) for _, ids in batch), dtype=torch.long)
@@ -224,26 +258,29 @@ def embed(model: torch.nn.Module, prompts: Sequence[str], start: int, batch_size
             x[r, :len(ids)], mask[r, :len(ids)] = ids, True
         feats = model.features(x.to(device)).double().cpu()  # type: ignore[operator]
         sums = (feats * mask[..., None]).sum(1)
+        if total is None:
+            total = torch.zeros(len(prompts), feats.shape[-1], dtype=torch.float64)
         for (n, _), row in zip(batch, sums):
             total[n] += row
+    assert total is not None  # every prompt has a token
     vectors = torch.nn.functional.normalize(total, dim=-1)
     return [{"i": start + n, "embedding": [round(v, 6) for v in vector]}
             for n, vector in enumerate(vectors.tolist())]
 
 
 def run_items(model: torch.nn.Module, op: str, items: Any, start: int, batch_size: int,
-              device: torch.device, sampling: dict[str, Any] | None = None
-              ) -> list[dict[str, Any]]:
+              device: torch.device, sampling: dict[str, Any] | None = None,
+              tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
     if op == "classify":
         return classify(model, items, start, batch_size, device)
     if op == "score":
-        return score(model, items, start, batch_size, device)
+        return score(model, items, start, batch_size, device, tok)
     if op == "embed":
-        return embed(model, items, start, batch_size, device)
+        return embed(model, items, start, batch_size, device, tok)
     s = sampling or {}
     return generate(model, items, start, device, int(s.get("max_tokens", 32)),
                     float(s.get("temperature", 0.8)), int(s.get("top_k", 40)),
-                    int(s.get("seed", 0)), batch_size=batch_size)
+                    int(s.get("seed", 0)), batch_size=batch_size, tok=tok)
 
 
 def encode_rows(rows: Sequence[dict[str, Any]]) -> bytes:
@@ -290,12 +327,14 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         device = pick_device()
         model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
+        tok = arch_tokenizer(task.arch.dataset_args)
         began = time.perf_counter()
         # the GPU class's AMP mode or float32, whichever this model ran faster here
-        amp = chosen_amp(task.model.sha256, task.op, model, items, task.batch_size, device)
+        amp = chosen_amp(task.model.sha256, task.op, model, items, task.batch_size, device,
+                         tok)
         with amp_autocast(amp, device):
             rows = run_items(model, task.op, items, task.start, task.batch_size, device,
-                             task.sampling)
+                             task.sampling, tok)
         faults.slow_down(began)  # tests and benchmarks only (fedq/testing/faults.py)
         ref = store.put(output_key(task.job, task.shard, task.attempt, signer),
                         encode_rows(rows))
@@ -324,9 +363,11 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         model, _ = _model(task.model, task.arch, store, device)
         items = _serve_inputs(msg)
         began = time.perf_counter()
-        amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device)
+        tok = arch_tokenizer(msg.arch.dataset_args)
+        amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device, tok)
         with amp_autocast(amp, device):
-            rows = _serve_items(model, msg, items, device, progress if msg.stream else None)
+            rows = _serve_items(model, msg, items, device, progress if msg.stream else None,
+                                tok)
         faults.slow_down(began)  # tests and benchmarks only (fedq/testing/faults.py)
         return {"status": "ok", "outputs": rows, "worker": worker,
                 "seconds": time.perf_counter() - start}
@@ -345,10 +386,11 @@ def _serve_inputs(msg: Any) -> Any:
 
 
 def _serve_items(model: torch.nn.Module, msg: Any, items: Any, device: torch.device,
-                 progress: Callable[[list[str]], None] | None) -> list[dict[str, Any]]:
+                 progress: Callable[[list[str]], None] | None,
+                 tok: Tokenizer = BYTES) -> list[dict[str, Any]]:
     """A batch's outputs, in order (``serve_batch`` runs it under its AMP mode)."""
     if msg.op == "classify":
         return classify(model, items, 0, len(msg.items), device)
     if msg.op == "embed":
-        return embed(model, items, 0, len(msg.items), device)
-    return complete(model, items, device, progress)
+        return embed(model, items, 0, len(msg.items), device, tok)
+    return complete(model, items, device, progress, tok)

@@ -61,14 +61,25 @@ class HFCausalLM(nn.Module):
     With ``adapters_only`` its ``state_dict`` holds the trainable (LoRA) tensors only,
     and ``load_state_dict`` takes exactly those."""
 
-    def __init__(self, lm: nn.Module, adapters_only: bool) -> None:
+    def __init__(self, lm: nn.Module, adapters_only: bool, block_size: int = 0) -> None:
         super().__init__()
         self.lm = lm
         self.adapters_only = adapters_only
         self._trained = frozenset(n for n, p in self.named_parameters() if p.requires_grad)
+        config = getattr(lm, "config", None)
+        #: the most positions the model reads (its config's), and the data set's window
+        self.positions = int(getattr(config, "max_position_embeddings", 0)
+                             or getattr(config, "n_positions", 0) or 1 << 30)
+        self.block_size = min(block_size, self.positions) if block_size else self.positions
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=idx).logits  # type: ignore[no-any-return]
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """The last layer's hidden states (B, T, hidden_size), after the model's final
+        norm (what transformers returns last in ``hidden_states``)."""
+        out = self.lm(input_ids=idx, output_hidden_states=True)
+        return out.hidden_states[-1]  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def generate_batch(self, rows: list[torch.Tensor], tokens: int | Sequence[int], *,
@@ -98,8 +109,10 @@ class HFCausalLM(nn.Module):
         from fedq.models.gpt import _sampling
 
         for b, row in enumerate(rows):
-            step, past = row[None], None
-            for _ in range(int(want[b])):
+            tokens = min(int(want[b]), self.positions - 1)
+            # the prompt's last tokens, so that the text fits the model's positions
+            step, past = row[max(0, len(row) - (self.positions - tokens)):][None], None
+            for _ in range(tokens):
                 res = self.lm(input_ids=step, past_key_values=past, use_cache=True)
                 past = res.past_key_values
                 probs = _sampling(res.logits[:, -1], [temps[b]], [ks[b]])
@@ -220,7 +233,28 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
             for p in lm.parameters():
                 if not p.requires_grad and p.dtype.is_floating_point:
                     p.data = p.data.to(dtype)  # the frozen base, rounded
-    return HFCausalLM(lm, adapters_only=lora is not None)
+    return HFCausalLM(lm, adapters_only=lora is not None, block_size=input_shape[0])
+
+
+def hidden_size(model_args: dict[str, Any]) -> int:
+    """The width of the hidden states of the model ``model_args`` describe (a new
+    model's ``config``, or the ``config.json`` of the checkpoint at ``path``), without
+    building it; ValueError with one line when it cannot be read."""
+    require_extra("transformers", "llm", "model hf_causal_lm")
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    from transformers import AutoConfig
+
+    config = model_args.get("config")
+    try:
+        if isinstance(config, dict):
+            args = dict(config)
+            made = AutoConfig.for_model(str(args.pop("model_type", "")), **args)
+        else:
+            made = AutoConfig.from_pretrained(str(Path(str(model_args.get("path"))).expanduser()),
+                                              local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"hf_causal_lm: {str(exc).splitlines()[0][:200]}") from None
+    return int(made.hidden_size)
 
 
 #: What ``base_dtype`` takes.

@@ -32,9 +32,22 @@ Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 JobId = Annotated[str, Field(pattern=f"^{JOB_ID.pattern}$")]
 
 #: The most bytes one output line may take, by operation (a classify line holds one
-#: probability per class; a generated line its text, up to 4 bytes a token as JSON
-#: escapes). The output blob's bound is this times the shard's items.
+#: probability per class; a generated line its text: :func:`line_bytes`). The output
+#: blob's bound is the line's times the shard's items.
 LINE_BYTES = {"classify": 64 * 1024, "score": 256, "generate": 4 * 1024, "embed": 64 * 1024}
+
+#: The most bytes one character of a text takes in a JSON line (``\uXXXX`` escapes
+#: of a surrogate pair: 12 for two UTF-16 units, 6 a unit).
+JSON_CHAR_BYTES = 6
+
+
+def line_bytes(op: str, max_tokens: int = 0, token_chars: int = 1) -> int:
+    """The most bytes one output line of ``op`` may take: :data:`LINE_BYTES`, and for a
+    generated text of ``max_tokens`` tokens of at most ``token_chars`` characters each,
+    room for every character escaped (:data:`JSON_CHAR_BYTES`) beside its keys."""
+    if op != "generate":
+        return LINE_BYTES[op]
+    return max(LINE_BYTES[op], 2 * JSON_CHAR_BYTES * max_tokens * token_chars + 64)
 
 
 def output_key(job: str, shard: int, attempt: int, worker: str | None = None) -> str:
@@ -162,12 +175,12 @@ def _finite(value: Any) -> bool:
 
 
 def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
-                 max_tokens: int | Sequence[int] = 0) -> None:
+                 max_tokens: int | Sequence[int] = 0, token_chars: int = 1) -> None:
     """Raise :class:`FormatError` unless ``data`` is exactly one JSON line per item
     ``start..stop-1``, in order, each in the shape ``op`` writes; a generated text no
-    longer than its item's ``max_tokens`` (one number for every item, or one an item;
-    a byte-level model writes one byte a token, and decoded text has at most one
-    character a byte)."""
+    longer than its item's ``max_tokens`` (one number for every item, or one an item)
+    times ``token_chars``, the most characters one token of the model's tokenizer
+    decodes to (1 for bytes: ``fedq.data.tokens``)."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -178,9 +191,10 @@ def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
         raise FormatError(f"{len(limits)} max_tokens for {stop - start} item(s)")
     for n, raw in enumerate(lines):
         i = start + n
-        if len(raw) > LINE_BYTES[op]:
+        bound = line_bytes(op, limits[n], token_chars) if op == "generate" else LINE_BYTES[op]
+        if len(raw) > bound:
             raise FormatError(f"output line {n + 1} is {len(raw)} bytes (at most "
-                              f"{LINE_BYTES[op]} for {op})")
+                              f"{bound} for {op})")
         try:
             row = json.loads(raw)
         except ValueError:
@@ -212,9 +226,10 @@ def check_output(data: bytes, op: str, start: int, stop: int, classes: int,
             text = row.get("text")
             if set(row) != {"i", "text"} or not isinstance(text, str):
                 raise FormatError(f"output line {n + 1}: not {{i, text}}")
-            if len(text) > limits[n]:
+            if len(text) > limits[n] * token_chars:
                 raise FormatError(f"output line {n + 1}: a text of {len(text)} characters, "
-                                  f"more than its max_tokens {limits[n]}")
+                                  f"more than its max_tokens {limits[n]} can decode to "
+                                  f"({token_chars} a token)")
 
 
 def parse_batch(data: Any) -> ServeBatch:

@@ -21,6 +21,7 @@ from fedq.serve.openai import (
     embedding_out,
     error_object,
     include_usage,
+    parse_chat,
     parse_completion,
     parse_embeddings,
     parse_predict,
@@ -28,7 +29,7 @@ from fedq.serve.openai import (
     stopped,
     usage,
 )
-from fedq.serve.results import _Item, result_watch, stream_events
+from fedq.serve.results import _Item, chat_choice, result_watch, stream_events
 from fedq.serve.served import KEYS_EVERY_S, ROUTE_EVERY_S, Refused, Served
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Gateway:
         self.app = Starlette(routes=[
             Route("/v1/predict", self.predict, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", self.health), Route("/metrics", self.metrics)],
@@ -173,22 +175,63 @@ class Gateway:
                                 "finish_reason": finish})
             return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
                     "created": int(time.time()), "model": served.name, "choices": choices,
-                    "usage": usage(prompts, texts), "batch_size": done[0][1]}
+                    "usage": usage(prompts, texts, served.count_tokens),
+                    "batch_size": done[0][1]}
 
-        return await self.answer(request, "completions", parse, shape,
-                                 stream=self.completion_stream)
+        def stream(item: _Item, start: float, with_usage: bool) -> Response:
+            return self.streamed(item, start, with_usage, asked[0][1], "completions")
 
-    def completion_stream(self, item: _Item, start: float, with_usage: bool) -> Response:
-        """A streamed completion's server-sent events (:func:`stream_events`)."""
+        return await self.answer(request, "completions", parse, shape, stream=stream)
+
+    async def chat_completions(self, request: Request) -> Response:
+        served = self.served
+        if served.op != "generate":
+            return self.error(404, f"{served.name} is a classifier: POST /v1/predict")
+        if served.chat is None:
+            return self.error(404, f"{served.name}'s tokenizer has no chat template: POST "
+                                   "/v1/completions")
+        asked: list[tuple[str, list[str]]] = []  # (the rendered prompt, stops)
+
+        def parse(body: Any, s: Served) -> list[dict[str, Any]]:
+            items, prompt, stops = parse_chat(body, s)
+            asked.append((prompt, stops))
+            return items
+
+        def shape(done: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+            prompt, stops = asked[0]
+            texts, choices = [], []
+            for k, (out, _) in enumerate(done):
+                text, finish = stopped(out["text"], stops)
+                texts.append(text)
+                choices.append({"index": k, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish})
+            return {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
+                    "created": int(time.time()), "model": served.name, "choices": choices,
+                    "usage": usage([prompt], texts, served.count_tokens),
+                    "batch_size": done[0][1]}
+
+        def stream(item: _Item, start: float, with_usage: bool) -> Response:
+            return self.streamed(item, start, with_usage, asked[0][1], "chat")
+
+        return await self.answer(request, "chat", parse, shape, stream=stream)
+
+    def streamed(self, item: _Item, start: float, with_usage: bool, stops: list[str],
+                 route: str) -> Response:
+        """A streamed completion's (or chat completion's) server-sent events
+        (:func:`stream_events`)."""
         from starlette.responses import StreamingResponse
 
-        head = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+        chat = route == "chat"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:12]}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.served.name}
+        more: dict[str, Any] = {"choice": chat_choice} if chat else {}
 
         async def events() -> AsyncIterator[str]:
-            async for event in stream_events(item, head, with_usage):
+            async for event in stream_events(item, head, with_usage, stops,
+                                             count=self.served.count_tokens, **more):
                 yield event
-            self.observe("completions", start)
+            self.observe(route, start)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -203,7 +246,7 @@ class Gateway:
         def parse(body: Any, s: Served) -> list[str]:
             texts = parse_embeddings(body, s)
             encoding.append(body.get("encoding_format", "float"))
-            tokens.append(sum(len(t.encode()) for t in texts))  # a byte a token
+            tokens.append(sum(map(s.count_tokens, texts)))
             return texts
 
         return await self.answer(request, "embeddings", parse, lambda done: {
@@ -325,11 +368,11 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     import torch
 
     from fedq.blobs import store_for
-    from fedq.data import load_dataset
+    from fedq.data import shape_of
     from fedq.db.session import ensure_schema
     from fedq.engine.broker import check_broker
     from fedq.errors import FedqError, SpecError
-    from fedq.inference.jobs import byte_level, model_source
+    from fedq.inference.jobs import model_source
     from fedq.inference.run import load_model
     from fedq.protocol.inference import model_key
     from fedq.weights import loads
@@ -341,8 +384,10 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
     # migrated here (another database names `fedq db upgrade` in one line)
     ensure_schema(settings.database_url)
     arch, blob, data = model_source(settings, src, base)
-    ds = load_dataset(arch["dataset"], None, arch["dataset_args"])
-    byte_level(ds, arch)
+    try:
+        ds = shape_of(arch["dataset"], arch["dataset_args"])
+    except FedqError as exc:
+        raise SpecError(f"model.dataset: {exc}") from None
     if data is not None:
         try:
             load_model(arch, loads(data, what=str(src.weights)), torch.device("cpu"))
@@ -369,9 +414,18 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
         width = embedding_width(arch) if ds.is_text else None
     except SpecError:  # a language model without embeddings: no /v1/embeddings
         width = None
+    text: dict[str, Any] = {}
+    if ds.is_text and ds.tokenizer is not None and ds.tokenizer.name != "bytes":
+        from fedq.data.tokens import chat_asker
+
+        text = {"tokenizer": ds.tokenizer, "token_chars": ds.tokenizer.token_chars()}
+        try:  # a tokenizer with a chat template: /v1/chat/completions
+            text["chat"], text["chat_end"] = chat_asker(ds.tokenizer.name)
+        except FedqError:
+            pass
     return Served(name=str(name), op="generate" if ds.is_text else "classify",
                   model=blob.to_json(), arch=arch, classes=ds.num_classes, width=width,
-                  input_shape=tuple(ds.input_shape), queues=queues, **options)
+                  input_shape=tuple(ds.input_shape), queues=queues, **text, **options)
 
 
 def http_stack() -> tuple[str, str]:

@@ -169,7 +169,8 @@ class Batcher:
         assert self.router is not None
         queue = self.router.choose()
         sent, took = time.perf_counter(), s.batch_timeout_s  # no answer: the whole timeout
-        bound = answer_bytes(self.op, len(batch))
+        bound = answer_bytes(self.op, len(batch), max(map(_max_tokens, (
+            item.body for item in batch)), default=0), s.token_chars)
         stored = self.watch.watch(tid) if self.watch is not None else None
         try:
             await asyncio.to_thread(app.send_task, SERVE_TASK,
@@ -187,7 +188,7 @@ class Batcher:
                     meta = await asyncio.to_thread(read_state, tid, bound)
                 if meta.get("status") == STREAM_STATE:
                     _pass_on(batch, stream_texts(meta.get("result"), batch, s.registry, tid,
-                                                 queue))
+                                                 queue, s.token_chars))
                 if meta.get("status") == "SUCCESS":
                     outputs = check_batch(meta.get("result"), s, len(batch), tid, self.op,
                                           queue, [_max_tokens(item.body) for item in batch])

@@ -1,10 +1,11 @@
-"""The requests and answers of the HTTP API, shaped as OpenAI's (completions,
-embeddings, errors) and fedq's own ``/v1/predict``: each request parsed into batch
+"""The requests and answers of the HTTP API, shaped as OpenAI's (completions, chat
+completions, embeddings, errors) and fedq's own ``/v1/predict``: each request parsed into batch
 items, and each answer shaped back."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedq.serve.served import MAX_ITEMS_PER_REQUEST, MAX_PROMPT_BYTES, Served
@@ -92,9 +93,9 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
             raise ValueError(f"prompt[{k}]: not a string")
         if len(prompt.encode()) > MAX_PROMPT_BYTES:
             raise ValueError(f"prompt[{k}]: more than {MAX_PROMPT_BYTES} bytes")
-    stops = parse_stops(body)
-    if body.get("stream") is True and (len(prompts) * n > 1 or stops):
-        raise ValueError("stream: one prompt, n 1 and no stop")
+    parse_stops(body)
+    if body.get("stream") is True and len(prompts) * n > 1:
+        raise ValueError("stream: one prompt and n 1")
     base = {"max_tokens": body.get("max_tokens", 16), "temperature": body.get("temperature", 1.0),
             "top_k": body.get("top_k", 0), "seed": body.get("seed", 0)}
     for key, lo, hi in (("max_tokens", 1, served.max_tokens), ("top_k", 0, 1_000_000),
@@ -108,6 +109,58 @@ def parse_completion(body: Any, served: Served) -> list[dict[str, Any]]:
     base["temperature"] = float(temp)
     return [{"prompt": prompt, **base, "seed": base["seed"] + k}
             for prompt in prompts for k in range(n)]
+
+
+#: The fields of OpenAI's chat completions request fedq takes; any other (``tools``,
+#: ``logprobs``, ``response_format``, ...) is refused by name.
+CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_k",
+               "seed", "model", "stream", "stream_options", "n", "stop", "user")
+
+
+#: The roles a chat message may have.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+MAX_MESSAGES = 256
+
+
+def parse_chat(body: Any, served: Served) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """An OpenAI-style chat completion request: ``messages`` (each ``{role, content}``
+    with a string content), rendered by the served model's chat template into the text
+    that asks for the next assistant turn, then read as a completion of that text
+    (:func:`parse_completion`: ``max_tokens``, or ``max_completion_tokens`` as OpenAI's
+    newer name for it, temperature, top_k, seed, n, stream). The batch items, the
+    rendered prompt, and the stops: the request's, then the text that ends a reply."""
+    if not isinstance(body, dict) or "messages" not in body:
+        raise ValueError('expected an object with "messages": [{"role", "content"}, ...]')
+    _check_fields(body, CHAT_FIELDS)
+    messages = body["messages"]
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise ValueError(f"messages: a list of 1 to {MAX_MESSAGES} messages")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+            raise ValueError(f"messages[{k}]: an object of role and content")
+        if message.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{k}].role: one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{k}].content: a string (content parts are not "
+                             "supported by fedq serve)")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise ValueError("max_tokens, max_completion_tokens: give one")
+    try:
+        prompt = served.chat([{"role": m["role"], "content": m["content"]}
+                              for m in messages])
+    except ValueError as exc:
+        raise ValueError(f"messages: {exc}") from None
+    if len(prompt.encode()) > MAX_PROMPT_BYTES:
+        raise ValueError(f"messages: more than {MAX_PROMPT_BYTES} bytes once rendered")
+    asked = {k: v for k, v in body.items()
+             if k in COMPLETION_FIELDS and k not in ("messages", "max_completion_tokens")}
+    if "max_completion_tokens" in body:
+        asked["max_tokens"] = body["max_completion_tokens"]
+    items = parse_completion({**asked, "prompt": prompt}, served)
+    stops = parse_stops(body) + ([served.chat_end] if served.chat_end else [])
+    return items, prompt, stops
 
 
 def include_usage(body: dict[str, Any]) -> bool:
@@ -148,7 +201,7 @@ def parse_stops(body: dict[str, Any]) -> list[str]:
     return stops
 
 
-def stopped(text: str, stops: list[str]) -> tuple[str, str]:
+def stopped(text: str, stops: Sequence[str]) -> tuple[str, str]:
     """``text`` cut before the first of ``stops`` in it, and its finish reason (``stop``
     where one was found, else ``length``)."""
     cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=-1)
@@ -180,11 +233,14 @@ def parse_embeddings(body: Any, served: Served) -> list[str]:
     return texts
 
 
-def usage(prompts: list[str], texts: list[str]) -> dict[str, int]:
+def usage(prompts: list[str], texts: list[str],
+          count: Callable[[str], int] | None = None) -> dict[str, int]:
     """OpenAI's ``usage`` of a completion request (each prompt counted once, every
-    choice's text), in the byte-level model's tokens (bytes)."""
-    n = sum(len(p.encode()) for p in prompts)
-    m = sum(len(t.encode()) for t in texts)
+    choice's text), in tokens as ``count`` counts a text's (the served model's
+    tokenizer; bytes when None)."""
+    count = count or (lambda text: len(text.encode()))
+    n = sum(map(count, prompts))
+    m = sum(map(count, texts))
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
 

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from fedq.engine.backend import TOO_LARGE, UNDECODABLE, decode_state, task_metas
 from fedq.inference.run import encode_rows
 from fedq.protocol.envelope import FormatError
 from fedq.protocol.inference import check_output
-from fedq.serve.openai import error_object, usage
+from fedq.serve.openai import error_object, stopped, usage
 from fedq.serve.served import DECODE_INLINE_BYTES, Refused, Served
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,14 @@ def result_watch(url: str) -> ResultWatch | None:
 
 
 def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | None = None,
-                 task_id: str = "", queue: str | None = None) -> list[str]:
+                 task_id: str = "", queue: str | None = None,
+                 token_chars: int = 1) -> list[str]:
     """A worker's progress on a batch of completions (its ``STREAMING`` state): the text
     so far of its first items; anything else, or a text longer than its item's
-    ``max_tokens`` (one character per byte at most), is ignored. With identity required
-    (``registry``), so is a piece not signed for ``task_id`` by an active registered
-    worker: the result backend's entry is writable by any worker, and a streamed piece
-    reaches the user before the signed answer does."""
+    ``max_tokens`` can decode to (``token_chars`` characters a token), is ignored.
+    With identity required (``registry``), so is a piece not signed for ``task_id`` by
+    an active registered worker: the result backend's entry is writable by any worker,
+    and a streamed piece reaches the user before the signed answer does."""
     if registry is not None and (not isinstance(data, dict) or identity.result_problem(
             data, data.get("signer") if isinstance(data.get("signer"), str) else None,
             data.get("sig") if isinstance(data.get("sig"), str) else None, "?", task_id,
@@ -177,7 +178,8 @@ def stream_texts(data: Any, batch: list[_Item], registry: identity.Registry | No
     texts = data.get("stream") if isinstance(data, dict) else None
     if not isinstance(texts, list) or len(texts) > len(batch) or not all(
             isinstance(t, str) and isinstance(item.body, dict)
-            and len(t) <= item.body.get("max_tokens", 0) for t, item in zip(texts, batch)):
+            and len(t) <= _max_tokens(item.body) * token_chars
+            for t, item in zip(texts, batch)):
         return []
     return texts
 
@@ -189,21 +191,48 @@ def _pass_on(batch: list[_Item], texts: list[str]) -> None:
             item.texts.put_nowait(text)
 
 
-async def stream_events(item: _Item, head: dict[str, Any],
-                        include_usage: bool = False) -> AsyncIterator[str]:
+def text_choice(text: str, finish: str | None) -> dict[str, Any]:
+    """A streamed completion's choice: its new ``text``."""
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+
+def chat_choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+    """A streamed chat completion's choice: its ``delta`` (the role in the first)."""
+    delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
+        ({"content": text} if text or finish is None else {})
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+async def stream_events(item: _Item, head: dict[str, Any], include_usage: bool = False,
+                        stops: Sequence[str] = (), choice: Any = text_choice,
+                        count: Callable[[str], int] | None = None) -> AsyncIterator[str]:
     """Server-sent events for one streamed completion: each piece added to its text,
-    then the rest of the checked answer with ``finish_reason``, then ``[DONE]``. With
-    ``include_usage`` (OpenAI's ``stream_options``) every chunk carries ``usage: null``
-    and one more chunk, with no choices and the request's :func:`usage`, comes before
-    ``[DONE]`` when the answer checked out."""
+    then the rest of the checked answer with ``finish_reason``, then ``[DONE]``; each
+    choice shaped by ``choice(text, finish)`` (:func:`text_choice`,
+    :func:`chat_choice`). With ``stops``, the text ends before the first of them
+    (``finish_reason: stop``, sent as soon as a piece holds it), and the last
+    characters of each piece that could begin one are held back until the next shows
+    they do not. With ``include_usage`` (OpenAI's ``stream_options``) every chunk
+    carries ``usage: null`` and one more chunk, with no choices and the request's
+    :func:`usage` (tokens counted by ``count``), comes before ``[DONE]`` when the
+    answer checked out."""
     more = {"usage": None} if include_usage else {}
+    hold = max((len(x) for x in stops), default=1) - 1
+    first = [choice is chat_choice]
 
     def event(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     def piece(text: str, finish: str | None) -> str:
-        return event({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                           "finish_reason": finish}], **more})
+        shaped = choice(text, finish, True) if first[0] else choice(text, finish)
+        first[0] = False
+        return event({**head, "choices": [shaped], **more})
+
+    def ending(text: str) -> Iterator[str]:
+        if include_usage:
+            yield event({**head, "choices": [],
+                         "usage": usage([item.body["prompt"]], [text], count)})
+        yield "data: [DONE]\n\n"
 
     assert item.texts is not None
     sent = ""
@@ -213,9 +242,18 @@ async def stream_events(item: _Item, head: dict[str, Any],
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if newer.done():
             text = newer.result()
-            if text.startswith(sent) and len(text) > len(sent):
-                yield piece(text[len(sent):], None)
-                sent = text
+            if not text.startswith(sent):
+                continue
+            shown, finish = stopped(text, stops)
+            if finish == "stop":  # the text is whole: no need to wait for the rest
+                yield piece(shown[len(sent):], "stop")
+                for line in ending(shown):
+                    yield line
+                return
+            safe = text[:max(len(sent), len(text) - hold)]
+            if len(safe) > len(sent):
+                yield piece(safe[len(sent):], None)
+                sent = safe
             continue
         newer.cancel()
         try:
@@ -225,13 +263,13 @@ async def stream_events(item: _Item, head: dict[str, Any],
         else:
             final = out["text"]
             if final.startswith(sent):
-                yield piece(final[len(sent):], "length")
-                if include_usage:
-                    yield event({**head, "choices": [],
-                                 "usage": usage([item.body["prompt"]], [final])})
-            else:
-                yield event(error_object(502, "the worker's answer does not continue what "
-                                              "was streamed"))
+                shown, finish = stopped(final, stops)
+                yield piece(shown[len(sent):], finish)
+                for line in ending(shown):
+                    yield line
+                return
+            yield event(error_object(502, "the worker's answer does not continue what "
+                                          "was streamed"))
         yield "data: [DONE]\n\n"
         return
 
@@ -272,7 +310,8 @@ def check_batch(data: Any, served: Served, n: int, task_id: str = "",
     try:
         check_output(encode_rows(outputs), op, 0, n,
                      served.width or 0 if op == "embed" else served.classes,
-                     max_tokens if max_tokens is not None else served.max_tokens)
+                     max_tokens if max_tokens is not None else served.max_tokens,
+                     served.token_chars)
     except FormatError as exc:
         raise Refused(502, str(exc)) from None
     return [{k: v for k, v in out.items() if k != "i"} for out in outputs]

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedq.protocol.inference import LINE_BYTES
+from fedq.protocol.inference import line_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,12 @@ def body_bound(served: Served) -> int:
     return MAX_ITEMS_PER_REQUEST * item + BODY_ROOM_BYTES
 
 
-def answer_bytes(op: str, n: int) -> int:
+def answer_bytes(op: str, n: int, max_tokens: int = 0, token_chars: int = 1) -> int:
     """The most bytes the stored state of a batch of ``n`` items for ``op`` may have:
-    each output is one of a shard's lines (``LINE_BYTES``), which a streamed piece
-    (texts no longer than ``max_tokens``) is within too."""
-    return n * (LINE_BYTES[op] + 64) + ANSWER_ROOM_BYTES
+    each output is one of a shard's lines (:func:`line_bytes` for texts of up to
+    ``max_tokens`` tokens of ``token_chars`` characters), which a streamed piece (no
+    longer than the text) is within too."""
+    return n * (line_bytes(op, max_tokens, token_chars) + 64) + ANSWER_ROOM_BYTES
 
 
 class Refused(Exception):
@@ -93,6 +94,13 @@ class Served:
     input_shape: tuple[int, ...]
     queues: list[str]
     width: int | None = None  # a language model's embedding width (/v1/embeddings)
+    # a language model's tokenizer (fedq.data.tokens; None: bytes), the most characters
+    # one of its tokens decodes to, and its chat template (/v1/chat/completions): a
+    # conversation to the text that asks for the next reply, and the text ending a reply
+    tokenizer: Any = None
+    token_chars: int = 1
+    chat: Any = None
+    chat_end: str | None = None
     max_batch: int = 32
     max_wait_ms: float = 5.0
     max_queue: int = 1024
@@ -113,6 +121,12 @@ class Served:
     # legal request), seconds to arrive whole
     max_body: int | None = None
     read_timeout_s: float = READ_TIMEOUT_S
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` is to the served model (bytes without a tokenizer)."""
+        if self.tokenizer is None:
+            return len(text.encode())
+        return len(self.tokenizer.encode(text))
 
     @property
     def body_limit(self) -> int:
