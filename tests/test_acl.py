@@ -119,6 +119,10 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
             "SET", f"fedq:blob:jobs/{infer}/infer/out/w2/s000000-a1.jsonl", b"x"),
         "an inference job's model (write)": (
             "SET", f"fedq:blob:jobs/{infer}/infer/model.safetensors", b"x"),
+        "a job's shipped checkpoint (write)": (
+            "SET", f"fedq:blob:jobs/{job}/base/model.safetensors", b"x"),
+        "a job's trained tokenizer (write)": (
+            "SET", f"fedq:blob:jobs/{job}/tokenizer/tokenizer.json", b"x"),
         "FLUSHDB": ("FLUSHDB",),
         "CONFIG SET": ("CONFIG", "SET", "maxmemory", "1"),
         "KEYS": ("KEYS", "*"),
@@ -137,6 +141,11 @@ def test_a_worker_user_can_train_and_nothing_else(admin: tuple[Cluster, str]) ->
                guard="its Redis user (coordinator/acl.py)",
                outcome="refused; the same user trained a job with no ACL denial")
     assert mine.get(model)  # what it needs: the global model, read
+    # and what a job stores beside it for machines without it (read, never written)
+    for key in (f"fedq:blob:jobs/{job}/base/config.json",
+                f"fedq:blob:jobs/{job}/tokenizer/tokenizer.json"):
+        root.set(key, b"{}")
+        assert mine.get(key) == b"{}"
 
     # a `shutdown` sent with the worker's credentials does not reach the control worker
     from celery import Celery

@@ -526,6 +526,104 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     _infer_and_serve(cluster, full, tok_dir, tmp_path)
 
 
+@pytest.mark.slow
+def test_a_shipped_base_reaches_workers_that_lack_the_checkpoint(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """``ship_base: true``: fedq submit puts the checkpoint's config and weights in the
+    blob store with the job. The checkpoint then leaves the path the job names, so no
+    process has it there: two workers (training) and the control worker (evaluating
+    each round) fetch that copy once into FEDQ_HOME/bases, the job's digest checks it,
+    and LoRA trains on it. Without the fetch the workers refuse the task (no
+    config.json at the path) and the job fails. A spec that writes base_files itself,
+    or ship_base without a path, is one line, exit 2, no job."""
+    from fedq.models.hf import checkpoint_digest
+
+    cluster = redis_cluster
+    folder = _checkpoint(tmp_path / "ckpt")
+    digest = checkpoint_digest(folder)
+    cluster.start(control=["control"])
+    job = cluster.submit({**SPEC, "name": "hf-shipped", "model_args": {
+        "path": str(folder), "lora": LORA, "ship_base": True}})
+    folder.rename(tmp_path / "away")  # before any worker starts
+    cluster.start(a=["cpu"], b=["cpu"])
+    done = cluster.wait(job, timeout=300)
+    assert done.status == "completed", done.error
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        stored = s.get(Job, job)
+        assert stored is not None
+        files = stored.spec["model_args"]["base_files"]
+        ok = [u for u in s.query(ClientUpdate).filter_by(job_id=job)
+              if u.status == UpdateStatus.OK]
+    assert sorted(files) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert all(ref["key"].startswith(f"jobs/{job}/base/") for ref in files.values())
+    (fetched,) = (Path(cluster.env["FEDQ_HOME"]) / "bases").iterdir()
+    assert sorted(p.name for p in fetched.iterdir()) == sorted(files)
+    assert checkpoint_digest(fetched) == digest
+    assert len(ok) == 4 and {u.worker for u in ok} == {"a@test", "b@test"}
+    assert all(r.eval_loss is not None for r in cluster.rounds(job))
+    for args, said in [({"path": str(tmp_path / "away"), "base_files": {}},
+                        "model_args.base_files: fedq submit writes it"),
+                       ({"config": LLAMA, "ship_base": True},
+                        "ship_base sends the checkpoint at model_args.path")]:
+        spec = tmp_path / "bad.yaml"
+        spec.write_text(yaml.safe_dump({**SPEC, "name": "bad", "model_args": args}))
+        proc = cluster.fedq("submit", str(spec), check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in \
+            proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_bpe_trained_at_submit_is_stored_with_the_job_and_fetched_by_workers(
+        redis_cluster: Cluster, tmp_path: Path) -> None:
+    """``tokenizer: bpe:300`` on text_files: fedq submit trains a byte-level BPE of 300
+    tokens on the job's files, writes it to FEDQ_HOME/tokenizers and stores it with the
+    job. The submitter's folder then goes away, so the control worker (evaluating,
+    bounding each client's steps) and two workers (training a new Qwen2 model) fetch
+    the stored copy into folders of their own, and the job completes; `fedq generate`
+    decodes with it too. Without the fetch the workers cannot read the tokenizer and the
+    job fails. A vocabulary out of range, chat with a trained BPE, or a spec that
+    writes tokenizer_files itself is one line, exit 2, no job."""
+    from fedq.data.tokens import FolderTokenizer
+
+    cluster = redis_cluster
+    bodies = _own_text(tmp_path / "data")
+    args = {"files": ["one.txt", "two.jsonl"], "tokenizer": "bpe:300", "block_size": 16,
+            "eval_windows": 64}
+    spec = {**SPEC, "name": "hf-bpe", "model_args": {"config": QWEN}, "dataset": "text_files",
+            "data_dir": str(tmp_path / "data"), "dataset_args": args}
+    job = cluster.submit(spec)
+    with session_scope(cluster.env["FEDQ_DATABASE_URL"]) as s:
+        stored = s.get(Job, job)
+        assert stored is not None
+        written = Path(stored.spec["dataset_args"]["tokenizer"])
+        ref = stored.spec["dataset_args"]["tokenizer_files"]["tokenizer.json"]
+    home = Path(cluster.env["FEDQ_HOME"])
+    assert written.parent == home / "tokenizers" and ref["key"] == \
+        f"jobs/{job}/tokenizer/tokenizer.json"
+    trained = FolderTokenizer(written)
+    assert trained.vocab_size == 300 and trained.decode(trained.encode(bodies[0][:300])) == \
+        bodies[0][:300]
+    data = (written / "tokenizer.json").read_bytes()
+    written.rename(tmp_path / "away")  # before any worker or the control worker starts
+    cluster.start(control=["control"], a=["cpu"], b=["cpu"])
+    done = cluster.wait(job, timeout=300)
+    assert done.status == "completed", done.error
+    fetched = [p for p in (home / "tokenizers").iterdir() if p != written]
+    assert len(fetched) == 1 and (fetched[0] / "tokenizer.json").read_bytes() == data
+    assert all(r.eval_loss is not None for r in cluster.rounds(job))
+    said = cluster.fedq("generate", job, "--prompt", "ROMEO.", "--tokens", "8").stdout
+    assert said.startswith("ROMEO.") and len(said) > len("ROMEO."), said
+    for bad, said in [({**args, "tokenizer": "bpe:10"}, "a vocabulary of 260 to"),
+                      ({**args, "chat": True}, "is trained without one"),
+                      ({**args, "tokenizer_files": {}},
+                       "dataset_args.tokenizer_files: fedq submit writes it")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({**spec, "name": "bad", "dataset_args": bad}))
+        proc = cluster.fedq("submit", str(path), check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in \
+            proc.stderr, proc.stderr
+
+
 def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path) -> None:
     """A model trained through its own BPE tokenizer, used on real workers: `fedq infer`
     generates, scores and embeds through that tokenizer (the texts the model's in one

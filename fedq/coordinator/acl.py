@@ -91,6 +91,8 @@ def worker_rules(name: str, queues: Iterable[str], hashed: str, db: int = 0) -> 
         "~*.celery.pidbox*", "~_kombu.binding*.celery.pidbox",  # its remote-control queue
         "~celery-task-meta-*", "~celery-taskset-meta-*", "~chord-unlock-*",
         f"%R~{KEY_PREFIX}jobs/*/global*", f"%R~{KEY_PREFIX}jobs/*/step*",
+        f"%R~{KEY_PREFIX}jobs/*/base/*",  # a checkpoint a job ships (model_args.ship_base)
+        f"%R~{KEY_PREFIX}jobs/*/tokenizer/*",  # a tokenizer fedq submit trained for a job
         f"~{KEY_PREFIX}jobs/*/updates/{name}/*",
         # batch inference: read the job's model and inputs, write its own outputs
         f"%R~{KEY_PREFIX}jobs/*/infer/model*", f"%R~{KEY_PREFIX}jobs/*/infer/inputs*",

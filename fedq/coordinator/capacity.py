@@ -74,11 +74,19 @@ def state_copies(spec: JobSpec) -> int:
     return len(state)
 
 
-def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int) -> Need:
+def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int,
+          shipped: tuple[int, ...] = ()) -> Need:
     """``spec``'s :class:`Need`; raises :class:`DoesNotFit` with one line of numbers when
-    it is over a limit of ``store`` or of ``FEDQ_CONTROL_MEMORY_MB``."""
+    it is over a limit of ``store`` or of ``FEDQ_CONTROL_MEMORY_MB``. ``shipped``: the
+    sizes of the checkpoint files the job puts in the store beside (``ship_base``)."""
     got = need(spec, blob_bytes)
+    got = Need(got.blob, got.store + sum(shipped), got.control, got.state_copies)
     most = store.max_blob_bytes()
+    if most is not None and shipped and max(shipped) > most:
+        raise DoesNotFit(
+            f"ship_base: a checkpoint file is {_mb(max(shipped))} MB and blob store "
+            f"{store.url} keeps at most {_mb(most)} MB a blob ({store.layout()}): raise "
+            "FEDQ_BLOB_CHUNK_MB, or give every worker the checkpoint at model_args.path")
     if most is not None and got.blob > most:
         raise DoesNotFit(
             f"the model is {_mb(got.blob)} MB as a blob and blob store {store.url} keeps "
@@ -88,7 +96,9 @@ def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int) 
     if room is not None and got.store > room[0]:
         raise DoesNotFit(
             f"the job keeps up to {_mb(got.store)} MB in the blob store ({spec.rounds + 1} "
-            f"global models and a round's updates, {_mb(got.blob)} MB each) and {room[1]}: "
+            f"global models and a round's updates, {_mb(got.blob)} MB each"
+            + (f", and its {_mb(sum(shipped))} MB checkpoint" if shipped else "")
+            + f") and {room[1]}: "
             "fewer rounds, a smaller model, or a store with more room")
     limit = settings.control_memory_mb
     if limit is not None and got.control > limit * MB:

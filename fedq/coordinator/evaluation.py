@@ -10,6 +10,8 @@ from fedq.data import load_dataset
 from fedq.data.datasets import IGNORE
 from fedq.models import build_model, seeded_model
 from fedq.models.device import pick_device
+from fedq.process import PROCESS
+from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.weights import state_of
 
@@ -35,14 +37,36 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
 
 def evaluate_weights(spec: JobSpec, weights: Weights) -> tuple[float, float]:
     """(accuracy, loss) of ``weights`` on the dataset's held-out test split."""
+    spec = here(spec)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, **spec.model_args)
     model.load_state_dict(weights)
     return evaluate(model, ds.x_test, ds.y_test, device=pick_device())
 
 
+def here(spec: JobSpec, base: bool = True) -> JobSpec:
+    """``spec`` with paths that hold, on this machine, what its job stores beside it:
+    the tokenizer fedq submit trained (``dataset_args.tokenizer_files``) and, with
+    ``base``, the checkpoint it ships (``model_args.base_files``): the paths given
+    where they hold the job's files (by digest), else the folders under FEDQ_HOME
+    (``tokenizers/``, ``bases/``) the blob store's copies are fetched into once."""
+    if "base_files" not in spec.model_args and "tokenizer_files" not in spec.dataset_args:
+        return spec
+    from fedq.blobs.checkpoint import fetch_folder
+    from fedq.models.stored import localized
+
+    settings = get_settings()
+    store = PROCESS.blobs(settings)
+    model_args, dataset_args = localized(
+        spec.model_args if base else {}, spec.dataset_args,
+        lambda kind, files, name: fetch_folder(store, files, settings.home / kind, name))
+    return spec.model_copy(update={"model_args": model_args if base else spec.model_args,
+                                   "dataset_args": dataset_args})
+
+
 def initial_weights(spec: JobSpec) -> Weights:
     """The round-0 global model, a function of (model, dataset shape, seed)."""
+    spec = here(spec)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     return state_of(seeded_model(spec.model, ds.input_shape, ds.num_classes, spec.seed,
                                  **spec.model_args))

@@ -7,6 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from fedq.coordinator.evaluation import here
 from fedq.coordinator.generate import newest_global
 from fedq.data import load_dataset
 from fedq.errors import SpecError
@@ -30,6 +31,7 @@ def export(settings: Settings, job_id: str, folder: Path, adapter: bool = False)
     Returns the round exported. Raises SpecError for a job that is no
     ``hf_causal_lm`` job, or a folder that holds files already."""
     spec, ref, committed = newest_global(settings, job_id)
+    spec = here(spec)  # its checkpoint and tokenizer on this machine
     if spec.model != "hf_causal_lm":
         raise SpecError(f"job {job_id} trains {spec.model}: only hf_causal_lm jobs export as "
                         f"a Hugging Face checkpoint")

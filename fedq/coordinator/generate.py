@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from fedq.blobs import BlobRef
+from fedq.coordinator.evaluation import here
 from fedq.coordinator.jobs import get_job
 from fedq.data import load_dataset
 from fedq.data.tokens import ByteTokenizer, FolderTokenizer, chat_prompt
@@ -42,6 +43,7 @@ def generate(settings: Settings, job_id: str, prompt: str, tokens: int, *,
     folder; DataUnavailable for one without a chat template; JobNotFound for an
     unknown job."""
     spec, ref, _ = newest_global(settings, job_id)
+    spec = here(spec)  # its checkpoint and tokenizer on this machine
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     if not ds.is_text:
         raise SpecError(f"job {job_id} trains {spec.model} on {spec.dataset}, not a language "

@@ -128,14 +128,17 @@ class Sent:
         FEDQ_PRESIGN_ENDPOINT is set (fedq/blobs/presigned.py), sealed by the
         coordinator's key with an expiry ``ttl_s`` from now when FEDQ_IDENTITY=required
         (fedq/identity.py)."""
-        links = self.links(model, step, ttl_s)
+        shipped = {**((spec.get("model_args") or {}).get("base_files") or {}),
+                   **((spec.get("dataset_args") or {}).get("tokenizer_files") or {})}
+        links = self.links(model, step, ttl_s, [ref["key"] for ref in shipped.values()])
         return seal(self.train_ref(spec, model, step, links).to_json(), self.task_id, ttl_s,
                     sealing_keys())
 
-    def links(self, model: BlobRef, step: StepRef | None,
-              ttl_s: float) -> dict[str, dict[str, str]] | None:
-        """Presigned GET URLs for the task's model (and step) and a PUT URL for its
-        update, valid as long as its seal; None unless FEDQ_PRESIGN_ENDPOINT is set."""
+    def links(self, model: BlobRef, step: StepRef | None, ttl_s: float,
+              more: list[str] | None = None) -> dict[str, dict[str, str]] | None:
+        """Presigned GET URLs for the task's model (and step, and the ``more`` keys: a
+        shipped checkpoint's files) and a PUT URL for its update, valid as long as its
+        seal; None unless FEDQ_PRESIGN_ENDPOINT is set."""
         settings = get_settings()
         if not settings.presign_endpoint:
             return None
@@ -143,7 +146,7 @@ class Sent:
         if not isinstance(store, S3BlobStore):
             raise ConfigError("FEDQ_PRESIGN_ENDPOINT is set, but the blob store is not S3 "
                               "(FEDQ_BLOB_URL=s3://bucket/prefix)")
-        gets = [model.key] + ([step.blob.key] if step is not None else [])
+        gets = [model.key] + ([step.blob.key] if step is not None else []) + (more or [])
         return store.presign(settings.presign_endpoint,
                              int(ttl_s + EXPIRY_GRACE_S), gets, [self.update_key])
 
@@ -160,6 +163,9 @@ class Limits:
 def limits(spec: JobSpec, client: int) -> Limits:
     """What client ``client`` can report under ``spec`` (its shard from the partition,
     computed here; cached per process)."""
+    from fedq.coordinator.evaluation import here
+
+    spec = here(spec, base=False)  # a tokenizer fedq submit trained, on this machine
     n = _shard_sizes(spec.dataset, str(spec.data_dir) if spec.data_dir else "",
                      json.dumps(spec.dataset_args or {}, sort_keys=True),
                      spec.partition.model_dump_json(), spec.num_clients, spec.seed)[client]

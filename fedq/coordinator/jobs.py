@@ -9,6 +9,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -44,6 +45,13 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     from fedq.coordinator.evaluation import initial_weights
     from fedq.weights import dumps
 
+    if "base_files" in spec.model_args:
+        raise SpecError("model_args.base_files: fedq submit writes it (model_args.ship_base: "
+                        "true), a spec does not")
+    if "tokenizer_files" in spec.dataset_args:
+        raise SpecError("dataset_args.tokenizer_files: fedq submit writes it (dataset_args"
+                        ".tokenizer: bpe:VOCAB), a spec does not")
+    spec, trained = _train_tokenizer(settings, spec)
     try:
         from fedq.models import pinned_args
 
@@ -54,8 +62,22 @@ def submit(settings: Settings, spec: JobSpec) -> str:
                         f"be built for dataset {spec.dataset}: {exc}") from None
     job_id = uuid.uuid4().hex[:12]
     body = dumps(weights, {"job": job_id})
-    capacity.check(settings, spec, store, len(body))
+    shipped = _shipped(spec)
+    capacity.check(settings, spec, store, len(body),
+                   tuple(f.stat().st_size for f in [*shipped, *([trained] if trained else [])]))
     try:
+        if trained is not None:  # the tokenizer beside the job, for workers to fetch
+            from fedq.blobs.checkpoint import put_folder
+
+            spec = spec.model_copy(update={"dataset_args": {
+                **spec.dataset_args, "tokenizer_files": put_folder(
+                    store, [trained], f"{job_prefix(job_id)}tokenizer")}})
+        if shipped:  # ship_base: the checkpoint beside the job, for workers without it
+            from fedq.blobs.checkpoint import put_folder
+
+            files = put_folder(store, shipped, f"{job_prefix(job_id)}base")
+            spec = spec.model_copy(update={"model_args": {**spec.model_args,
+                                                          "base_files": files}})
         blob = store.put(global_key(job_id, 0), body)
         with session_scope(settings.database_url) as s:
             s.add(Job(id=job_id, name=spec.name, spec=spec.to_json(), status=JobStatus.RUNNING,
@@ -87,6 +109,57 @@ def prepare_store(settings: Settings, wait: float = 60.0) -> str:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+def _train_tokenizer(settings: Settings, spec: JobSpec) -> tuple[JobSpec, Path | None]:
+    """A ``text_files`` job whose ``dataset_args.tokenizer`` is ``bpe:VOCAB``: a
+    byte-level BPE of VOCAB tokens trained here on the job's files (as this machine has
+    them), written to FEDQ_HOME/tokenizers/DIGEST/tokenizer.json, and the spec naming
+    that folder; the file, which the job stores beside it for the workers (``None``
+    for any other job). SpecError with one line for files that do not read, a
+    vocabulary out of range, or ``chat`` (which needs a template a trained BPE has
+    not)."""
+    from fedq.data.tokens import TRAINED
+
+    name = spec.dataset_args.get("tokenizer")
+    match = TRAINED.match(name) if isinstance(name, str) else None
+    if match is None or spec.dataset != "text_files":
+        return spec, None
+    if spec.dataset_args.get("chat"):
+        raise SpecError(f"dataset_args.chat: renders conversations with a tokenizer folder's "
+                        f"chat template; tokenizer {name} is trained without one")
+    import os
+
+    import fedq.digest as digests
+    from fedq.data import text
+    from fedq.data.tokens import train_bpe
+
+    try:
+        found = text.read_files(list(spec.dataset_args.get("files") or ()),
+                                Path(spec.data_dir) if spec.data_dir else None,
+                                str(spec.dataset_args.get("field", "text")))
+        data = train_bpe([body for _, body, _ in found], int(match.group(1)))
+    except FedqError as exc:
+        raise SpecError(f"dataset_args.tokenizer: {name}: {exc}") from None
+    folder = settings.home / "tokenizers" / digests.short(digests.of(data))
+    path = folder / "tokenizer.json"
+    if not path.is_file() or path.read_bytes() != data:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".tokenizer.json.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return spec.model_copy(update={"dataset_args": {**spec.dataset_args,
+                                                    "tokenizer": str(folder)}}), path
+
+
+def _shipped(spec: JobSpec) -> list[Path]:
+    """The checkpoint files a job with ``model_args.ship_base`` puts in the blob store
+    (fedq/models/hf.py, ``shipped_files``); none for any other job."""
+    if not spec.model_args.get("ship_base"):
+        return []
+    from fedq.models.hf import shipped_files
+
+    return shipped_files(Path(str(spec.model_args["path"])).expanduser())
 
 
 def _remove(settings: Settings, job_id: str) -> None:

@@ -149,7 +149,8 @@ def _text_files(data_dir: Path | None, files: tuple[str, ...] | list[str] = (),
                 tokenizer: str = "bytes",
                 block_size: int = 64, val_fraction: float = 0.1, eval_windows: int = 1024,
                 field: str = "text", chat: bool = False,
-                loss_on: str = "assistant") -> Dataset:
+                loss_on: str = "assistant",
+                tokenizer_files: dict[str, Any] | None = None) -> Dataset:
     """The ``files`` (paths or glob patterns, relative to ``data_dir`` unless absolute):
     a ``.jsonl`` file's lines are JSON objects whose ``field`` is one document each, any
     other file is UTF-8 text; with ``chat`` a ``.jsonl`` line's ``messages`` (a
@@ -159,8 +160,11 @@ def _text_files(data_dir: Path | None, files: tuple[str, ...] | list[str] = (),
     ``shakespeare``. ``loss_on``, for ``chat``: ``assistant`` (the default) takes the
     loss on the assistant turns' tokens alone (every other target is :data:`IGNORE`, and
     a window with none is left out), in training and in the held-out loss; ``all`` on
-    every token."""
+    every token. ``tokenizer_files``: where a tokenizer fedq submit trained is stored
+    (fedq/data/tokens.py, ``local_tokenizer``), read by the caller, not here."""
     from fedq.data import text, tokens
+
+    del tokenizer_files
 
     if loss_on not in ("all", "assistant"):
         raise DataUnavailable(f"text_files: loss_on: {loss_on!r}: all or assistant")

@@ -13,6 +13,7 @@ the model's must cover (fedq/models/hf.py checks it). A folder whose
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -215,4 +216,67 @@ def load_tokenizer(name: str, data_dir: Path | None = None) -> Tokenizer:
     absolute); DataUnavailable with one line when there is none."""
     if name == BYTES:
         return ByteTokenizer()
+    if TRAINED.match(name):
+        raise DataUnavailable(f"tokenizer {name}: fedq submit trains it on the job's files "
+                              "(a job's spec names the folder it wrote)")
     return FolderTokenizer(_folder(name, data_dir))
+
+
+#: ``tokenizer: bpe:VOCAB``: a byte-level BPE of VOCAB tokens that ``fedq submit``
+#: trains on the job's files (:func:`train_bpe`).
+TRAINED = re.compile(r"^bpe:(\d{1,7})$")
+#: The vocabularies :func:`train_bpe` makes: the 256 bytes and an end of text, at least.
+BPE_VOCAB = (260, 1_000_000)
+#: The special token a trained tokenizer ends a document with.
+END_OF_TEXT = "<|endoftext|>"
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> bytes:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on ``texts`` with the
+    ``tokenizers`` library (every byte a token of its own, so any text encodes; the
+    merges GPT-2's kind), as the ``tokenizer.json`` ``save_pretrained`` writes.
+    DataUnavailable with one line for a vocabulary out of :data:`BPE_VOCAB` or without
+    the library."""
+    lo, hi = BPE_VOCAB
+    if not lo <= vocab_size <= hi:
+        raise DataUnavailable(f"tokenizer: bpe:{vocab_size}: a vocabulary of {lo:,} to "
+                              f"{hi:,} tokens")
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise DataUnavailable("tokenizer: bpe: the tokenizers library is missing (pip "
+                              "install 'fedq[llm]')") from None
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok.to_str().encode()
+
+
+def local_tokenizer(dataset_args: dict[str, Any],
+                    fetch: Callable[[dict[str, Any], str], Path]) -> dict[str, Any]:
+    """``dataset_args`` whose ``tokenizer`` folder holds, on this machine, the tokenizer
+    its job stores with it (``tokenizer_files``: a tokenizer fedq submit trained): as
+    given where that folder's ``tokenizer.json`` is the stored one (its digest), else
+    the folder ``fetch(tokenizer_files, name)`` wrote the blob store's copy into."""
+    import hashlib
+
+    import fedq.digest as digests
+
+    files, name = dataset_args.get("tokenizer_files"), dataset_args.get("tokenizer")
+    if not isinstance(files, dict) or not isinstance(name, str):
+        return dataset_args
+    ref = files.get("tokenizer.json")
+    if not isinstance(ref, dict) or not isinstance(ref.get("sha256"), str):
+        return dataset_args
+    try:
+        data = (Path(name).expanduser() / "tokenizer.json").read_bytes()
+        if digests.of(data, ref["sha256"]) == ref["sha256"]:
+            return dataset_args
+    except (OSError, ValueError):
+        pass
+    folder = fetch(files, hashlib.sha256(ref["sha256"].encode()).hexdigest()[:32])
+    return {**dataset_args, "tokenizer": str(folder)}

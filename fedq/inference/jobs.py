@@ -162,7 +162,8 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
                     "args": trained.get("model_args") or {},
                     "dataset_args": _tokenizer_path(trained.get("dataset_args") or {},
                                                     trained.get("data_dir"))}
-            return arch, BlobRef(job.global_key, job.global_sha256, job.global_size), None
+            return _here(settings, arch), BlobRef(job.global_key, job.global_sha256,
+                                                  job.global_size), None
     path = Path(src.weights or "")
     path = path if path.is_absolute() else base / path
     try:
@@ -172,6 +173,22 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
     arch = {"name": src.name, "dataset": src.dataset, "args": src.args,
             "dataset_args": src.dataset_args}
     return arch, None, data
+
+
+def _here(settings: Settings, arch: dict[str, Any]) -> dict[str, Any]:
+    """``arch`` with paths that hold, on this machine, the checkpoint and tokenizer its
+    training job stores beside it (fetched once into FEDQ_HOME: fedq/models/stored.py),
+    for the checks made here; each worker finds its own."""
+    if "base_files" not in arch["args"] and "tokenizer_files" not in arch["dataset_args"]:
+        return arch
+    from fedq.blobs.checkpoint import fetch_folder
+    from fedq.models.stored import localized
+
+    store = PROCESS.blobs(settings)
+    args, dataset_args = localized(
+        arch["args"], arch["dataset_args"],
+        lambda kind, files, name: fetch_folder(store, files, settings.home / kind, name))
+    return {**arch, "args": args, "dataset_args": dataset_args}
 
 
 def _tokenizer_path(dataset_args: dict[str, Any], data_dir: str | None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from fedq.protocol.inference import (
     parse_task,
 )
 from fedq.redaction import redact_text
+from fedq.settings import get_settings
 from fedq.testing import faults
 from fedq.weights import loads
 from fedq.worker.loop import amp_autocast, device_amp, measured_amp
@@ -72,6 +73,23 @@ def load_model(arch: dict[str, Any], weights: dict[str, torch.Tensor],
     return model.to(device).eval()
 
 
+def here(arch: Arch, store: BlobStore) -> dict[str, Any]:
+    """``arch`` as a dict, with paths that hold the model's checkpoint and tokenizer on
+    this machine: its own copies, or those its training job stores beside it, fetched
+    once per machine into FEDQ_HOME (fedq/models/stored.py)."""
+    built = arch.model_dump()
+    if "base_files" not in built["args"] and "tokenizer_files" not in built["dataset_args"]:
+        return built
+    from fedq.blobs.checkpoint import fetch_folder
+    from fedq.models.stored import localized
+
+    home = get_settings().home
+    built["args"], built["dataset_args"] = localized(
+        built["args"], built["dataset_args"],
+        lambda kind, files, name: fetch_folder(store, files, home / kind, name))
+    return built
+
+
 def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
            ) -> tuple[torch.nn.Module, int]:
     """The model of ``blob``, built here once per weights; the bytes downloaded."""
@@ -85,7 +103,7 @@ def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device
         weights = loads(store.get(ref, limit=ref.size), what=f"blob {ref.key}")
         downloaded = ref.size
     _BUILT.clear()
-    _BUILT[sha] = load_model(arch.model_dump(), weights, device)
+    _BUILT[sha] = load_model(here(arch, store), weights, device)
     return _BUILT[sha], downloaded
 
 
@@ -327,7 +345,7 @@ def run_shard(data: Any, store: BlobStore, worker: str, queue: str | None = None
         device = pick_device()
         model, _ = _model(task.model, task.arch, store, device)
         items = _items(task, store)
-        tok = arch_tokenizer(task.arch.dataset_args)
+        tok = arch_tokenizer(here(task.arch, store)["dataset_args"])
         began = time.perf_counter()
         # the GPU class's AMP mode or float32, whichever this model ran faster here
         amp = chosen_amp(task.model.sha256, task.op, model, items, task.batch_size, device,
@@ -363,7 +381,7 @@ def serve_batch(data: Any, store: BlobStore, worker: str,
         model, _ = _model(task.model, task.arch, store, device)
         items = _serve_inputs(msg)
         began = time.perf_counter()
-        tok = arch_tokenizer(msg.arch.dataset_args)
+        tok = arch_tokenizer(here(msg.arch, store)["dataset_args"])
         amp = chosen_amp(msg.model.sha256, msg.op, model, items, len(msg.items), device, tok)
         with amp_autocast(amp, device):
             rows = _serve_items(model, msg, items, device, progress if msg.stream else None,

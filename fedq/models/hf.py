@@ -15,6 +15,10 @@ In a spec: ``model: hf_causal_lm`` with ``model_args``:
   adds ``digest``, a BLAKE3 digest of the folder's safetensors files (:func:`pin`), and
   a worker whose checkpoint at that path is not the same refuses the task in one line:
   every worker trains the same base;
+- ``ship_base: true`` (with ``path``): ``fedq submit`` also puts the checkpoint's
+  config and weights (:func:`shipped_files`) in the blob store with the job
+  (``base_files``), and a worker whose ``path`` does not hold the job's checkpoint
+  fetches that copy once into a folder of its machine (:func:`local_args`);
 - ``gradient_checkpointing: true``: activations recomputed in the backward pass, not
   kept (less memory for a longer step);
 - ``lora: {r: 8, alpha: 16, dropout: 0.05, target_modules: [q_proj, v_proj]}``: the
@@ -171,6 +175,37 @@ def checkpoint_digest(folder: Path) -> str:
     return digests.text(hasher)
 
 
+def shipped_files(folder: Path) -> list[Path]:
+    """What ``ship_base`` sends of the checkpoint in ``folder``: its ``config.json``,
+    ``generation_config.json`` where there is one, and its ``*.safetensors`` files (the
+    tokenizer is the data set's, read from ``dataset_args.tokenizer``)."""
+    names = ["config.json", "generation_config.json"]
+    return [folder / n for n in names if (folder / n).is_file()] + \
+        sorted(folder.glob("*.safetensors"))
+
+
+def local_args(model_args: dict[str, Any], fetch: Callable[[dict[str, Any], str], Path]
+               ) -> dict[str, Any]:
+    """``model_args`` with a ``path`` that holds the job's checkpoint on this machine:
+    as given where the folder at ``path`` has the job's digest; else, for a job that
+    ships its base (``base_files``), the folder ``fetch(base_files, digest)`` wrote
+    the blob store's copy into (a per-machine folder named by the digest)."""
+    files, digest, path = model_args.get("base_files"), model_args.get("digest"), \
+        model_args.get("path")
+    if not isinstance(files, dict) or not isinstance(digest, str) or not isinstance(path, str):
+        return model_args
+    folder = Path(path).expanduser()
+    try:
+        if (folder / "config.json").is_file() and checkpoint_digest(folder) == digest:
+            return model_args
+    except (OSError, ValueError):
+        pass
+    import hashlib
+
+    name = hashlib.sha256(digest.encode()).hexdigest()[:32]  # a folder name of the digest
+    return {**model_args, "path": str(fetch(files, name))}
+
+
 def pin(model_args: dict[str, Any]) -> dict[str, Any]:
     """``model_args`` as a job stores them: with ``path``, the checkpoint's digest added
     (unless given), so that every worker can check it trains the same base."""
@@ -186,7 +221,8 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
                  config: dict[str, Any] | None = None, path: str = "",
                  lora: dict[str, Any] | None = None, seed: int = 0,
                  digest: str = "", gradient_checkpointing: bool = False,
-                 base_dtype: str = "float32") -> nn.Module:
+                 base_dtype: str = "float32", ship_base: bool = False,
+                 base_files: dict[str, Any] | None = None) -> nn.Module:
     """input_shape: (block_size,); num_classes: the dataset's vocabulary size.
     ``gradient_checkpointing``: the decoder layers' activations are computed again in
     the backward pass instead of kept (transformers' own, non-reentrant), trading
@@ -204,6 +240,10 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
     if (config is None) == (not path):
         raise ValueError("hf_causal_lm: give exactly one of model_args.config (a new "
                          "model) and model_args.path (a local checkpoint)")
+    if ship_base and not path:
+        raise ValueError("hf_causal_lm: ship_base sends the checkpoint at model_args.path "
+                         "through the blob store: give a path")
+    del base_files  # where workers fetch the shipped checkpoint from (:func:`local_args`)
     dtype = base_type(base_dtype, lora is not None)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # the same base in every process; and no deprecation notice of transformers'

@@ -76,6 +76,22 @@ def fetch_global(store: BlobStore, ref: BlobRef,
     return weights, ref.size if downloaded else 0
 
 
+def here(spec: JobSpec, store: BlobStore) -> JobSpec:
+    """``spec`` with paths that hold the job's checkpoint and tokenizer on this machine:
+    its own copies, or those the job stores beside it (a shipped base, a tokenizer fedq
+    submit trained), fetched once per machine into FEDQ_HOME (fedq/models/stored.py)."""
+    if "base_files" not in spec.model_args and "tokenizer_files" not in spec.dataset_args:
+        return spec
+    from fedq.blobs.checkpoint import fetch_folder
+    from fedq.models.stored import localized
+
+    home = get_settings().home
+    model_args, dataset_args = localized(
+        spec.model_args, spec.dataset_args,
+        lambda kind, files, name: fetch_folder(store, files, home / kind, name))
+    return spec.model_copy(update={"model_args": model_args, "dataset_args": dataset_args})
+
+
 def rebuild_initial(ref: TrainRef, spec: JobSpec, input_shape: tuple[int, ...],
                     num_classes: int) -> Weights | None:
     """Round 0's global model rebuilt here from the spec's seed, if it is the stored blob
@@ -199,6 +215,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
         global_weights, bytes_down = fetch_global(store, ref.model, ref.step)
         return _zero_compute(ref, spec, store, worker, start, global_weights, bytes_down,
                              time.perf_counter() - fetched)
+    spec = here(spec, store)
     ds = load_dataset(spec.dataset, spec.data_dir, spec.dataset_args)
     fetched = time.perf_counter()
     rebuilt = rebuild_initial(ref, spec, ds.input_shape, ds.num_classes)
