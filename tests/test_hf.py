@@ -523,7 +523,7 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     lm = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
     assert lm.config.vocab_size == 400 and tok.decode(tok.encode(bodies[0][:200])) == \
         bodies[0][:200]
-    _infer_and_serve(cluster, full, tok_dir, tmp_path)
+    _infer_and_serve(cluster, full, tok_dir, tmp_path, exported)
 
 
 @pytest.mark.slow
@@ -624,13 +624,15 @@ def test_a_bpe_trained_at_submit_is_stored_with_the_job_and_fetched_by_workers(
             proc.stderr, proc.stderr
 
 
-def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path) -> None:
+def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path,
+                     exported: Path) -> None:
     """A model trained through its own BPE tokenizer, used on real workers: `fedq infer`
     generates, scores and embeds through that tokenizer (the texts the model's in one
     process, the token counts the tokenizer's), and `fedq serve JOB` answers OpenAI's
     own Python client: chat completions rendered by the tokenizer's chat template, cut
     at a stop, whole or streamed, and completions, with usage in the tokenizer's
-    tokens."""
+    tokens. `fedq serve --hf` of the folder `fedq export` wrote answers the same chat,
+    through the tokenizer and template exported with it."""
     import openai
 
     from fedq.data.tokens import chat_asker, load_tokenizer
@@ -714,6 +716,23 @@ def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path) 
         assert "logprobs: not supported by fedq serve" in refused.value.message
     finally:
         gateway.stop()
+    gateway = Gateway(cluster, ["--hf", str(exported)])
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1",
+                               api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == [str(exported)]
+        again = client.chat.completions.create(model=str(exported),  # type: ignore
+                                               messages=messages, max_tokens=8, seed=7)
+        assert again.choices[0].message.content == reply, (again, reply)
+        pieces = list(client.chat.completions.create(
+            model=str(exported), messages=messages, max_tokens=8, seed=7,  # type: ignore
+            stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in pieces) == reply
+    finally:
+        gateway.stop()
+    missing = cluster.fedq("serve", "--hf", str(tmp_path / "nowhere"), check=False)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and \
+        "model.hf: hf_causal_lm: path" in missing.stderr, missing.stderr
 
 
 def _check_the_result(cluster: Cluster, job: str, spec: JobSpec, checkpoint: Path,

@@ -166,10 +166,14 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
 @click.argument("job_id", required=False)
 @click.option("--weights", type=click.Path(dir_okay=False, path_type=Path),
               help="serve a safetensors file instead of a job's model (with --model, --dataset)")
+@click.option("--hf", type=click.Path(file_okay=False, path_type=Path),
+              help="serve a Hugging Face checkpoint folder as it is (config.json, "
+                   "safetensors, tokenizer.json: what save_pretrained or fedq export writes)")
 @click.option("--model", "model_name", help="--weights: the registry model it fits")
 @click.option("--dataset", help="--weights: the data set that fixes its shapes")
 @click.option("--model-args", default="{}", help="--weights: the model's arguments (JSON)")
-@click.option("--dataset-args", default="{}", help="--weights: the data set's arguments (JSON)")
+@click.option("--dataset-args", default="{}",
+              help="--weights: the data set's arguments (JSON); --hf: block_size")
 @click.option("--queues", default="gpu_new,gpu_sm61,cpu", show_default=True,
               help="queues batches may go to; each batch goes where it is expected back soonest")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -187,13 +191,14 @@ def infer(spec_path: Path, wait: bool, out_path: Path | None, timeout: float) ->
 @click.option("--read-timeout-s", default=10.0, show_default=True,
               help="a request body not received whole by then is refused (408)")
 @expected_errors
-def serve(job_id: str | None, weights: Path | None, model_name: str | None,
+def serve(job_id: str | None, weights: Path | None, hf: Path | None, model_name: str | None,
           dataset: str | None, model_args: str, dataset_args: str, queues: str, host: str,
           port: int, max_batch: int, max_wait_ms: float, max_queue: int,
           batch_timeout_s: float, max_body_bytes: int | None, read_timeout_s: float) -> None:
-    """Serve a trained model over HTTP: JOB (a completed training job's id, or latest)
-    or --weights. POST /v1/predict (classifiers) or /v1/completions (GPT, OpenAI-style);
-    GET /health, /metrics. FEDQ_SERVE_API_KEY set: requests need
+    """Serve a trained model over HTTP: JOB (a completed training job's id, or latest),
+    --weights or --hf. POST /v1/predict (classifiers) or /v1/completions,
+    /v1/chat/completions and /v1/embeddings (language models, OpenAI-style); GET
+    /v1/models, /health, /metrics. FEDQ_SERVE_API_KEY set: requests need
     'Authorization: Bearer KEY'. Batches run on the workers of --queues."""
     from pydantic import ValidationError
 
@@ -206,6 +211,7 @@ def serve(job_id: str | None, weights: Path | None, model_name: str | None,
     try:
         args = {"model_args": json.loads(model_args), "dataset_args": json.loads(dataset_args)}
         src = ModelSource(job=job_id, weights=str(weights) if weights else None,
+                          hf=str(hf) if hf else None,
                           name=model_name, dataset=dataset, args=args["model_args"],
                           dataset_args=args["dataset_args"])
     except ValueError as exc:  # JSON, or the model source's own check

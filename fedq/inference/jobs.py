@@ -164,6 +164,8 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
                                                     trained.get("data_dir"))}
             return _here(settings, arch), BlobRef(job.global_key, job.global_sha256,
                                                   job.global_size), None
+    if src.hf is not None:
+        return _checkpoint(src.hf, base, src.dataset_args)
     path = Path(src.weights or "")
     path = path if path.is_absolute() else base / path
     try:
@@ -173,6 +175,38 @@ def model_source(settings: Settings, src: ModelSource, base: Path,
     arch = {"name": src.name, "dataset": src.dataset, "args": src.args,
             "dataset_args": src.dataset_args}
     return arch, None, data
+
+
+#: The window of score and embed for a checkpoint run as it is (``model.hf``) when its
+#: ``dataset_args`` set no ``block_size``: its config's positions, at most this.
+HF_BLOCK = 2048
+
+
+def _checkpoint(folder: str, base: Path, dataset_args: dict[str, Any]
+                ) -> tuple[dict[str, Any], None, bytes]:
+    """The arch and weights of the Hugging Face checkpoint in ``folder`` run as it is:
+    ``hf_causal_lm`` built from the folder (its digest pinned, so every worker runs the
+    same one), its tokenizer the folder's, and its whole ``state_dict`` the weights.
+    SpecError with one line for a folder that is not one."""
+    from fedq.models.hf import hidden_size, pin, positions
+    from fedq.weights import dumps, state_of
+
+    path = Path(folder).expanduser()
+    path = (path if path.is_absolute() else base / path).absolute()
+    try:
+        args = pin({"path": str(path)})
+        hidden_size(args)  # config.json reads
+        block = dataset_args.get("block_size") or min(positions(args), HF_BLOCK)
+        arch = {"name": "hf_causal_lm", "dataset": "text_files", "args": args,
+                "dataset_args": {**dataset_args, "tokenizer": str(path), "block_size": block}}
+        from fedq.data import shape_of
+        from fedq.models import build_model
+
+        shape = shape_of("text_files", arch["dataset_args"])
+        model = build_model("hf_causal_lm", shape.input_shape, shape.num_classes, **args)
+    except (FedqError, ValueError, OSError) as exc:
+        raise SpecError(f"model.hf: {exc}") from None
+    return arch, None, dumps(state_of(model))
 
 
 def _here(settings: Settings, arch: dict[str, Any]) -> dict[str, Any]:

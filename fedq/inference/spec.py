@@ -21,11 +21,15 @@ class _Model(BaseModel):
 
 class ModelSource(_Model):
     """Where the weights come from: a finished training job's final global model (its
-    id, or ``latest``: the newest completed job that fits the inputs), or a safetensors
-    file with the registry model it fits."""
+    id, or ``latest``: the newest completed job that fits the inputs), a safetensors
+    file with the registry model it fits, or ``hf``: a Hugging Face checkpoint folder
+    (``config.json``, safetensors, ``tokenizer.json``, as ``save_pretrained`` or
+    ``fedq export`` writes it) run as it is, through its own tokenizer (``dataset_args``
+    may set ``block_size``, the window of score and embed)."""
 
     job: str | None = Field(default=None, max_length=32)
     weights: str | None = None
+    hf: str | None = None
     name: str | None = None  # registry model (with ``weights``)
     dataset: str | None = None  # what fixes its input shape and classes (with ``weights``)
     args: dict[str, Any] = Field(default_factory=dict)
@@ -33,9 +37,10 @@ class ModelSource(_Model):
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
-        if (self.job is None) == (self.weights is None):
-            raise ValueError("give exactly one of model.job (a finished training job) or "
-                             "model.weights (a safetensors file)")
+        if sum(x is not None for x in (self.job, self.weights, self.hf)) != 1:
+            raise ValueError("give exactly one of model.job (a finished training job), "
+                             "model.weights (a safetensors file) or model.hf (a Hugging Face "
+                             "checkpoint folder)")
         if self.weights is not None and (self.name is None or self.dataset is None):
             raise ValueError("model.weights needs model.name (a registry model) and "
                              "model.dataset (its input shape and classes)")

@@ -276,10 +276,24 @@ def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int,
     return HFCausalLM(lm, adapters_only=lora is not None, block_size=input_shape[0])
 
 
+def positions(model_args: dict[str, Any]) -> int:
+    """The most positions the model ``model_args`` describe reads (its config's
+    ``max_position_embeddings`` or ``n_positions``; 2**30 where it names none)."""
+    config = _read_config(model_args)
+    return int(getattr(config, "max_position_embeddings", 0)
+               or getattr(config, "n_positions", 0) or 1 << 30)
+
+
 def hidden_size(model_args: dict[str, Any]) -> int:
     """The width of the hidden states of the model ``model_args`` describe (a new
     model's ``config``, or the ``config.json`` of the checkpoint at ``path``), without
     building it; ValueError with one line when it cannot be read."""
+    return int(_read_config(model_args).hidden_size)
+
+
+def _read_config(model_args: dict[str, Any]) -> Any:
+    """The transformers config ``model_args`` describe (a new model's ``config``, or the
+    ``config.json`` at ``path``); ValueError with one line when it cannot be read."""
     require_extra("transformers", "llm", "model hf_causal_lm")
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
     from transformers import AutoConfig
@@ -288,13 +302,11 @@ def hidden_size(model_args: dict[str, Any]) -> int:
     try:
         if isinstance(config, dict):
             args = dict(config)
-            made = AutoConfig.for_model(str(args.pop("model_type", "")), **args)
-        else:
-            made = AutoConfig.from_pretrained(str(Path(str(model_args.get("path"))).expanduser()),
-                                              local_files_only=True)
+            return AutoConfig.for_model(str(args.pop("model_type", "")), **args)
+        return AutoConfig.from_pretrained(str(Path(str(model_args.get("path"))).expanduser()),
+                                          local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"hf_causal_lm: {str(exc).splitlines()[0][:200]}") from None
-    return int(made.hidden_size)
 
 
 #: What ``base_dtype`` takes.

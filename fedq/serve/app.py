@@ -398,7 +398,7 @@ def prepare(settings: Any, src: Any, base: Any, queues: list[str], **options: An
         blob = store.put(model_key(f"serve-{uuid.uuid4().hex[:12]}"), data)
     assert blob is not None
     name = src.job if src.job not in (None, "latest") else \
-        (blob.key.split("/")[1] if src.job == "latest" else str(src.weights))
+        (blob.key.split("/")[1] if src.job == "latest" else str(src.weights or src.hf))
     if settings.identity == "required":
         if options.get("read_registry") is None:
             raise FedqError("FEDQ_IDENTITY=required: fedq serve needs the registered "
