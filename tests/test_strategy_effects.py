@@ -171,3 +171,25 @@ def test_a_malformed_fault_names_its_variable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(faults.SLOWDOWN, "0.5")
     with pytest.raises(ValueError, match="FEDQ_TEST_SLOWDOWN='0.5': want a number >= 1"):
         faults.slowdown()
+
+
+def test_a_slowed_step_stops_sleeping_when_its_task_should_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slowed worker paused (SIGSTOP) inside a step counts the pause in the step's
+    wall time: 100 s paused at 20x would be 1,900 s of sleep once resumed, before the
+    loop looks at its revocation (tests/test_sites.py's paused worker). The sleep asks
+    ``stop`` every 0.1 s and ends when it says something; without it the call below
+    sleeps on (the thread is left behind and the join times out)."""
+    import threading
+    import time
+
+    monkeypatch.setenv(faults.SLOWDOWN, "20")
+    said: list[str | None] = [None]
+    sleeper = threading.Thread(target=faults.slow_down, daemon=True,
+                               args=(time.perf_counter() - 100, lambda: said[0]))
+    sleeper.start()
+    sleeper.join(0.5)
+    assert sleeper.is_alive()  # nothing said: it sleeps its 1,900 s
+    said[0] = "revoked"
+    sleeper.join(5)
+    assert not sleeper.is_alive()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -49,12 +50,24 @@ def slowdown() -> float:
     return _slowdown(os.environ.get(SLOWDOWN, ""))
 
 
-def slow_down(began: float) -> None:
+#: How often a slowed step's sleep asks whether its task should stop.
+STOP_CHECK_S = 0.1
+
+
+def slow_down(began: float, stop: Callable[[], object] | None = None) -> None:
     """Sleep ``slowdown() - 1`` times the wall time since ``began`` (``perf_counter``);
-    at full speed return at once."""
+    at full speed return at once. With ``stop``, the sleep ends as soon as ``stop()``
+    says something (a revocation, the owner back), asked every :data:`STOP_CHECK_S`: a
+    process paused (SIGSTOP) inside a step counts the pause in its wall time, and would
+    otherwise sleep that long again once resumed before it looked."""
     factor = slowdown()
-    if factor > 1:
-        time.sleep((factor - 1) * (time.perf_counter() - began))
+    if factor <= 1:
+        return
+    until = time.perf_counter() + (factor - 1) * (time.perf_counter() - began)
+    while (left := until - time.perf_counter()) > 0:
+        if stop is not None and stop() is not None:
+            return
+        time.sleep(min(left, STOP_CHECK_S))
 
 
 def zero_compute(job_name: str) -> bool:

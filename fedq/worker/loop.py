@@ -303,7 +303,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
             loss_sum += float(loss.detach())
             seen += len(idx)
             step += 1
-            faults.slow_down(step_start)  # tests and benchmarks only (fedq/testing/faults.py)
+            # tests and benchmarks only (fedq/testing/faults.py)
+            faults.slow_down(step_start, should_stop)
         else:
             first = n  # the epoch ran out: the next one draws a new order
             continue
