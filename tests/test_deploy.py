@@ -502,7 +502,7 @@ def test_the_guide_runs_as_written() -> None:
     are chosen (free ones, through the environment, as the guide says to), and the
     compose project's name, so that it does not meet the other tests' stack."""
     blocks = runnable_blocks(DEPLOY_GUIDE.read_text())
-    assert len(blocks) == 5 and "docker-compose" in blocks[0] and "fedq watch" in blocks[3]
+    assert len(blocks) == 5 and "scripts/compose.sh" in blocks[0] and "fedq watch" in blocks[3]
     present = [str(p) for p in GUIDE_FILES if p.exists()]
     assert not present, f"the guide writes {present}: move them away to run this test"
     project = f"fedqguide{uuid.uuid4().hex[:8]}"
@@ -523,10 +523,8 @@ def test_the_guide_runs_as_written() -> None:
         subprocess.run(["docker", "rm", "-f", "fedq-cpu-1"], env=env, capture_output=True,
                        check=False)
         if (ROOT / "docker" / ".env").exists():
-            subprocess.run(["docker-compose", "--env-file", "docker/.env", "-f",
-                            "docker/compose.yaml", "-f", "docker/compose.debian.yaml",
-                            "down", "-v"], cwd=ROOT, env=env, capture_output=True,
-                           check=False, timeout=300)
+            subprocess.run(["bash", "scripts/compose.sh", "--debian", "down", "-v"],
+                           cwd=ROOT, env=env, capture_output=True, check=False, timeout=300)
         for path in GUIDE_FILES:
             if path.is_dir():
                 shutil.rmtree(path)

@@ -92,3 +92,50 @@ def test_the_dashboard_refuses_a_placeholder_password(tmp_path: Path, compose: s
     secret.write_text("0123456789abcdef")
     started = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
     assert started.returncode == 0 and started.stdout.startswith("celery -A fedq flower")
+
+
+def _compose_sh(tmp_path: Path, plugin: bool, *args: str) -> subprocess.CompletedProcess[str]:
+    """scripts/compose.sh on a copy of the repository's layout, with `docker` and
+    `docker-compose` on PATH as scripts that print what they were given (the plugin's
+    `docker compose version` answers only when ``plugin``): which Compose the wrapper
+    chooses and what it passes is the logic under test, not Docker's."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "scripts" / "compose.sh", tree / "scripts" / "compose.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "docker").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1 $2" = "compose version" ]; then exit {0 if plugin else 1}; fi\n'
+        'echo "docker $*"\n')
+    (bin_dir / "docker-compose").write_text('#!/bin/sh\necho "docker-compose $*"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    return subprocess.run(["bash", str(tree / "scripts" / "compose.sh"), *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_the_compose_wrapper_runs_whichever_compose_the_host_has(tmp_path: Path) -> None:
+    """docs/deploy.md's blocks run `bash scripts/compose.sh`: Compose v2's plugin where it
+    answers, else v1's docker-compose, with the env file and the compose files its flags
+    name, in the order the overrides need; without docker/.env, or without a command,
+    one line and exit 2, and Compose is not run."""
+    missing = _compose_sh(tmp_path, True, "up", "-d")
+    assert missing.returncode == 2 and missing.stdout == "" and \
+        "docker/.env is missing: run bash scripts/env.sh first" in missing.stderr
+    (tmp_path / "tree" / "docker").mkdir()
+    (tmp_path / "tree" / "docker" / ".env").write_text("FEDQ_BIND=127.0.0.1\n")
+    files = "--env-file docker/.env -f docker/compose.yaml -f docker/compose.debian.yaml " \
+        "-f docker/compose.secure.yaml"
+    v2 = _compose_sh(tmp_path, True, "--secure", "--debian", "up", "-d", "--no-build")
+    assert v2.returncode == 0 and v2.stdout.strip() == f"docker compose {files} up -d --no-build"
+    v1 = _compose_sh(tmp_path, False, "--debian", "--secure", "down")
+    assert v1.returncode == 0 and v1.stdout.strip() == f"docker-compose {files} down"
+    plain = _compose_sh(tmp_path, False, "ps")
+    assert plain.stdout.strip() == "docker-compose --env-file docker/.env -f " \
+        "docker/compose.yaml ps"
+    bare = _compose_sh(tmp_path, True)
+    assert bare.returncode == 2 and bare.stdout == "" and "give a Compose command" in \
+        bare.stderr
