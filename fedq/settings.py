@@ -164,6 +164,10 @@ class Settings(BaseModel):
         "worker goes on from it too")
     gpu_memory_fraction: float | None = setting(
         None, "the share of each GPU's memory fedq's torch may allocate", gt=0, le=1)
+    devices: str | None = setting(
+        None, "the devices one training task runs on, data-parallel (fedq/worker/ranks.py): "
+        "all (every GPU), a count (the first N GPUs; N processes on a machine without a "
+        "GPU) or GPU indices such as 0,1,2,3; unset: one")
     train_memory_mb: float | None = setting(
         None, "the most MB a training task's weights, gradients and optimizer state may "
         "take on this worker's device; a task over it (or over the device's free memory) "

@@ -195,6 +195,18 @@ def amp_autocast(amp: str, device: torch.device) -> contextlib.AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
+def _measured(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+              device: torch.device, amp: str) -> str:
+    """``amp`` or ``off``, whichever trains ``model`` faster on ``device``
+    (:func:`measured_amp`, on the first batch's forward and backward pass)."""
+    model.eval()
+    key = ("train", type(model).__name__, str(device), (min(len(y), batch_size), *x.shape[1:]),
+           tuple(tuple(p.shape) for p in model.parameters()))
+    amp = measured_amp(amp, key, lambda: _train_probe(model, x, y, batch_size, device), device)
+    model.train()
+    return amp
+
+
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 optimizer: OptimizerSpec, batch_size: int, epochs: int | None,
                 steps: int | None, seed: int, device: torch.device,
@@ -204,7 +216,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 schedule_window: tuple[float, float] | None = None,
                 state_path: Path | None = None,
                 should_stop: Callable[[], str | None] | None = None,
-                resume: Kept | None = None) -> LocalStats:
+                resume: Kept | None = None, shard: tuple[int, int] | None = None,
+                amp: str | None = None, save_state: bool = True) -> LocalStats:
     """Train ``model`` in place on (x, y) for ``epochs`` passes or exactly ``steps`` steps,
     stopping early once ``time_budget`` seconds have passed (after at least one step).
 
@@ -220,6 +233,13 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     fedq/worker/owner.py) stops training there, reported as ``yielded``, with where it
     stopped (``kept``, on the CPU); ``resume``: that, to go on from there (``model``
     holds the task's starting weights, the FedProx anchor; the kept ones replace them).
+    ``shard`` (rank, world): this process is rank ``rank`` of ``world`` training one
+    model data-parallel (``model`` wrapped in DistributedDataParallel: fedq/worker/
+    ranks.py): every rank draws the same batches and trains on its slice of each
+    (``rank::world``), its loss scaled by its slice's share so that the averaged
+    gradient is the whole batch's; ``seen`` counts the whole batches. ``amp``: the
+    mixed precision to use, not measured (ranks must agree). ``save_state``: whether
+    the optimizer state is written back to ``state_path`` (one rank does).
     Deterministic for a given seed, device and thread count (without a time budget).
     """
     n = len(y)
@@ -232,14 +252,14 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
     opt = make_optimizer(list(model.parameters()), optimizer)
     if state_path is not None:
         first_step = inner.load(opt, state_path) or first_step
-    amp = device_amp(device)
-    if amp != "off":  # the class's mode or float32, whichever trains this model faster here
-        model.eval()
-        key = ("train", type(model).__name__, str(device), (min(n, batch_size), *x.shape[1:]),
-               tuple(tuple(p.shape) for p in model.parameters()))
-        amp = measured_amp(amp, key, lambda: _train_probe(model, x, y, batch_size, device),
-                           device)
-        model.train()
+    if amp is None:
+        amp = device_amp(device)
+        if amp != "off":  # the class's mode or float32, whichever trains it faster here
+            amp = _measured(model, x, y, batch_size, device, amp)
+    rank, world = shard or (0, 1)
+    if world > 1 and batch_size < world:
+        raise ValueError(f"batch_size {batch_size} is less than the worker's {world} "
+                         "devices: each needs a slice of every batch")
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     autocast = amp_autocast(amp, device)
     anchor = ([p.detach().clone() for p in model.parameters()] if prox_mu > 0 else [])
@@ -272,7 +292,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 break
             step_start = time.perf_counter()
             idx = order[start:start + batch_size]
-            xb, yb = x[idx].to(device), y[idx].to(device)  # (B, C, H, W), (B,)
+            mine = idx[rank::world] if world > 1 and len(idx) >= world else idx
+            xb, yb = x[mine].to(device), y[mine].to(device)  # (B, C, H, W), (B,)
             opt.zero_grad(set_to_none=True)
             fraction = None
             if schedule_window is not None:
@@ -285,6 +306,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                 group["lr"] = lr_at(first_step + step, optimizer, schedule_steps, fraction)
             with autocast:
                 loss = task_loss(model(xb), yb)
+                if mine is not idx:  # this rank's share: the ranks' mean is the batch's
+                    loss = loss * (len(mine) * world / len(idx))
             if anchor:  # FedProx: (mu / 2) * ||w - w_global||^2
                 loss = loss + prox_mu / 2 * sum(
                     ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
@@ -319,7 +342,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                     optimizer=_to_cpu(opt.state_dict()),  # type: ignore[arg-type]
                     generator=gen.get_state(), order=order, start=first, step=step,
                     seen=seen, loss_sum=loss_sum, seconds=seconds, first_step=first_step)
-    if state_path is not None:
+    if state_path is not None and save_state:
         inner.save(opt, state_path, first_step + step)
     return LocalStats(inner_step=first_step + step, samples=n, steps=step, seen=seen,
                       planned_steps=total_steps, yielded=yielded, kept=kept,

@@ -36,9 +36,9 @@ from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.testing import faults
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
-from fedq.worker import fit, inner, owner, replica
+from fedq.worker import fit, inner, owner, ranks, replica
 from fedq.worker import kept as kept_file
-from fedq.worker.loop import local_train
+from fedq.worker.loop import LocalStats, local_train
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,29 @@ def run_training(data: dict, store: BlobStore, worker: str,
                          error=redact_text(f"{type(exc).__name__}: {exc}")[:2000]).to_json()
 
 
+def _on_devices(ref: TrainRef, spec: JobSpec, model: torch.nn.Module, x: torch.Tensor,
+                y: torch.Tensor, where: list[torch.device], seed: int,
+                stop: Callable[[], str | None]) -> LocalStats:
+    """The task's training over ``where``, this machine's devices, data-parallel
+    (fedq/worker/ranks.py); ValueError with one line for what ranks do not do yet."""
+    if spec.time_budget_s is not None:
+        raise ValueError(f"time_budget_s: this worker trains over {len(where)} devices "
+                         "(FEDQ_DEVICES), which take a fixed number of steps: drop the "
+                         "budget or run the worker on one device")
+    home = get_settings().home
+    kwargs = {"batch_size": spec.batch_size, "epochs": spec.local_epochs,
+              "steps": spec.local_steps, "seed": seed, "prox_mu": spec.prox_mu,
+              "first_step": (ref.round - 1) * (spec.local_steps or 0),
+              "schedule_steps": spec.schedule_steps,
+              "schedule_window": spec.schedule_window(ref.round),
+              "state_path": str(inner.state_path(home, ref.job, ref.client))
+              if spec.optimizer.keep_state else None,
+              "task": f"{ref.job}-r{ref.number}-c{ref.client}-a{ref.attempt}"}
+    log.info("training over %d devices: %s", len(where), ", ".join(map(str, where)))
+    return ranks.train(model, x, y, where, {"spec": spec.to_json(), "client": ref.client,
+                                            "seed": seed}, spec.optimizer, kwargs, stop)
+
+
 def refusal(data: Any, worker: str, reason: str) -> dict:
     """The error result of a task this worker refused (malformed, or its seal does not
     hold: fedq/identity.py), echoing only the fields that have the right types."""
@@ -254,17 +277,21 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
         if resume is not None:
             log.info("resuming: %d steps kept on disk since it yielded", resume.step)
     log.info("training: client %d, round %d of job %s", ref.client, ref.round, ref.job)
-    stats = local_train(model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
-                        batch_size=spec.batch_size, epochs=spec.local_epochs,
-                        steps=spec.local_steps, seed=seed, device=device,
-                        time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
-                        first_step=(ref.round - 1) * (spec.local_steps or 0),
-                        schedule_steps=spec.schedule_steps,
-                        schedule_window=spec.schedule_window(ref.round),
-                        state_path=inner.state_path(home, ref.job, ref.client)
-                        if spec.optimizer.keep_state else None,
-                        should_stop=owner.away if revoked is None
-                        else lambda: revoked() or owner.away(), resume=resume)
+    stop = owner.away if revoked is None else lambda: revoked() or owner.away()
+    where = ranks.devices(settings.devices)
+    if len(where) > 1:  # this machine's devices together (FEDQ_DEVICES)
+        stats = _on_devices(ref, spec, model, ds.x_train[idx], ds.y_train[idx], where, seed,
+                            stop)
+    else:
+        stats = local_train(
+            model, ds.x_train[idx], ds.y_train[idx], optimizer=spec.optimizer,
+            batch_size=spec.batch_size, epochs=spec.local_epochs, steps=spec.local_steps,
+            seed=seed, device=device, time_budget=spec.time_budget_s, prox_mu=spec.prox_mu,
+            first_step=(ref.round - 1) * (spec.local_steps or 0),
+            schedule_steps=spec.schedule_steps,
+            schedule_window=spec.schedule_window(ref.round),
+            state_path=inner.state_path(home, ref.job, ref.client)
+            if spec.optimizer.keep_state else None, should_stop=stop, resume=resume)
     if stats.yielded is not None and revoked is not None and (why := revoked()) is not None:
         raise Revoked(f"revoked while it trained, after {stats.steps} of "
                       f"{stats.planned_steps} steps: {why}")
