@@ -42,10 +42,19 @@ def _model(cfg: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
+#: Ray Serve's throughput-optimized mode (Ray 2.55.1's serve/_private/constants.py: user
+#: code and the router on the replica's own loop, buffered request-path logs, no log to
+#: stderr, gRPC between deployments, direct ingress), set for every Ray process.
+THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
 def _init(cfg: dict[str, Any]) -> None:
-    """Ray on this machine's cores; its workers import fedq from the repository too."""
+    """Ray on this machine's cores, its session files under ``temp_dir`` (read for Serve's
+    warnings afterwards); its workers import fedq from the repository too, with the
+    environment ``env``."""
     ray.init(num_cpus=cfg["cpus"], include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             _temp_dir=cfg.get("temp_dir"),
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **cfg.get("env", {})}})
 
 
 def serve_main(cfg: dict[str, Any]) -> None:
@@ -53,6 +62,8 @@ def serve_main(cfg: dict[str, Any]) -> None:
     from starlette.requests import Request
 
     @serve.deployment(num_replicas=cfg["replicas"],
+                      max_ongoing_requests=cfg["max_ongoing_requests"],
+                      logging_config={"enable_access_log": False},
                       ray_actor_options={"num_cpus": cfg["replica_cpus"]})
     class Classifier:
         def __init__(self) -> None:
@@ -67,6 +78,15 @@ def serve_main(cfg: dict[str, Any]) -> None:
             return [{"label": int(p.argmax()), "probs": p.tolist()} for p in probs]
 
         async def __call__(self, request: Request) -> dict[str, Any]:
+            if request.method == "GET":  # what this replica runs with, as Serve holds it
+                context = serve.get_replica_context()
+                config = context._deployment_config
+                return {"max_ongoing_requests": config.max_ongoing_requests,
+                        "replicas": context.world_size,
+                        "max_batch_size": cfg["max_batch"],
+                        "batch_wait_timeout_s": cfg["max_wait_ms"] / 1000,
+                        "throughput_optimized": os.environ.get(
+                            "RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")}
             body = await request.json()
             return {"outputs": [await self.predict(body["inputs"][0])]}
 
@@ -102,7 +122,8 @@ class Generator:
         rows = [text_data.prompt_ids(str(p)) for p in batch["prompt"]]
         gens = [torch.Generator().manual_seed(self.cfg["seed"] + int(i)) for i in batch["i"]]
         outs = self.model.generate_batch(  # type: ignore[operator]
-            rows, self.cfg["max_tokens"], temperature=1.0, generators=gens)
+            rows, self.cfg["max_tokens"], temperature=self.cfg["temperature"],
+            top_k=self.cfg["top_k"] or None, generators=gens)
         texts = [text_data.decode(out) for out in outs]
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.time() - start))
@@ -113,14 +134,20 @@ class Generator:
 
 
 def data_main(cfg: dict[str, Any]) -> None:
+    """The batch job on Ray Data: the prompts in blocks of one batch each, an actor pool
+    of ``actors`` with ``in_flight`` tasks at most per actor, progress bars off."""
     _init(cfg)
+    ray.data.DataContext.get_current().enable_progress_bars = False
     prompts = [json.loads(line)["prompt"] for line in Path(cfg["prompts"]).read_text()
                .splitlines() if line.strip()]
-    ds = ray.data.from_items([{"i": i, "prompt": p} for i, p in enumerate(prompts)])
+    ds = ray.data.from_items([{"i": i, "prompt": p} for i, p in enumerate(prompts)],
+                             override_num_blocks=-(-len(prompts) // cfg["batch_size"]))
     began = time.time()
     rows = ds.map_batches(Generator, fn_constructor_kwargs={"cfg": cfg},
                           batch_size=cfg["batch_size"],
-                          compute=ray.data.ActorPoolStrategy(size=cfg["actors"]),
+                          compute=ray.data.ActorPoolStrategy(
+                              size=cfg["actors"],
+                              max_tasks_in_flight_per_actor=cfg.get("in_flight", 1)),
                           num_cpus=cfg["actor_cpus"]).take_all()
     ended = time.time()
     ray.shutdown()

@@ -631,3 +631,56 @@ def test_wan_smoke_run_writes_every_table(tmp_path: Path, redis_db: str) -> None
     assert cache["off"] > 3.5 and cache["on"] < 1.5  # four workers, one download
     assert "## Buffered asynchronous vs synchronous over a WAN" in text
     assert "| buffered K=1 |" in text
+
+
+def test_the_ray_comparison_refuses_settings_that_did_not_take() -> None:
+    """bench/inference.py measures Ray Serve only once its replica reports the settings
+    asked for (bench/ray_app.py, ``GET /``): a replica left at Ray's default
+    ``max_ongoing_requests`` of 5 (its batches never fill), on another replica count or
+    batch wait, or without the throughput-optimized mode stops the benchmark with the
+    setting named; so does a ``max_ongoing_requests`` below the batch or the
+    concurrency."""
+    from bench.inference import ray_settings_problem
+
+    cfg = {"max_ongoing_requests": 64, "replicas": 2, "max_batch": 32, "max_wait_ms": 5.0}
+    took = {"max_ongoing_requests": 64, "replicas": 2, "max_batch_size": 32,
+            "batch_wait_timeout_s": 0.005, "throughput_optimized": "1"}
+    assert ray_settings_problem(took, cfg) is None
+    for key, value in (("max_ongoing_requests", 5), ("replicas", 1),
+                       ("batch_wait_timeout_s", 0.0), ("throughput_optimized", "0")):
+        said = ray_settings_problem({**took, key: value}, cfg)
+        assert said is not None and said.startswith(f"Ray Serve's replica reports {key} "), said
+    low = {**cfg, "max_ongoing_requests": 16}
+    said = ray_settings_problem({**took, "max_ongoing_requests": 16}, low)
+    assert said is not None and "would never fill its batches" in said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_inference_comparison_smoke_run_renders_its_tables(redis_db: str) -> None:
+    """bench/inference.py in the CPU layout, small and without Ray: the batch job's runs
+    and the served sides alternated (fedq serve with 1 and 2 workers, the batched HTTP
+    floor in 1 and 2 processes, the bare one), each side's medians and ranges, and the
+    targets against the floors (no speed assertion: the figures are the full run's, in
+    docs/inference.md)."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    proc = subprocess.run([sys.executable, "-m", "bench.inference", "--no-ray", "--no-write",
+                           "--prompts", "32", "--requests", "24", "--big-requests", "48",
+                           "--runs", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    sides = [line.split("|")[1].strip() for line in out.splitlines()
+             if line.startswith(("| fedq serve,", "| batched HTTP floor", "| bare HTTP"))
+             and len(line.split("|")) == 9]  # the sides' table, not the measures'
+    assert "Ray Serve" not in out
+    assert sides == ["fedq serve, 1 worker", "fedq serve, 2 workers",
+                     "batched HTTP floor, 1 process", "batched HTTP floor, 2 processes",
+                     "bare HTTP floor"], out
+    assert "every side 2 times, the sides alternated" in out and "48 at 64" in out
+    assert "÷ the better batched HTTP floor's" in out and "| ≤ 3 ms |" in out
+    both = next(line for line in out.splitlines() if line.startswith("| fedq, both workers |"))
+    assert "(" in both.split("|")[2], both  # a median and its range over the two runs
+    bad = subprocess.run([sys.executable, "-m", "bench.inference", "--runs", "0"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode != 0 and "--runs and --big-requests: at least 1" in bad.stderr
