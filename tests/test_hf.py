@@ -526,6 +526,15 @@ def test_a_lora_job_on_a_local_checkpoint_trains_adapters_on_two_workers(
     _infer_and_serve(cluster, full, tok_dir, tmp_path, exported)
 
 
+def _refused(cluster: Cluster, tmp_path: Path, spec: dict[str, Any], said: str) -> None:
+    """`fedq submit` of ``spec``: one line saying ``said``, exit 2."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = cluster.fedq("submit", str(path), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in proc.stderr, \
+        proc.stderr
+
+
 @pytest.mark.slow
 def test_a_shipped_base_reaches_workers_that_lack_the_checkpoint(
         redis_cluster: Cluster, tmp_path: Path) -> None:
@@ -565,11 +574,7 @@ def test_a_shipped_base_reaches_workers_that_lack_the_checkpoint(
                         "model_args.base_files: fedq submit writes it"),
                        ({"config": LLAMA, "ship_base": True},
                         "ship_base sends the checkpoint at model_args.path")]:
-        spec = tmp_path / "bad.yaml"
-        spec.write_text(yaml.safe_dump({**SPEC, "name": "bad", "model_args": args}))
-        proc = cluster.fedq("submit", str(spec), check=False)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in \
-            proc.stderr, proc.stderr
+        _refused(cluster, tmp_path, {**SPEC, "name": "bad", "model_args": args}, said)
 
 
 @pytest.mark.slow
@@ -617,11 +622,7 @@ def test_a_bpe_trained_at_submit_is_stored_with_the_job_and_fetched_by_workers(
                       ({**args, "chat": True}, "is trained without one"),
                       ({**args, "tokenizer_files": {}},
                        "dataset_args.tokenizer_files: fedq submit writes it")]:
-        path = tmp_path / "bad.yaml"
-        path.write_text(yaml.safe_dump({**spec, "name": "bad", "dataset_args": bad}))
-        proc = cluster.fedq("submit", str(path), check=False)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and said in \
-            proc.stderr, proc.stderr
+        _refused(cluster, tmp_path, {**spec, "name": "bad", "dataset_args": bad}, said)
 
 
 def _infer_and_serve(cluster: Cluster, job: str, tok_dir: Path, tmp_path: Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,12 @@ def fetch_folder(store: BlobStore, files: dict[str, Any], root: Path, name: str)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def fetcher(store: BlobStore, home: Path) -> Callable[[str, dict[str, Any], str], Path]:
+    """``fetch(kind, files, name)``: :func:`fetch_folder` from ``store`` into
+    ``home/kind/name`` (what fedq/models/stored.py's ``localized`` takes)."""
+    return lambda kind, files, name: fetch_folder(store, files, home / kind, name)
 
 
 def _whole(folder: Path, refs: dict[str, BlobRef]) -> bool:

@@ -50,16 +50,15 @@ def here(spec: JobSpec, base: bool = True) -> JobSpec:
     ``base``, the checkpoint it ships (``model_args.base_files``): the paths given
     where they hold the job's files (by digest), else the folders under FEDQ_HOME
     (``tokenizers/``, ``bases/``) the blob store's copies are fetched into once."""
-    if "base_files" not in spec.model_args and "tokenizer_files" not in spec.dataset_args:
+    from fedq.models.stored import beside, localized
+
+    if not beside(spec.model_args, spec.dataset_args):
         return spec
-    from fedq.blobs.checkpoint import fetch_folder
-    from fedq.models.stored import localized
+    from fedq.blobs.checkpoint import fetcher
 
     settings = get_settings()
-    store = PROCESS.blobs(settings)
-    model_args, dataset_args = localized(
-        spec.model_args if base else {}, spec.dataset_args,
-        lambda kind, files, name: fetch_folder(store, files, settings.home / kind, name))
+    model_args, dataset_args = localized(spec.model_args if base else {}, spec.dataset_args,
+                                         fetcher(PROCESS.blobs(settings), settings.home))
     return spec.model_copy(update={"model_args": model_args if base else spec.model_args,
                                    "dataset_args": dataset_args})
 

@@ -65,16 +65,14 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     shipped = _shipped(spec)
     capacity.check(settings, spec, store, len(body),
                    tuple(f.stat().st_size for f in [*shipped, *([trained] if trained else [])]))
+    from fedq.blobs.checkpoint import put_folder
+
     try:
         if trained is not None:  # the tokenizer beside the job, for workers to fetch
-            from fedq.blobs.checkpoint import put_folder
-
             spec = spec.model_copy(update={"dataset_args": {
                 **spec.dataset_args, "tokenizer_files": put_folder(
                     store, [trained], f"{job_prefix(job_id)}tokenizer")}})
         if shipped:  # ship_base: the checkpoint beside the job, for workers without it
-            from fedq.blobs.checkpoint import put_folder
-
             files = put_folder(store, shipped, f"{job_prefix(job_id)}base")
             spec = spec.model_copy(update={"model_args": {**spec.model_args,
                                                           "base_files": files}})

@@ -213,16 +213,13 @@ def _here(settings: Settings, arch: dict[str, Any]) -> dict[str, Any]:
     """``arch`` with paths that hold, on this machine, the checkpoint and tokenizer its
     training job stores beside it (fetched once into FEDQ_HOME: fedq/models/stored.py),
     for the checks made here; each worker finds its own."""
-    if "base_files" not in arch["args"] and "tokenizer_files" not in arch["dataset_args"]:
-        return arch
-    from fedq.blobs.checkpoint import fetch_folder
-    from fedq.models.stored import localized
+    from fedq.models.stored import beside
 
-    store = PROCESS.blobs(settings)
-    args, dataset_args = localized(
-        arch["args"], arch["dataset_args"],
-        lambda kind, files, name: fetch_folder(store, files, settings.home / kind, name))
-    return {**arch, "args": args, "dataset_args": dataset_args}
+    if not beside(arch["args"], arch["dataset_args"]):
+        return arch  # no store opened for a job that keeps nothing beside it
+    from fedq.inference.run import localize
+
+    return localize(arch, PROCESS.blobs(settings))
 
 
 def _tokenizer_path(dataset_args: dict[str, Any], data_dir: str | None) -> dict[str, Any]:

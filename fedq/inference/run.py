@@ -77,17 +77,20 @@ def here(arch: Arch, store: BlobStore) -> dict[str, Any]:
     """``arch`` as a dict, with paths that hold the model's checkpoint and tokenizer on
     this machine: its own copies, or those its training job stores beside it, fetched
     once per machine into FEDQ_HOME (fedq/models/stored.py)."""
-    built = arch.model_dump()
-    if "base_files" not in built["args"] and "tokenizer_files" not in built["dataset_args"]:
-        return built
-    from fedq.blobs.checkpoint import fetch_folder
-    from fedq.models.stored import localized
+    return localize(arch.model_dump(), store)
 
-    home = get_settings().home
-    built["args"], built["dataset_args"] = localized(
-        built["args"], built["dataset_args"],
-        lambda kind, files, name: fetch_folder(store, files, home / kind, name))
-    return built
+
+def localize(arch: dict[str, Any], store: BlobStore) -> dict[str, Any]:
+    """:func:`here` of an arch as a dict (``name``, ``args``, ``dataset_args``, ...)."""
+    from fedq.models.stored import beside, localized
+
+    if not beside(arch["args"], arch["dataset_args"]):
+        return arch
+    from fedq.blobs.checkpoint import fetcher
+
+    args, dataset_args = localized(arch["args"], arch["dataset_args"],
+                                   fetcher(store, get_settings().home))
+    return {**arch, "args": args, "dataset_args": dataset_args}
 
 
 def _model(blob: Blob, arch: Arch, store: BlobStore, device: torch.device

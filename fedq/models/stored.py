@@ -13,6 +13,11 @@ from typing import Any
 Fetch = Callable[[str, dict[str, Any], str], Path]
 
 
+def beside(model_args: dict[str, Any], dataset_args: dict[str, Any]) -> bool:
+    """Whether the job stores a checkpoint or a tokenizer beside its spec."""
+    return "base_files" in model_args or "tokenizer_files" in dataset_args
+
+
 def localized(model_args: dict[str, Any], dataset_args: dict[str, Any], fetch: Fetch
               ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``model_args`` and ``dataset_args`` with paths that hold, on this machine, the

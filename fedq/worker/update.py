@@ -80,15 +80,14 @@ def here(spec: JobSpec, store: BlobStore) -> JobSpec:
     """``spec`` with paths that hold the job's checkpoint and tokenizer on this machine:
     its own copies, or those the job stores beside it (a shipped base, a tokenizer fedq
     submit trained), fetched once per machine into FEDQ_HOME (fedq/models/stored.py)."""
-    if "base_files" not in spec.model_args and "tokenizer_files" not in spec.dataset_args:
-        return spec
-    from fedq.blobs.checkpoint import fetch_folder
-    from fedq.models.stored import localized
+    from fedq.models.stored import beside, localized
 
-    home = get_settings().home
-    model_args, dataset_args = localized(
-        spec.model_args, spec.dataset_args,
-        lambda kind, files, name: fetch_folder(store, files, home / kind, name))
+    if not beside(spec.model_args, spec.dataset_args):
+        return spec
+    from fedq.blobs.checkpoint import fetcher
+
+    model_args, dataset_args = localized(spec.model_args, spec.dataset_args,
+                                         fetcher(store, get_settings().home))
     return spec.model_copy(update={"model_args": model_args, "dataset_args": dataset_args})
 
 
