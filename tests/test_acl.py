@@ -225,10 +225,12 @@ def test_a_restarted_redis_gets_its_joined_workers_users_back(tmp_path: Path,
 
     url = f"redis://:{SECRET}@127.0.0.1:{port}/0"
     server = start()
-    cluster = migrated_cluster(tmp_path, url, url, pg_url)
+    # results and blobs in databases of their own, as a deployment keeps them: the user
+    # made again must name the broker's database in its remote-control channel rule
+    cluster = migrated_cluster(tmp_path, url, url.replace("/0", "/1"), pg_url)
     try:
         cluster.env.update(FEDQ_IDENTITY="required", FEDQ_KEYS_DIR=str(tmp_path / "coord"),
-                           FEDQ_BLOB_URL=url, FEDQ_WATCHDOG_INTERVAL="1")
+                           FEDQ_BLOB_URL=url.replace("/0", "/2"), FEDQ_WATCHDOG_INTERVAL="1")
         cluster.start(control=["control"])
         cluster.start_beat()
         cluster.fedq("worker", "add", "w1", "--queues", "cpu", "--out",

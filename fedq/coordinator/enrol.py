@@ -128,8 +128,12 @@ def restore_users(settings: Settings) -> list[str]:
     broker users."""
     from fedq.coordinator import acl
 
-    servers = {acl.server(u): u for u in (settings.broker_url, settings.result_backend,
-                                          settings.blob_url) if acl.is_redis(u)}
+    # one URL a server, the first of these, as enrol() makes them: the broker's, whose
+    # database numbers the user's channel rule (its remote-control channel)
+    servers: dict[str, str] = {}
+    for url in (settings.broker_url, settings.result_backend, settings.blob_url):
+        if acl.is_redis(url):
+            servers.setdefault(acl.server(url), str(url))
     if not servers:
         return []
     with session_scope(settings.database_url) as s:
