@@ -25,8 +25,9 @@ python=.venv/bin/python
 [ -x "$python" ] || bash scripts/bootstrap.sh  # a fresh clone: the host's pip and packaging
 mkdir -p "$cache"
 
-# 1. The base: Debian bookworm with Python 3.11 and the services' packages.
-packages="python3,python3-venv,ca-certificates,procps,redis-server,postgresql,tini,socat"
+# 1. The base: Debian bookworm with Python 3.11, nothing more (every fedq image is made
+#    from it; the services' images add their packages from the mirror with apt-get).
+packages="python3,python3-venv,ca-certificates,procps"
 base_tag="fedq-debian:bookworm-$(echo "$packages" | sha256sum | cut -c1-12)"
 if ! docker image inspect "$base_tag" >/dev/null 2>&1; then
     echo "fedq: debootstrap of Debian bookworm from $mirror (about a minute)" >&2

@@ -487,46 +487,86 @@ def test_a_round_trained_on_the_pascal_and_the_new_gpu_images_together(stack: St
 
 DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"
 GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets", ROOT / "worker"]
+SECURE_GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets",
+                      ROOT / "docker" / "pki", ROOT / "laptop", ROOT / "laptop.bundle",
+                      ROOT / "cli"]
 
 
-def runnable_blocks(markdown: str) -> list[str]:
-    """The guide's shell blocks marked ``<!-- runnable -->``, in order."""
-    return re.findall(r"<!-- runnable -->\n```bash\n(.*?)```", markdown, re.S)
+def runnable_blocks(markdown: str, section: str = "") -> list[str]:
+    """The guide's shell blocks marked ``<!-- runnable -->`` (``<!-- runnable: SECTION
+    -->`` with a section), in order."""
+    mark = f"runnable: {section}" if section else "runnable"
+    return re.findall(rf"<!-- {mark} -->\n```bash\n(.*?)```", markdown, re.S)
+
+
+def _run_guide(blocks: list[str], files: list[Path], compose: list[str],
+               containers: list[str], volumes: list[str],
+               path: str | None = None) -> str:
+    """The blocks, verbatim and in order, in one `bash -c` in this checkout, with free
+    ports and a compose project of its own (through the environment, as the guide says
+    to set them); what they wrote, started and made is removed afterwards. Returns
+    their output."""
+    present = [str(p) for p in files if p.exists()]
+    assert not present, f"the guide writes {present}: move them away to run this test"
+    project = f"fedqguide{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": project,
+           **{name: str(free_port()) for name in ("REDIS_PORT", "POSTGRES_PORT", "S3_PORT",
+                                                  "FLOWER_PORT", "METRICS_PORT")}}
+    if path is not None:
+        env["PATH"] = f"{env['PATH']}{os.pathsep}{path}"
+    env = {k: v for k, v in env.items() if not k.startswith("FEDQ_")}
+    script = "set -euo pipefail\n" + "\n".join(blocks)
+    try:
+        proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=1500, check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-6000:]
+        return out
+    finally:
+        for container in containers:
+            subprocess.run(["docker", "rm", "-f", container], env=env, capture_output=True,
+                           check=False)
+        for volume in volumes:
+            subprocess.run(["docker", "volume", "rm", volume], env=env, capture_output=True,
+                           check=False)
+        if (ROOT / "docker" / ".env").exists():
+            subprocess.run(["bash", "scripts/compose.sh", *compose, "down", "-v"],
+                           cwd=ROOT, env=env, capture_output=True, check=False, timeout=300)
+        for path_ in files:
+            if path_.is_dir():
+                shutil.rmtree(path_)
+            else:
+                path_.unlink(missing_ok=True)
 
 
 def test_the_guide_runs_as_written() -> None:
     """docs/deploy.md's runnable blocks, verbatim and in order, in one shell in this
     checkout: the engine, the images, docker/.env and docker/secrets/, `docker-compose
-    up`, the worker's folder, a
-    worker container, a submitted job watched to the end, and `down`. Only the ports
-    are chosen (free ones, through the environment, as the guide says to), and the
-    compose project's name, so that it does not meet the other tests' stack."""
+    up`, the worker's folder, a worker container, a submitted job watched to the end, and
+    `down`. Only the ports are chosen (free ones, through the environment, as the guide
+    says to), and the compose project's name, so that it does not meet the other tests'
+    stack."""
     blocks = runnable_blocks(DEPLOY_GUIDE.read_text())
     assert len(blocks) == 5 and "scripts/compose.sh" in blocks[0] and "fedq watch" in blocks[3]
-    present = [str(p) for p in GUIDE_FILES if p.exists()]
-    assert not present, f"the guide writes {present}: move them away to run this test"
-    project = f"fedqguide{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": project,
-           "PATH": f"{os.environ['PATH']}{os.pathsep}{ROOT / '.venv' / 'bin'}",
-           **{name: str(free_port()) for name in ("REDIS_PORT", "POSTGRES_PORT", "S3_PORT",
-                                                  "FLOWER_PORT", "METRICS_PORT")}}
-    env = {k: v for k, v in env.items() if not k.startswith("FEDQ_")}
-    script = "set -euo pipefail\n" + "\n".join(blocks)
-    try:
-        proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=1200, check=False)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        assert re.search(r"job \S+ completed at round 5/5", out), out[-4000:]
-        assert "cpu-1" in out, out[-4000:]  # `fedq workers` lists the guide's worker
-    finally:
-        subprocess.run(["docker", "rm", "-f", "fedq-cpu-1"], env=env, capture_output=True,
-                       check=False)
-        if (ROOT / "docker" / ".env").exists():
-            subprocess.run(["bash", "scripts/compose.sh", "--debian", "down", "-v"],
-                           cwd=ROOT, env=env, capture_output=True, check=False, timeout=300)
-        for path in GUIDE_FILES:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+    out = _run_guide(blocks, GUIDE_FILES, ["--debian"], ["fedq-cpu-1"], [],
+                     path=str(ROOT / ".venv" / "bin"))
+    assert re.search(r"job \S+ completed at round 5/5", out), out[-4000:]
+    assert "cpu-1" in out, out[-4000:]  # `fedq workers` lists the guide's worker
+
+
+def test_the_secure_guide_runs_as_written() -> None:
+    """docs/deploy.md's "stack with identity and TLS", its runnable blocks verbatim and in
+    order: scripts/secure.sh and the secure stack up, `fedq worker add` in the control
+    container, a worker container that joins with its own certificate, the host's CLI
+    over TLS as a submitter role, a job; then `down` and `up` and a job, and a job with a
+    Redis restart in its middle, each trained by the worker joined before (the stack's
+    only worker: each fails if a restart loses its Redis user for good), and the stop.
+    Its own PATH has no fedq: the blocks say where the CLI comes from."""
+    blocks = runnable_blocks(DEPLOY_GUIDE.read_text(), "secure")
+    assert len(blocks) == 6 and "--secure up" in blocks[0] and "restart redis" in blocks[4]
+    out = _run_guide(blocks, SECURE_GUIDE_FILES, ["--debian", "--secure"], ["fedq-laptop"],
+                     ["fedq-keys-laptop"])
+    assert "joined as laptop" in out, out[-4000:]
+    done = re.findall(r"job \S+ completed at round (\d+)/(\d+)", out)
+    assert done == [("5", "5"), ("2", "2"), ("3", "3")], out[-6000:]
+    assert "laptop@" in out, out[-4000:]  # `fedq workers` lists it by its Celery name

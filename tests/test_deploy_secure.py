@@ -135,6 +135,24 @@ def test_a_joined_worker_trains_over_tls_with_only_its_own_credentials(secure: S
     pki = stack.home / "pki" / "workers" / "w1"
     _write_secrets(worker_dir, {"bundle": bundle,
                                 **{p.name: p.read_text() for p in pki.iterdir()}})
+    # a join whose keys folder the image's user cannot write (a root-owned volume): the
+    # container exits non-zero with its one-line reason, celery never starts, and the
+    # invitation stays open for the join below with the same bundle
+    locked = stack.home / "locked-keys"
+    locked.mkdir(mode=0o755)
+    refused = subprocess.run(
+        ["docker", "run", "--rm", "--network", "host",
+         *(a for name in ("ca.crt", "client.crt", "client.key")
+           for a in ("-v", f"{worker_dir / name}:/etc/fedq/{name}:ro")),
+         "-v", f"{worker_dir / 'bundle'}:/run/fedq.bundle:ro",
+         "-v", f"{locked}:/home/fedq/.fedq/keys", "fedq-worker:cpu",
+         "sh", "-c", "fedq worker join /run/fedq.bundle && exec celery -A fedq worker "
+         "-Q cpu -c 1 -n w1@%h -l INFO"],
+        env=stack.docker, capture_output=True, text=True, timeout=180, check=False)
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    assert "the invitation is unused" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr, refused.stderr
+    assert "celery@" not in refused.stdout + refused.stderr, refused.stdout[-2000:]
     container = f"{stack.project}-w1"
     stack.run("docker", "run", "-d", "--name", container, "--network", "host",
               *(a for name in ("ca.crt", "client.crt", "client.key")
