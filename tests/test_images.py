@@ -253,3 +253,27 @@ def test_the_worker_tests_pass_inside_each_worker_image(image: str, cls: str) ->
     assert f"torch {built['torch']}" in out, out[-3000:]  # that image's own torch
     passed = re.search(r"(\d+) passed", out)
     assert passed and int(passed[1]) >= 70 and " failed" not in out, out[-3000:]
+
+
+@pytest.mark.docker
+def test_beat_schedule_file_shows_a_sync_in_the_image() -> None:
+    """compose's beat healthcheck reads the schedule file's time. In the coordinator image
+    Python's shelve uses dbm.ndbm, whose sync leaves the file alone; fedq's BeatSchedule
+    touches it at every sync. With Celery's PersistentScheduler this fails."""
+    script = (
+        "import glob, os, time\n"
+        "from fedq.engine.app import app\n"
+        "from celery.utils.imports import symbol_by_name\n"
+        "cls = symbol_by_name(app.conf.beat_scheduler)\n"
+        "s = cls(app=app, schedule_filename='/tmp/sched', lazy=False)\n"
+        "s.sync()\n"
+        "files = glob.glob('/tmp/sched*')\n"
+        "before = {f: os.stat(f).st_mtime for f in files}\n"
+        "time.sleep(1.2)\n"
+        "s.sync()\n"
+        "print(sorted(files), all(os.stat(f).st_mtime > t for f, t in before.items()))\n")
+    proc = subprocess.run(["docker", "run", "--rm", "--entrypoint", "python",
+                           "fedq-coordinator", "-c", script],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("True"), proc.stdout + proc.stderr[-1000:]

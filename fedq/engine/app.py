@@ -130,6 +130,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                                           "expires": settings.watchdog_interval}},
         },
         "beat_schedule_filename": str(settings.home / "beat-schedule"),
+        "beat_scheduler": "fedq.engine.beat:BeatSchedule",  # its file says it is alive
         "include": ["fedq.tasks.train", "fedq.tasks.infer", "fedq.tasks.control",
                     "fedq.worker.signals"],
     }
