@@ -205,19 +205,55 @@ def test_presigned_urls_over_https_trust_only_the_ca_aws_ca_bundle_names(
         PresignedStore(links)
 
 
+def test_a_presigned_read_is_received_into_one_buffer_and_checked_as_it_arrives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A global model read through its presigned URL arrives into one buffer of its
+    Content-Length, hashed piece by piece (no second copy joined from pieces); a body
+    that ends before its Content-Length, or whose bytes are not the ref's, is one line
+    naming the key, never a short or wrong model."""
+    import os
+
+    import fedq.digest as digests
+    from fedq.blobs.base import BlobRef
+    from fedq.blobs.presigned import PresignedStore
+    from fedq.errors import BlobError, BlobIntegrityError
+    from fedq.provision import provision
+
+    provision(tmp_path / "pki", ["127.0.0.1"], [])
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "pki" / "ca.crt"))
+    model = os.urandom(3 * (1 << 20) + 17)  # over the 1 MiB pieces, not a multiple
+    objects = {"/g": model, "/short": model, "/wrong": model[:-1] + b"x"}
+    ref = BlobRef("g", digests.of(model), len(model))
+    with _https_s3(tmp_path / "pki", objects, declared={"/short": len(model) + 5}) as base:
+        links = {"get": {key: f"{base}/{key}?X-Amz-Signature=secret"
+                         for key in ("g", "short", "wrong")}}
+        store = PresignedStore(links)
+        got = store.get(ref)
+        assert isinstance(got, bytearray) and got == model
+        with pytest.raises(BlobError, match=r"short .*the body ended after \d+ of its "
+                                            rf"{len(model) + 5} bytes") as short:
+            store.get(BlobRef("short", ref.sha256, len(model) + 5))
+        assert "secret" not in str(short.value)
+        with pytest.raises(BlobIntegrityError, match="wrong"):
+            store.get(BlobRef("wrong", ref.sha256, len(model)))
+
+
 @contextmanager
-def _https_s3(pki: Path, objects: dict[str, bytes]) -> Iterator[str]:
+def _https_s3(pki: Path, objects: dict[str, bytes],
+              declared: dict[str, int] | None = None) -> Iterator[str]:
     """An https server with ``pki``'s server certificate that GETs and PUTs ``objects``
-    by path (the S3 calls a presigned URL makes; no signature is checked here)."""
+    by path (the S3 calls a presigned URL makes; no signature is checked here). A path
+    in ``declared`` answers with that Content-Length, whatever its body's size."""
     import http.server
     import ssl
     import threading
 
     class S3(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            body = objects.get(self.path.split("?")[0], b"")
+            path = self.path.split("?")[0]
+            body = objects.get(path, b"")
             self.send_response(200 if body else 404)
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str((declared or {}).get(path, len(body))))
             self.end_headers()
             self.wfile.write(body)
 
