@@ -239,7 +239,10 @@ def test_the_worker_tests_pass_inside_each_worker_image(image: str, cls: str) ->
     script = ("pip install -q --no-index --find-links /wheels --target /tmp/pt pytest "
               "pytest-timeout && python -c 'import torch; print(\"torch\", torch.__version__)'"
               " && PYTHONPATH=/tmp/pt python -m pytest -q -p no:cacheprovider "
-              "-m 'not slow and not docker' " + " ".join(WORKER_TESTS))
+              "-m 'not slow and not docker' " + " ".join(WORKER_TESTS)
+              # it starts a redis-server of its own: a worker image carries none
+              + " --deselect tests/test_weights.py::"
+                "test_bulk_reader_authenticates_and_selects_the_database")
     dbs = os.environ.get("FEDQ_TEST_REDIS_DBS", "1-15")  # beside another stage: its own
     proc = _docker("run", "--rm", "--network", "host", "-e", "CI=true",
                    "-e", f"FEDQ_TEST_REDIS_DBS={dbs}",
