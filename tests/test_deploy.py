@@ -486,7 +486,8 @@ def test_a_round_trained_on_the_pascal_and_the_new_gpu_images_together(stack: St
 
 
 DEPLOY_GUIDE = ROOT / "docs" / "deploy.md"
-GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets", ROOT / "worker"]
+GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets", ROOT / "worker",
+               ROOT / "cli"]
 SECURE_GUIDE_FILES = [ROOT / "docker" / ".env", ROOT / "docker" / "secrets",
                       ROOT / "docker" / "pki", ROOT / "laptop", ROOT / "laptop.bundle",
                       ROOT / "cli"]
