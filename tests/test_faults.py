@@ -626,3 +626,56 @@ def test_quorum_failure_redispatches_then_fails_then_resumes(redis_cluster: Clus
                                                                   (2, "committed")]
     record_outcome("the same job after `fedq resume` with a gpu_sm61 worker started",
                    "-", "completed", 2, 0)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_upload_leaves_no_half_blob(tmp_path: Path, redis_db: str,
+                                                        pg_url: str) -> None:
+    """A big model's update is written as chunks, then its manifest (fedq/blobs/chunks.py).
+    A worker SIGKILLed once its first chunk is stored (fedq.testing.hold's ``upload``
+    point) leaves nothing a reader takes for the update, only chunks; its client is
+    trained again by the other worker and the job completes; and the round's settle
+    (``keep_updates: 0``) deletes the dead attempt's chunks with the round's updates."""
+    import redis
+
+    from fedq.blobs import BlobRef, update_key
+    from fedq.blobs.factory import open_store
+    from fedq.blobs.redis import KEY_PREFIX
+    from fedq.errors import BlobNotFound
+
+    cluster = migrated_cluster(tmp_path, redis_db, redis_db, pg_url)
+    holds = Holds(cluster.home / "holds")
+    try:
+        # ~2 KB chunks: a digits update (about 150 KB) is some 70 of them
+        cluster.env.update(FEDQ_BLOB_URL=redis_db, FEDQ_BLOB_CHUNK_MB="0.002")
+        cluster.start(control=["control"])
+        cluster.start_beat()
+        cluster.add("w1", ["cpu"], **holds.env("upload", r"-r2-c\d+-a1$"))
+        cluster.add("w2", ["cpu"])
+        job = cluster.submit({**DIGITS, "name": "upload-kill", "rounds": 3,
+                              "keep_updates": 0, "max_redispatch": 3})
+        held = wait_until(lambda: holds.waiting(rf"^upload-{job}-r2-c\d+-a1$"), 120,
+                          what=lambda: "w1 to hold an upload of round 2\n" +
+                          "\n".join(w.tail() for w in cluster.workers))
+        task = sorted(held)[0]
+        client = int(re.search(r"-c(\d+)-a1$", task).group(1))  # type: ignore[union-attr]
+        cluster.by_name("w1").kill()  # chunk 1 stored, the manifest not
+        key = update_key(job, 2, client, 1, None)
+        root = redis.Redis.from_url(redis_db)
+        assert root.exists(KEY_PREFIX + key + ".chunk00000") == 1  # the chunk it stored
+        assert root.exists(KEY_PREFIX + key) == 0  # no manifest: no blob to read
+        with pytest.raises(BlobNotFound):
+            open_store(redis_db).get(BlobRef(key, "0" * 64, 1))
+        view = cluster.wait(job, timeout=240)
+    finally:
+        holds.close()
+        cluster.stop()
+    assert view.status == "completed", view.error
+    row = {(u.round_number, u.client): u for u in cluster.updates(job)}[(2, client)]
+    assert row.status == "ok" and row.attempt > 1, (row.status, row.attempt, row.error)
+    left = [k.decode() for k in root.scan_iter(match=f"{KEY_PREFIX}jobs/{job}/*updates*")]
+    assert not left, left[:5]  # the dead attempt's chunks went with the round's updates
+    record_outcome("big model: a 3-round job whose updates are written as ~2 KB chunks "
+                   "on Redis, a worker SIGKILLed after the first chunk of a round-2 update",
+                   "a training worker, mid-upload (no manifest written)", view.status,
+                   len(cluster.rounds(job)), 0)

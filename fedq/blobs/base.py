@@ -138,12 +138,14 @@ class BlobStore(ABC):
             return BlobRef(key, digests.of(data), len(data))
         return BlobRef(key, write_hashing(lambda: self._write(key, data), [data]), len(data))
 
-    def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+    def put_parts(self, key: str, parts: Sequence[Any],
+                  progress: Callable[[int], None] | None = None) -> BlobRef:
         """Store the concatenation of ``parts`` (bytes-like) under ``key``, as chunks
-        where it is larger than ``chunk_bytes``."""
+        where it is larger than ``chunk_bytes``; ``progress(n)`` after each chunk ``n``
+        is stored (never for a blob kept as one value)."""
         if self.chunk_bytes is not None and \
                 sum(memoryview(p).nbytes for p in parts) > self.chunk_bytes:
-            return chunks.put(self, key, parts, self.chunk_bytes)
+            return chunks.put(self, key, parts, self.chunk_bytes, progress)
         return self.put_whole_parts(key, parts)
 
     def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:

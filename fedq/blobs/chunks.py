@@ -24,7 +24,7 @@ whole is checked against the ref's digest. Any failure is one line naming the ke
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import fedq.digest as digests
@@ -58,9 +58,11 @@ def is_manifest(ref: BlobRef, head: Any) -> bool:
     return len(head) != ref.size and bytes(memoryview(head)[:len(MAGIC)]) == MAGIC
 
 
-def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int) -> BlobRef:
+def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int,
+        progress: Callable[[int], None] | None = None) -> BlobRef:
     """Write the concatenation of ``parts`` as chunks of at most ``chunk`` bytes, then
-    the manifest; the whole blob's ref."""
+    the manifest; the whole blob's ref. ``progress(n)`` is called once chunk ``n``
+    (counting from 1) is stored, before the next one is written."""
     whole = digests.new()
     listed: list[list[Any]] = []
     pending: list[memoryview] = []
@@ -76,6 +78,8 @@ def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int) -> BlobRef
         listed.append([ref.size, ref.sha256])
         pending.clear()
         filled = 0
+        if progress is not None:
+            progress(len(listed))
 
     for part in parts:
         view = memoryview(part).cast("B")

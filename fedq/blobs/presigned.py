@@ -23,7 +23,7 @@ import os
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fedq.digest as digests
@@ -59,7 +59,10 @@ class PresignedStore(BlobStore):
     def _write(self, key: str, data: bytes) -> None:
         self.put_parts(key, [data])
 
-    def put_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+    def put_parts(self, key: str, parts: Sequence[Any],
+                  progress: Callable[[int], None] | None = None) -> BlobRef:
+        """One PUT through ``key``'s URL (S3 keeps the object whole: no chunks, so no
+        ``progress``)."""
         url = self._url(self._put, key, "write")
         size = sum(len(memoryview(p).cast("B")) for p in parts)
         digest = digests.new()

@@ -10,7 +10,9 @@ reaching ``POINT`` writes ``FOLDER/TASK_ID.held`` (holding the worker's name) an
 waits until ``FOLDER/TASK_ID.go`` exists. Points: ``training`` (a training task,
 claimed and beating, before its first step; named by its task id), ``finalize`` (a
 round about to be aggregated and committed: ``JOB-rROUND``), ``apply`` (a buffered
-version about to be aggregated and committed: ``JOB-vVERSION``).
+version about to be aggregated and committed: ``JOB-vVERSION``), ``upload`` (a worker's
+update written as chunks, its first chunk stored and its manifest not yet:
+``upload-JOB-rROUND-cCLIENT-aATTEMPT``).
 """
 
 from __future__ import annotations

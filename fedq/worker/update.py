@@ -34,7 +34,7 @@ from fedq.protocol.training import MEASURE_UPLINK_BYTES, StepRef, TrainRef, Trai
 from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
-from fedq.testing import faults
+from fedq.testing import faults, hold
 from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
 from fedq.worker import fit, inner, owner, ranks, replica
 from fedq.worker import kept as kept_file
@@ -323,7 +323,7 @@ def _train(ref: TrainRef, store: BlobStore, worker: str, start: float,
     scale = faults.byzantine_scale(spec.name, ref.client)  # tests only (fedq/testing/faults.py)
     if scale is not None:
         delta = {k: v * scale if v.dtype.is_floating_point else v for k, v in delta.items()}
-    up, upload, sent = _upload(ref, spec, store, delta)
+    up, upload, sent = _upload(ref, spec, store, delta, worker)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
                      client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
@@ -354,11 +354,16 @@ def peak_rss_mb() -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
-def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
-            delta: Weights) -> tuple[BlobRef, float, TrainStats]:
+def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights,
+            worker: str) -> tuple[BlobRef, float, TrainStats]:
     """Encode and store ``delta``: its ref, the seconds it took, and the codec it was
     sent with and this worker's uplink as the task's stats report them. A large upload
     measures the uplink (the put alone, not the encoding)."""
+    def after_chunk(written: int) -> None:
+        if written == 1:  # fault tests only (FEDQ_TEST_HOLD): a chunked upload half done
+            hold.at("upload", f"upload-{ref.job}-r{ref.number}-c{ref.client}-a{ref.attempt}",
+                    worker)
+
     codec, _ = pick_codec(spec)
     started = time.perf_counter()
     stored, meta = encode(delta, codec, spec.compression.chunk)
@@ -369,7 +374,7 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore,
     parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
         else dump_parts(stored, meta)
     sending = time.perf_counter()
-    up = store.put_parts(key, parts)
+    up = store.put_parts(key, parts, after_chunk)
     done = time.perf_counter()
     if up.size >= MEASURE_UPLINK_BYTES:  # the put alone: the link, not the encoder
         PROCESS.uplink_mbit = up.size * 8 / max(done - sending, 1e-6) / 1e6
@@ -383,7 +388,7 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
     data, no model, no training; the update is :func:`fedq.testing.faults.zero_delta`."""
     delta = faults.zero_delta(tuple((k, tuple(v.shape), v.dtype)
                                     for k, v in global_weights.items()), ref.client)
-    up, upload, sent = _upload(ref, spec, store, delta)
+    up, upload, sent = _upload(ref, spec, store, delta, worker)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
                      client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
