@@ -148,6 +148,8 @@ def test_a_killed_rank_fails_its_task_at_once_and_the_job_completes(
         [(u.round_number, u.client, u.status, u.attempt, u.error) for u in rows]
     (again,) = [u for u in ok if (u.round_number, u.client) == (1, client)]
     assert again.attempt == 2, again.attempt  # sent again after the failed attempt
-    assert {u.worker for u in ok} == {"one@test", "island@test"}, {u.worker for u in ok}
+    assert {u.worker for u in ok} == {"one@test", "island@test"}, (
+        [(u.round_number, u.client, u.worker, u.status, u.attempt, u.error) for u in rows],
+        island.tail(60))
     assert b"training over 2 devices: cpu, cpu" in island.log_path.read_bytes()
     holds.close()
