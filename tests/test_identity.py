@@ -384,9 +384,9 @@ import fedq.worker.update as _update
 _upload = _update._upload
 
 
-def _hostile(ref, spec, store, delta):
+def _hostile(ref, spec, store, delta, *rest):
     return _upload(ref, spec, store, {k: v * -10.0 if v.dtype.is_floating_point else v
-                                      for k, v in delta.items()})
+                                      for k, v in delta.items()}, *rest)
 
 
 _update._upload = _hostile
