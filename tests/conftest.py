@@ -7,6 +7,7 @@ elsewhere it skips the tests that need it, saying which service is missing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -156,7 +157,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         finally:
             # Its folder is thrown away: no need to wait for weed's graceful stop, which
             # took the whole 10 s it was once given at each module's end.
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # exited already: a failed start
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
             log.close()
 
