@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -60,69 +60,181 @@ def loads(data: bytes | bytearray, what: str = "blob") -> Weights:
     return _views(data if isinstance(data, bytearray) else bytearray(data), what)
 
 
-def _views(buf: bytearray, what: str) -> Weights:
-    """Parse the safetensors layout (8-byte little-endian header length, a JSON header
-    of name -> dtype, shape, data_offsets, then the data) with the checks safetensors
-    makes: offsets in bounds, sizes matching shapes, tensors tiling the data exactly."""
-    def bad(why: str) -> UpdateRejected:
-        return UpdateRejected(f"{what}: not a safetensors file ({why})")
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: where its bytes are in the data section."""
 
-    if len(buf) < 8:
-        raise bad("shorter than its header length")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > len(buf) - 8:
-        raise bad(f"header length {n} exceeds the file")
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+class Layout(NamedTuple):
+    """A safetensors file's header, checked: its tensors in header order, its
+    metadata, and where the data section starts."""
+
+    entries: list[Entry]
+    meta: dict[str, str]
+    start: int
+
+    def by_offset(self) -> list[Entry]:
+        return sorted(self.entries, key=lambda e: e.lo)
+
+
+def header_length(head: bytes | bytearray | memoryview, total: int, what: str) -> int:
+    """The JSON header's length from a file's first 8 bytes (``total``: the file's size)."""
+    if total < 8 or len(head) < 8:
+        raise _bad(what, "shorter than its header length")
+    (n,) = struct.unpack_from("<Q", head, 0)
+    if n > total - 8:
+        raise _bad(what, f"header length {n} exceeds the file")
+    return int(n)
+
+
+def layout(head: bytes | bytearray | memoryview, total: int, what: str = "blob") -> Layout:
+    """Parse and check the header of a safetensors file of ``total`` bytes from its
+    first bytes ``head`` (at least the header), with the checks safetensors makes:
+    offsets in bounds, sizes matching shapes, tensors tiling the data exactly."""
+    n = header_length(head, total, what)
+    if len(head) < 8 + n:
+        raise _bad(what, "header cut short")
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(bytes(head[8:8 + n]))
     except ValueError as exc:
-        raise bad(f"header is not JSON: {exc}") from None
+        raise _bad(what, f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    start, size = 8 + n, len(buf) - 8 - n
-    whole = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    spans, out = [], {}
+        raise _bad(what, "header is not a JSON object")
+    size = total - 8 - n
+    entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
+            shape = tuple(int(d) for d in info["shape"])
             lo, hi = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise bad(f"tensor {name!r}: bad entry ({exc})") from None
-        count = math.prod(shape)
-        if not 0 <= lo <= hi <= size or hi - lo != count * dtype.itemsize \
+            raise _bad(what, f"tensor {name!r}: bad entry ({exc})") from None
+        if not 0 <= lo <= hi <= size or hi - lo != math.prod(shape) * dtype.itemsize \
                 or min(shape, default=0) < 0:
-            raise bad(f"tensor {name!r}: offsets {lo}..{hi} do not fit shape {shape}")
-        spans.append((lo, hi))
-        if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-        elif (start + lo) % dtype.itemsize:  # misaligned: copy rather than view
-            out[name] = torch.frombuffer(bytearray(buf[start + lo:start + hi]),
-                                         dtype=dtype).view(shape)
+            raise _bad(what, f"tensor {name!r}: offsets {lo}..{hi} do not fit shape "
+                             f"{list(shape)}")
+        entries.append(Entry(name, dtype, shape, lo, hi))
+    end = 0
+    for e in sorted(entries, key=lambda e: e.lo):
+        if e.lo != end:
+            raise _bad(what, "tensor data overlaps or leaves gaps")
+        end = e.hi
+    if end != size:
+        raise _bad(what, "tensor data does not fill the file")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise _bad(what, "metadata is not a JSON object")
+    return Layout(entries, {str(k): str(v) for k, v in meta.items()}, 8 + n)
+
+
+def _bad(what: str, why: str) -> UpdateRejected:
+    return UpdateRejected(f"{what}: not a safetensors file ({why})")
+
+
+def _views(buf: bytearray, what: str) -> Weights:
+    """The tensors of the safetensors file in ``buf`` (:func:`layout`'s checks), as
+    views of it."""
+    lay = layout(buf, len(buf), what)
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for e in lay.entries:
+        lo, hi = lay.start + e.lo, lay.start + e.hi
+        if e.elements == 0:
+            out[e.name] = torch.empty(e.shape, dtype=e.dtype)
+        elif lo % e.dtype.itemsize:  # misaligned: copy rather than view
+            out[e.name] = torch.frombuffer(bytearray(buf[lo:hi]), dtype=e.dtype).view(e.shape)
         else:  # a view of the one storage: tensors that follow each other in the file
             # are then back to back in memory, which the mean adds in one call
-            out[name] = whole[start + lo:start + hi].view(dtype).view(shape)
-    spans.sort()
-    end = 0
-    for lo, hi in spans:
-        if lo != end:
-            raise bad("tensor data overlaps or leaves gaps")
-        end = hi
-    if end != size:
-        raise bad("tensor data does not fill the file")
+            out[e.name] = whole[lo:hi].view(e.dtype).view(e.shape)
     return out
+
+
+def split_header(parts: Iterator[Any], total: int, what: str = "blob"
+                 ) -> tuple[Layout, Iterator[memoryview]]:
+    """A safetensors file of ``total`` bytes arriving as ``parts`` (bytes-like, in
+    order): its checked :func:`layout`, and its data section as the rest of the parts
+    (views of them: only the header's bytes are copied)."""
+    got: list[memoryview] = []
+    size = 0
+    need = 8
+    for part in parts:
+        got.append(memoryview(part).cast("B"))
+        size += got[-1].nbytes
+        if size >= 8 and need == 8:
+            need = 8 + header_length(b"".join(v[:8] for v in got)[:8], total, what)
+        if size >= need:
+            break
+    head = bytearray()
+    for view in got:  # the header's bytes alone
+        head += view[:need - len(head)]
+        if len(head) == need:
+            break
+    lay = layout(head, total, what)
+
+    def data() -> Iterator[memoryview]:
+        at = 0
+        for view in got:
+            if at + view.nbytes > lay.start:
+                yield view[max(lay.start - at, 0):]
+            at += view.nbytes
+        got.clear()
+        for part in parts:
+            yield memoryview(part).cast("B")
+
+    return lay, data()
+
+
+def pieces(entries: list[Entry], data: Iterable[Any], most: int = 16 << 20
+           ) -> Iterator[tuple[Entry, int, torch.Tensor]]:
+    """(tensor, first element, a flat piece of its values) for the data section of a
+    safetensors file arriving as ``data`` (bytes-like pieces of any sizes, in order;
+    ``entries``: :meth:`Layout.by_offset`), each piece at most ``most`` bytes, copied
+    out of ``data``. Every element of every tensor is in exactly one piece, in order.
+    Raises UpdateRejected when ``data`` ends early."""
+    it = iter(entries)
+    entry = next(it, None)
+    carry = b""  # bytes of an element split across two pieces of ``data``
+    at = 0  # bytes of ``entry`` emitted so far
+    for part in data:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            while entry is not None and at == entry.hi - entry.lo:
+                entry, at = next(it, None), 0
+            if entry is None:
+                raise UpdateRejected("tensor data runs past its last tensor")
+            size = entry.dtype.itemsize
+            take = min(view.nbytes, entry.hi - entry.lo - at - len(carry),
+                       max(most - len(carry), 1))
+            chunk = carry + bytes(view[:take]) if carry else bytearray(view[:take])
+            view = view[take:]
+            whole = len(chunk) // size * size
+            if whole:
+                first = at // size
+                yield entry, first, torch.frombuffer(bytearray(chunk[:whole]) if carry else
+                                                     chunk, dtype=entry.dtype, count=whole // size)
+                at += whole
+            carry = bytes(chunk[whole:])
+    while entry is not None and at == entry.hi - entry.lo:
+        entry, at = next(it, None), 0
+    if entry is not None or carry:
+        raise UpdateRejected("tensor data ends before its last tensor")
 
 
 def loads_with_meta(data: bytes | bytearray, what: str = "blob") -> tuple[Weights, dict[str, str]]:
     """Tensors and the safetensors metadata (the JSON header's ``__metadata__``)."""
-    tensors = loads(data, what)
-    try:
-        (length,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8:8 + length]).get("__metadata__") or {}
-    except (struct.error, ValueError) as exc:
-        raise UpdateRejected(f"{what}: bad safetensors header ({exc})") from None
-    return tensors, {str(k): str(v) for k, v in meta.items()}
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    return _views(buf, what), layout(buf, len(buf), what).meta
 
 
 def raw_size(weights: Mapping[str, torch.Tensor]) -> int:

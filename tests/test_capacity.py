@@ -77,6 +77,13 @@ def test_the_control_worker_is_asked_for_the_copies_its_server_optimizer_keeps(
     assert capacity.state_copies(spec) == state
     need = capacity.need(spec, 100 << 20)
     assert need.control == capacity.PROCESS_BYTES + (capacity.HELD_COPIES + state) * (100 << 20)
+    # a store that keeps it as chunks: the lean commit holds the accumulator and chunks
+    lean = capacity.need(spec, 100 << 20, 64 << 20)
+    assert lean.held == capacity.LEAN_COPIES == 1
+    assert lean.control == capacity.PROCESS_BYTES + 3 * (64 << 20) + (1 + state) * (100 << 20)
+    assert capacity.need(spec, 60 << 20, 64 << 20).held == capacity.HELD_COPIES  # one value
+    clipped = parse_spec({**SPEC, "server": {"name": server}, "clip_norm": 1.0})
+    assert capacity.need(clipped, 100 << 20, 64 << 20).held == capacity.HELD_COPIES
     assert need.store == (100 << 20) * (spec.rounds + 1 + spec.clients_per_round)
     if server not in ("fedavg", "diloco"):
         return

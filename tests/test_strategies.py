@@ -32,6 +32,33 @@ def _two_steps(name: str, **opts: float) -> tuple[float, float]:
     return float(w1["w"]), float(w2["w"])
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedadam", "diloco"])
+def test_a_step_into_the_delta_is_the_pure_step_in_its_memory(name: str) -> None:
+    # Prepare: a model of float32 tensors and an integer buffer, a delta like an
+    # accumulator's (one flat buffer, a view per tensor), a state from a first step
+    g = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g),
+               "n": torch.tensor(7, dtype=torch.int64)}
+    flat = torch.randn(18, generator=g)
+    delta = {"a": flat[:12].view(3, 4), "b": flat[12:17], "n": flat[17:].view(())}
+    server = make_server(name, {})
+    _, state = server.step(weights, delta, {})
+    kept = {k: v.clone() for k, v in delta.items()}
+    # Execute
+    pure, pure_state = server.step(weights, kept, state)
+    into, into_state = server.step(weights, delta, state, into_delta=True)
+    # Assert: the same model and state, bit for bit; the float tensors live in the
+    # delta's memory; the inputs the caller keeps are untouched
+    for k in weights:
+        assert torch.equal(into[k], pure[k]) and into[k].dtype == weights[k].dtype, k
+    assert into["a"].data_ptr() == flat.data_ptr()
+    assert into["b"].data_ptr() == flat[12:].data_ptr()
+    assert into["n"].data_ptr() != flat[17:].data_ptr()  # an integer buffer: new memory
+    assert pure_state.keys() == into_state.keys()
+    assert all(torch.equal(into_state[k], pure_state[k]) for k in pure_state)
+    assert int(weights["n"]) == 7
+
+
 def test_fedavg() -> None:
     assert _two_steps("fedavg") == (1.5, 2.0)
 

@@ -20,16 +20,33 @@ back to back are added one by one, with the same result.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from fedq.aggregate.types import Weights
 
 
-def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]],
+class Pieces(ABC):
+    """An update that is never whole in memory: its tensors' names, shapes and dtypes
+    up front, its values in flat pieces (the coordinator reads a big update from a
+    scratch file this way, fedq/coordinator/receive.py)."""
+
+    @abstractmethod
+    def layout(self) -> Mapping[str, torch.Tensor]:
+        """Empty ("meta") tensors with the update's names, shapes and dtypes, in order."""
+
+    @abstractmethod
+    def pieces(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(tensor name, first element, flat values): every element exactly once."""
+
+
+def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor] | Pieces]],
                   out: Weights | None = None, expected: float | None = None) -> Weights:
-    """Sum_i w_i * u_i / sum_i w_i over an iterable of (weight, update), streamed.
+    """Sum_i w_i * u_i / sum_i w_i over an iterable of (weight, update), streamed. An
+    update given as :class:`Pieces` is added piece by piece, with the same
+    operations element by element (the same result, bit for bit).
 
     Every update must have the same names and shapes as the first (verify before).
     Accumulates in float32 (float64 for float64 tensors); the result is float32/64.
@@ -48,7 +65,12 @@ def weighted_mean(updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]],
     for weight, update in updates:
         if weight < 0:
             raise ValueError(f"negative weight {weight}")
-        if acc is None:  # the first update, scaled, starts the accumulator (one pass)
+        if isinstance(update, Pieces):
+            first = acc is None
+            if acc is None:
+                acc, acc_breaks = _fit(update.layout(), out)
+            _add_pieces(acc, update, weight * scale, first)
+        elif acc is None:  # the first update, scaled, starts the accumulator (one pass)
             acc, acc_breaks = _start(update, weight * scale, out)
         else:
             _add(acc, acc_breaks, update, weight * scale)
@@ -82,7 +104,8 @@ class Accumulator(threading.local):
         pass over the model when they do."""
         self.expected = total
 
-    def mean(self, updates: Iterable[tuple[float, Mapping[str, torch.Tensor]]]) -> Weights:
+    def mean(self, updates: Iterable[tuple[float, Mapping[str, torch.Tensor] | Pieces]]
+             ) -> Weights:
         """``weighted_mean(updates)``, in the memory of the previous call where it fits."""
         out, self.weights = self.weights, None  # nothing kept if the mean raises
         expected, self.expected = self.expected, None
@@ -116,19 +139,38 @@ def fedavg(weights: Mapping[str, torch.Tensor],
     return apply_delta(weights, weighted_mean(deltas))
 
 
-def _start(update: Mapping[str, torch.Tensor], weight: float,
-           out: Weights | None) -> tuple[Weights, set[int]]:
-    """The accumulator holding ``weight * update``: ``out`` where it fits, else new
-    (one buffer for the float32 tensors, a view per tensor); and its breaks."""
+def _fit(update: Mapping[str, torch.Tensor], out: Weights | None) -> tuple[Weights, set[int]]:
+    """Accumulator tensors for updates shaped like ``update``: ``out`` where it fits,
+    else new (one buffer for the float32 tensors, a view per tensor); and their
+    breaks."""
     fits = out is not None and list(out) == list(update) and all(
         out[k].shape == v.shape and out[k].dtype == acc_dtype(v.dtype)
         and out[k].is_contiguous() for k, v in update.items())
     if out is None or not fits:
         out = _allocate(update)
+    return out, _breaks(list(out.values()))
+
+
+def _add_pieces(acc: Weights, update: Pieces, weight: float, first: bool) -> None:
+    """acc (+)= weight * update, a piece at a time (``first``: acc starts from it)."""
+    flat = {name: t.view(-1) for name, t in acc.items()}
+    for name, start, piece in update.pieces():
+        a = flat[name][start:start + piece.numel()]
+        u = piece if piece.dtype == a.dtype else piece.to(a.dtype)
+        if first:
+            torch.mul(u, weight, out=a)
+        else:
+            a.add_(u, alpha=weight)
+
+
+def _start(update: Mapping[str, torch.Tensor], weight: float,
+           out: Weights | None) -> tuple[Weights, set[int]]:
+    """The accumulator holding ``weight * update`` (:func:`_fit`'s memory); and its
+    breaks."""
+    out, acc_breaks = _fit(update, out)
     names = list(out)
     tensors = [update[n] for n in names]
     acc = [out[n] for n in names]
-    acc_breaks = _breaks(acc)
     for lo, hi in _runs(len(names), acc_breaks | _breaks(tensors)):
         a, u = _span(acc, lo, hi), _span(tensors, lo, hi)
         torch.mul(u if u.dtype == a.dtype else u.to(a.dtype), weight, out=a)

@@ -10,7 +10,7 @@ digest's own hash: SHA-256 for a blob written before BLAKE3), naming the key.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -167,6 +167,19 @@ class BlobStore(ABC):
             return chunks.get(self, ref, data, limit)  # type: ignore[return-value]
         check_digest(ref, digest or digests.of(data, ref.sha256))
         return data
+
+    def stream(self, ref: BlobRef, limit: int | None = None) -> Generator[bytes, None, None]:
+        """The bytes of ``ref`` in pieces, for a reader that never holds the blob whole:
+        a chunked blob's chunks, each checked against its digest as it is yielded, the
+        whole checked after the last (a mismatch raises then, so a consumer commits
+        nothing before the iteration ends); a blob kept as one value, checked, as one
+        piece. ``limit`` as for :meth:`get`."""
+        data, digest = self._get_unchecked(ref, limit)
+        if digest != ref.sha256 and chunks.is_manifest(ref, data):
+            yield from chunks.stream(self, ref, data, limit)
+            return
+        check_digest(ref, digest or digests.of(data, ref.sha256))
+        yield data
 
     def get_whole(self, ref: BlobRef, limit: int | None = None) -> bytes:
         """The bytes of ``ref`` stored as one value (a chunk), verified against its

@@ -24,7 +24,7 @@ whole is checked against the ref's digest. Any failure is one line naming the ke
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import fedq.digest as digests
@@ -98,6 +98,25 @@ def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int,
                                   separators=(",", ":")).encode()
     store.put_whole_parts(key, [manifest])
     return BlobRef(key, digest, size)
+
+
+def stream(store: BlobStore, ref: BlobRef, head: Any, limit: int | None) -> Iterator[bytes]:
+    """The chunks of the blob ``ref`` whose stored value ``head`` is a manifest, one at
+    a time, each checked against its digest before it is yielded; the whole blob's
+    digest is checked after the last one (a mismatch raises then: whoever consumes
+    the chunks commits nothing before the iteration ends)."""
+    chunks = _manifest(ref, head)
+    if limit is not None and ref.size > limit:
+        raise too_large(ref.key, ref.size, limit)
+    whole = digests.new(ref.sha256)
+    for index, (size, digest) in enumerate(chunks):
+        data = store.get_whole(BlobRef(chunk_key(ref.key, index), digest, size), limit=size)
+        if len(data) != size:
+            raise BlobIntegrityError(f"blob {ref.key}: chunk {index} is {len(data)} bytes, "
+                                     f"its manifest says {size}")
+        whole.update(data)
+        yield data
+    check_digest(ref, digests.text(whole))
 
 
 def get(store: BlobStore, ref: BlobRef, head: Any, limit: int | None) -> bytearray:

@@ -31,6 +31,7 @@ from fedq.aggregate.fedavg import Accumulator
 from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.coordinator import lean
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update
 from fedq.coordinator.steps import set_step
@@ -57,6 +58,7 @@ class NewModel:
     accuracy: float | None
     eval_loss: float | None
     epsilon: float | None  # DP: the privacy spent after this round
+    keep: bool = True  # whether the process keeps ``weights`` for the next round
 
 
 def current_model(store: BlobStore, ref: BlobRef) -> Weights:
@@ -69,31 +71,35 @@ def aggregate(spec: JobSpec, store: BlobStore, job_id: str, number: int,
               refs: Sequence[UpdateRef], current: Weights, current_sha256: str,
               server_state: BlobRef | None, outcome: Outcome, scratch: Path,
               acc: Accumulator, factors: Mapping[int, float] | None = None,
-              tag: str = "") -> NewModel | None:
+              tag: str = "", source: BlobRef | None = None) -> NewModel | None:
     """Round or version ``number``'s new model from ``refs``: verified and reduced
     (each update's weight times its ``factors`` entry, by ``ref.task``: a buffered
     version's staleness), then :func:`build`. With ``streaming``, the updates carry
-    this round's fragment only. None when fewer than the quorum pass verification
-    (nothing is written then)."""
+    this round's fragment only. ``source``: the stored global model when ``current``
+    is its outline alone (fedq/coordinator/lean.py). None when fewer than the quorum
+    pass verification (nothing is written then)."""
     reference = current if spec.streaming is None else \
         {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
     with phase("updates"):  # read, decode, verify and reduce, streamed
         delta = reduce(spec, store, refs, reference, outcome, scratch, acc, factors)
+    acc.release()  # the server step writes the new model into this memory
     if delta is None:
         return None
     return build(spec, store, job_id, number, current, current_sha256, delta, server_state,
-                 tag=tag)
+                 tag=tag, source=source)
 
 
 def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: Weights,
           current_sha256: str, delta: Weights, server_state: BlobRef | None,
-          tag: str = "") -> NewModel:
+          tag: str = "", source: BlobRef | None = None) -> NewModel:
     """Step the server optimizer, evaluate if due, store the results (``tag``: a key of
-    this attempt's own, for commits that may race)."""
+    this attempt's own, for commits that may race; ``source``: as for
+    :func:`aggregate`)."""
     state = loads(store.get(server_state), what=f"blob {server_state.key}") \
         if server_state else {}
     with phase("server step"):
-        nxt = server_update(spec, current, delta, state)
+        nxt = server_update(spec, current, delta, state) if source is None else \
+            lean.server_step(spec, store, source, delta, state)
     every = spec.eval_every
     with phase("evaluate"):
         accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \
@@ -102,7 +108,7 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
         blob, state_blob, step = put_model(store, job_id, number, nxt, current_sha256,
                                            tag=tag)
     return NewModel(number, nxt.weights, blob, state_blob, step, accuracy, eval_loss,
-                    privacy_spent(spec, number))
+                    privacy_spent(spec, number), keep=source is None)
 
 
 def privacy_spent(spec: JobSpec, number: int) -> float | None:
@@ -148,7 +154,10 @@ def settle(settings: Settings, store: BlobStore, spec: JobSpec, job_id: str,
     ``keep_updates`` before this one. ``rows``: the client rows the claim wrote; with
     ``keep_updates: 0`` they name this round's blobs, so the database is not asked
     again. Returns how many blobs were deleted."""
-    PROCESS.keep_model(new.blob.sha256, new.weights, only=True)
+    if new.keep:
+        PROCESS.keep_model(new.blob.sha256, new.weights, only=True)
+    else:  # the next round reads its outline again (fedq/coordinator/lean.py)
+        PROCESS.models.clear()
     if spec.keep_updates is None or new.number <= spec.keep_updates:
         return 0
     tasks = None if rows is None or spec.keep_updates else \

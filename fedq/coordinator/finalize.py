@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import select, update
 
 from fedq.blobs import BlobRef
-from fedq.coordinator import commit
+from fedq.coordinator import commit, lean
 from fedq.coordinator.enrol import registry_if_required
 from fedq.coordinator.intake import Sent, admit, known_limits, task_id, unread
 from fedq.coordinator.pipeline import (
@@ -196,11 +196,13 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     fewer than the quorum of updates pass verification (nothing is written then)."""
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.blobs(settings)
+    source = rnd.model if lean.applies(spec, store.chunk_bytes, rnd.model.size) else None
     with phase("current model"):
-        current = commit.current_model(store, rnd.model)
+        current = commit.current_model(store, rnd.model) if source is None \
+            else lean.outline(store, rnd.model)
     new = commit.aggregate(spec, store, job_id, number, list(chosen.values()), current,
                            rnd.model.sha256, rnd.server_state, outcome,
-                           settings.home / "scratch", PROCESS.accumulator)
+                           settings.home / "scratch", PROCESS.accumulator, source=source)
     if new is None:
         return None
     rows = _rows(job_id, outcome.records)

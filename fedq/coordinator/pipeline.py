@@ -27,9 +27,10 @@ blob store and records what happened to each update as an :class:`UpdateRecord`
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,9 +40,10 @@ from fedq.aggregate.compression import decode, maybe_decompress
 from fedq.aggregate.downlink import RESIDUAL, compress_step, split_state
 from fedq.aggregate.dp import add_gaussian_noise
 from fedq.aggregate.reducers import Contribution, SourceReducer, StreamReducer, make_reducer
-from fedq.aggregate.server import make_server
+from fedq.aggregate.server import ServerOptimizer, make_server
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore, global_key, state_key, step_key
+from fedq.coordinator.receive import Received, receive, streams
 from fedq.coordinator.spill import DiskSource
 from fedq.errors import BlobError, UpdateRejected
 from fedq.phases import phase
@@ -49,7 +51,9 @@ from fedq.protocol.training import StepRef, UpdateRef
 from fedq.redaction import redact_text
 from fedq.spec import JobSpec
 from fedq.status import UpdateStatus, failed_status
-from fedq.weights import dump_parts, dumps, loads_with_meta, raw_size
+from fedq.weights import dump_parts, loads_with_meta, raw_size
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -108,14 +112,36 @@ def read_update(store: BlobStore, ref: UpdateRef, reference: Weights, spec: JobS
 
 
 def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, spec: JobSpec,
-             outcome: Outcome) -> Iterator[tuple[UpdateRef, Weights]]:
+             outcome: Outcome, scratch: Path | None = None
+             ) -> Iterator[tuple[UpdateRef, Weights | Received]]:
     """Stream (ref, delta) of each update that passes verification, clipped if the spec
     says so; record every update in ``outcome``. Whatever goes wrong while one update
     is read — its bytes, size, compression, codec, shapes, values — rejects that
-    update alone, with the reason; it never escapes to the round."""
+    update alone, with the reason; it never escapes to the round.
+
+    ``scratch``: where a big update may be received (fedq/coordinator/receive.py; the
+    caller's reducer takes pieces and nothing clips): its delta is then a
+    :class:`Received`, valid until the next item is asked for."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
     limit = update_limit(reference, spec.compression.chunk)
-    blobs = prefetched(store, refs, limit)
+    folder = scratch if clip is None else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def fetch(index: int, ref: UpdateRef) -> bytes | Received | Exception | None:
+        if not _has_blob(ref):
+            return None
+        try:
+            if folder is not None and streams(store, ref):
+                got = receive(store, ref, reference, limit, spec.max_update_norm,
+                              folder / f"update-{secrets.token_hex(8)}.bin")
+                if got is not None:
+                    return got
+            return store.get(ref.blob, limit=limit)
+        except Exception as exc:  # noqa: BLE001 - the update's rejection, not the round's
+            return exc
+
+    blobs = prefetched(store, refs, limit, fetch)
     while True:
         with phase("read wait"):  # the background read of this blob not done yet
             item = next(blobs, None)
@@ -125,21 +151,27 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
         if not _has_blob(ref):
             outcome.record(ref, failed_status(ref.status), ref.error or "task failed")
             continue
+        delta: Weights | Received
         try:
             if isinstance(data, Exception):
                 raise data
-            with phase("decode"):
-                delta = read_update(store, ref, reference, spec, data)
-            with phase("verify"):
-                norm = check_update(delta, reference, spec.max_update_norm)
+            if isinstance(data, Received):  # checked as it arrived
+                delta, norm = data, data.norm
+            else:
+                with phase("decode"):
+                    delta = read_update(store, ref, reference, spec, data)
+                with phase("verify"):
+                    norm = check_update(delta, reference, spec.max_update_norm)
             if ref.samples <= 0:
                 raise UpdateRejected(f"reported {ref.samples} samples")
         except Exception as exc:  # noqa: BLE001 - a hostile blob may raise anything
             outcome.record(ref, UpdateStatus.REJECTED, _reason(exc))
+            if isinstance(data, Received):
+                data.discard()
             continue
-        if clip is not None:
+        if clip is not None and not isinstance(delta, Received):
             delta, _ = clip_update(delta, clip)
-        raw = raw_size(delta)
+        raw = delta.raw if isinstance(delta, Received) else raw_size(delta)
         outcome.record(ref, "ok", norm=norm, raw=raw)
         outcome.accepted += 1
         outcome.raw_bytes += raw
@@ -147,7 +179,11 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
         outcome.loss_sum += (ref.loss or 0.0) * ref.samples
         outcome.throughput.append((ref.worker, ref.stats.seen or ref.samples,
                                    ref.stats.train_seconds or ref.seconds))
-        yield ref, delta
+        try:
+            yield ref, delta
+        finally:
+            if isinstance(delta, Received):
+                delta.discard()
 
 
 def _reason(exc: BaseException) -> str:
@@ -159,16 +195,17 @@ def _reason(exc: BaseException) -> str:
     return redact_text(f"unreadable update: {type(exc).__name__}: {text}")[:500]
 
 
-def prefetched(store: BlobStore, refs: Sequence[UpdateRef], limit: int | None = None
-               ) -> Iterator[tuple[UpdateRef, bytes | Exception | None]]:
-    """(ref, its blob's checked bytes or the error reading them), reading the next
-    blob in a background thread while the caller works on this one: network reads,
-    hashing and the tensor arithmetic all release the GIL, so on two cores reading
-    overlaps averaging. At most two blobs are held at once, each at most ``limit``
-    bytes (a larger one is refused before it is read)."""
+def prefetched(store: BlobStore, refs: Sequence[UpdateRef], limit: int | None = None,
+               fetch: Callable[[int, UpdateRef], T] | None = None
+               ) -> Iterator[tuple[UpdateRef, T | bytes | Exception | None]]:
+    """(ref, its blob's checked bytes or the error reading them; or what ``fetch(i,
+    ref)`` returns), reading the next blob in a background thread while the caller
+    works on this one: network reads, hashing and the tensor arithmetic all release
+    the GIL, so on two cores reading overlaps averaging. At most two blobs are held at
+    once, each at most ``limit`` bytes (a larger one is refused before it is read)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    def fetch(ref: UpdateRef) -> bytes | Exception | None:
+    def read(index: int, ref: UpdateRef) -> bytes | Exception | None:
         if not _has_blob(ref):
             return None
         try:
@@ -176,14 +213,19 @@ def prefetched(store: BlobStore, refs: Sequence[UpdateRef], limit: int | None = 
         except Exception as exc:  # noqa: BLE001 - the update's rejection, not the round's
             return exc
 
+    get: Callable[[int, UpdateRef], Any] = fetch if fetch is not None else read
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedq-prefetch") as pool:
-        ahead: Future[bytes | Exception | None] | None = None
-        for i, ref in enumerate(refs):
-            current = ahead if ahead is not None else pool.submit(fetch, ref)
-            ahead = pool.submit(fetch, refs[i + 1]) if i + 1 < len(refs) else None
-            data = current.result()
-            yield ref, data
-            del data, current  # let the blob go before the next one is read
+        ahead: Future[Any] | None = None
+        try:
+            for i, ref in enumerate(refs):
+                current = ahead if ahead is not None else pool.submit(get, i, ref)
+                ahead = pool.submit(get, i + 1, refs[i + 1]) if i + 1 < len(refs) else None
+                data = current.result()
+                yield ref, data
+                del data, current  # let the blob go before the next one is read
+        finally:  # a read ahead that nobody will consume: its scratch file goes
+            if ahead is not None and isinstance(left := ahead.result(), Received):
+                left.discard()
 
 
 def _has_blob(ref: UpdateRef) -> bool:
@@ -208,8 +250,9 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
     ``acc``: the memory a stream reducer may reuse for its result (the result is then
     valid until ``acc``'s next use). ``factors``: a buffered job's staleness factor of
     each update, by ``ref.task`` (its task number), multiplying its weight."""
-    stream = verified(store, refs, reference, spec, outcome)
     reducer = make_reducer(spec.reducer.name, spec.reducer.params())
+    pieces = isinstance(reducer, StreamReducer) and reducer.takes_pieces
+    stream = verified(store, refs, reference, spec, outcome, scratch if pieces else None)
     factor_sum = 0.0
 
     def weighted(r: UpdateRef) -> float:
@@ -229,6 +272,7 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
             assert isinstance(reducer, SourceReducer)
             with DiskSource(scratch) as source:
                 for _, d in stream:
+                    assert not isinstance(d, Received)  # verified() was given no scratch
                     source.add(d)
                 if len(source) < spec.quorum:
                     return None
@@ -252,13 +296,18 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
 
 
 def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
-                 state: Weights) -> tuple[Weights, Weights]:
-    """The new global model and server optimizer state."""
+                 state: Weights, into_delta: bool = False) -> tuple[Weights, Weights]:
+    """The new global model and server optimizer state (``into_delta``: written into
+    ``delta``'s memory where it fits, ``ServerOptimizer.step``)."""
+    return make_server_for(spec).step(weights, delta, state, into_delta=into_delta)
+
+
+def make_server_for(spec: JobSpec) -> ServerOptimizer:
+    """The job's server optimizer (a buffered job's FedAvg steps K / C unless told)."""
     params = spec.server.params()
     if spec.buffered:
         params["lr"] = spec.aggregation.server_lr(spec.server, spec.clients_per_round)
-    server = make_server(spec.server.name, params)
-    return server.step(weights, delta, state)
+    return make_server(spec.server.name, params)
 
 
 @dataclass(frozen=True)
@@ -273,9 +322,11 @@ class NextModel:
 def server_update(spec: JobSpec, current: Weights, delta: Weights,
                   stored_state: Weights) -> NextModel:
     """The server optimizer's step and, with a compressed downlink, the model as the
-    int8 step from ``current`` defines it (the residual carried in the state)."""
+    int8 step from ``current`` defines it (the residual carried in the state). Takes
+    ``delta`` over: the new model is written into its memory where it fits, so the
+    control worker holds two model-sized buffers at this step, not four."""
     own, residual = split_state(stored_state)
-    new, new_state = apply_server(spec, current, delta, own)
+    new, new_state = apply_server(spec, current, delta, own, into_delta=True)
     quantize = spec.compression.downlink == "int8"
     if not quantize and spec.streaming is None:
         return NextModel(new, new_state, None)
@@ -292,7 +343,7 @@ def put_model(store: BlobStore, job_id: str, number: int, model: NextModel, base
     the step's ref names ``base``, the digest of the global blob it steps from."""
     meta = {"job": job_id, "round": str(number)}
     blob = store.put_parts(global_key(job_id, number, tag), dump_parts(model.weights, meta))
-    state = store.put(state_key(job_id, number, tag), dumps(model.state, meta)) \
+    state = store.put_parts(state_key(job_id, number, tag), dump_parts(model.state, meta)) \
         if model.state else None
     step = None
     if model.step is not None:

@@ -26,7 +26,7 @@ from typing import ClassVar, NamedTuple, Protocol
 import torch
 
 from fedq.aggregate import plugin
-from fedq.aggregate.fedavg import Accumulator
+from fedq.aggregate.fedavg import Accumulator, Pieces
 from fedq.aggregate.types import Weights
 from fedq.registry import Registry
 
@@ -38,7 +38,7 @@ class Contribution(NamedTuple):
 
     weight: float  # samples, samples processed, or 1 (DP)
     steps: int  # local optimizer steps (FedNova's normaliser)
-    delta: Mapping[str, torch.Tensor]
+    delta: Mapping[str, torch.Tensor] | Pieces  # Pieces only where ``takes_pieces``
 
 
 class UpdateSource(Protocol):
@@ -80,6 +80,10 @@ class Reducer(ABC):
 
 
 class StreamReducer(Reducer):
+    #: Whether :meth:`reduce` takes updates as :class:`~fedq.aggregate.fedavg.Pieces`
+    #: (a big update read from a scratch file, never whole in memory).
+    takes_pieces: ClassVar[bool] = False
+
     @abstractmethod
     def reduce(self, updates: Iterable[Contribution], acc: Accumulator) -> Weights:
         """The combined delta. ``acc``: memory that may be reused for the result (then

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from fedq.aggregate.fedavg import Accumulator, acc_dtype
+from fedq.aggregate.fedavg import Accumulator, Pieces, acc_dtype
 from fedq.aggregate.reducers.base import REDUCERS, Contribution, StreamReducer
 from fedq.aggregate.types import Weights
 
@@ -28,7 +28,13 @@ class FedNova(StreamReducer):
     weighted = True
 
     def reduce(self, updates: Iterable[Contribution], acc: Accumulator) -> Weights:
-        return fednova_mean((c.weight, c.steps, c.delta) for c in updates)
+        return fednova_mean((c.weight, c.steps, _whole(c.delta)) for c in updates)
+
+
+def _whole(delta: Mapping[str, torch.Tensor] | Pieces) -> Mapping[str, torch.Tensor]:
+    if isinstance(delta, Pieces):
+        raise TypeError("fednova reads whole updates (takes_pieces is False)")
+    return delta
 
 
 def fednova_mean(updates: Iterable[tuple[float, int, Mapping[str, torch.Tensor]]]) -> Weights:

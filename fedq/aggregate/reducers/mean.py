@@ -15,6 +15,7 @@ from fedq.aggregate.types import Weights
 class Mean(StreamReducer):
     paper = "McMahan et al. 2017, arXiv:1602.05629"
     weighted = True
+    takes_pieces = True
 
     def reduce(self, updates: Iterable[Contribution], acc: Accumulator) -> Weights:
         return acc.mean((c.weight, c.delta) for c in updates)

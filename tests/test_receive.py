@@ -1,0 +1,228 @@
+"""Big updates received in bounded memory (fedq/coordinator/receive.py): a chunked
+update is read once into a scratch file while it is checked, then added to the mean
+piece by piece. The same round read whole gives the same delta bit for bit, and the
+same verdict on every update; a refused update leaves nothing behind. The blobs are
+on a real Redis, in chunks of 4 KB."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedq.aggregate import Accumulator
+from fedq.blobs import BlobStore, chunks, open_store, update_key
+from fedq.blobs.redis import RedisBlobStore
+from fedq.coordinator import pipeline
+from fedq.coordinator.pipeline import Outcome, reduce
+from fedq.protocol.training import UpdateRef
+from fedq.spec import JobSpec, parse_spec
+from fedq.weights import dump_parts, dumps, layout, loads, pieces, split_header
+
+CHUNK = 4096
+REFERENCE = {"w": torch.zeros(40, 50), "b": torch.zeros(3),
+             "n": torch.tensor(0, dtype=torch.int64)}  # integer buffer: float32 on the wire
+SPEC: dict[str, Any] = {"model": "small_cnn", "dataset": "digits", "num_clients": 4,
+                        "clients_per_round": 4, "rounds": 1, "min_clients": 1}
+
+
+def _delta(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 50, generator=g), "b": torch.randn(3, generator=g),
+            "n": torch.tensor(1.0)}
+
+
+def _update(store: BlobStore, client: int, delta: dict[str, torch.Tensor],
+            samples: int = 10) -> UpdateRef:
+    blob = store.put_parts(update_key("j", 1, client, 1), dump_parts(delta))
+    return UpdateRef(status="ok", job="j", round=1, client=client, queue="cpu", worker="w",
+                     key=blob.key, sha256=blob.sha256, samples=samples, steps=1,
+                     bytes_up=blob.size)
+
+
+def _reduce(spec: JobSpec, store: BlobStore, refs: list[UpdateRef], scratch: Path
+            ) -> tuple[dict[str, torch.Tensor] | None, Outcome]:
+    outcome = Outcome()
+    delta = reduce(spec, store, refs, REFERENCE, outcome, scratch, Accumulator())
+    return (None if delta is None else {k: v.clone() for k, v in delta.items()}), outcome
+
+
+def test_pieces_cover_every_element_however_the_bytes_arrive() -> None:
+    g = torch.Generator().manual_seed(1)
+    weights = {"a": torch.randn(7, 3, generator=g), "h": torch.randn(5, generator=g).half(),
+               "z": torch.zeros(0), "d": torch.randn(4, generator=g).double(),
+               "i": torch.arange(6)}
+    data = dumps(weights)
+    rng = random.Random(0)
+    cuts, at = [], 0
+    while at < len(data):  # pieces of 1..13 bytes: the header and elements split
+        n = rng.randint(1, 13)
+        cuts.append(data[at:at + n])
+        at += n
+    lay, body = split_header(iter(cuts), len(data))
+    assert lay == layout(data, len(data))
+    got: dict[str, list[torch.Tensor]] = {}
+    for entry, first, values in pieces(lay.by_offset(), body, most=12):
+        assert first == sum(v.numel() for v in got.get(entry.name, []))
+        assert values.nbytes <= 12
+        got.setdefault(entry.name, []).append(values)
+    for name, tensor in loads(data).items():
+        joined = torch.cat(got[name]) if name in got else torch.empty(0, dtype=tensor.dtype)
+        assert torch.equal(joined, tensor.reshape(-1)), name
+
+
+def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
+        redis_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: three chunked updates; a store that streams them and one that reads whole
+    streamed = open_store(redis_db, chunk_bytes=CHUNK)
+    whole = RedisBlobStore(redis_db, chunk_bytes=None)
+    refs = [_update(streamed, c, _delta(c), samples=10 + c) for c in range(3)]
+    assert all(r.blob.size > CHUNK for r in refs)
+    received: list[str] = []
+    real = pipeline.receive
+
+    def spy(store: BlobStore, ref: UpdateRef, *args: Any) -> Any:
+        received.append(ref.key)
+        return real(store, ref, *args)
+
+    monkeypatch.setattr(pipeline, "receive", spy)
+    spec = parse_spec(SPEC)
+    # Execute
+    a, streamed_outcome = _reduce(spec, streamed, refs, tmp_path / "s1")
+    b, whole_outcome = _reduce(spec, whole, refs, tmp_path / "s2")
+    # Assert: received in pieces, the same delta bit for bit, the same records, and
+    # no scratch file left
+    assert received == [r.key for r in refs]
+    assert a is not None and b is not None
+    for k in REFERENCE:
+        assert torch.equal(a[k], b[k]), k
+    assert [(r.status, r.raw_bytes) for r in streamed_outcome.records] == \
+        [(r.status, r.raw_bytes) for r in whole_outcome.records]
+    # a tensor over several pieces: its norm from theirs, equal to float32 rounding
+    assert [r.norm for r in streamed_outcome.records] == \
+        pytest.approx([r.norm for r in whole_outcome.records], rel=1e-6)
+    assert not list((tmp_path / "s1").glob("update-*"))
+
+
+def _corrupt_chunk(store: RedisBlobStore, ref: UpdateRef) -> None:
+    second = chunks.chunk_key(ref.key, 1)
+    good = store._read(second)
+    store._write(second, bytes(good[:-1]) + b"\x00")
+
+
+def _other_manifest(store: RedisBlobStore, ref: UpdateRef) -> None:
+    other = _update(store, 99, _delta(99))
+    store._write(ref.key, store._read(other.key))
+
+
+@pytest.mark.parametrize(("case", "make", "spoil", "reason"), [
+    ("corrupted chunk", _delta, _corrupt_chunk, r"chunk00001: digest mismatch"),
+    ("another blob's manifest", _delta, _other_manifest, r"its manifest names another blob"),
+    ("non-finite value", lambda s: {**_delta(s), "b": torch.tensor([0.0, math.nan, 1.0])},
+     None, r"tensor 'b' has non-finite values"),
+    ("wrong shape", lambda s: {**_delta(s), "w": torch.zeros(50, 40)}, None,
+     r"tensor 'w' has shape \(50, 40\), expected \(40, 50\)"),
+    ("missing tensor", lambda s: {k: v for k, v in _delta(s).items() if k != "b"}, None,
+     r"missing tensor 'b'"),
+    ("norm over the bound", lambda s: {k: v * 100 for k, v in _delta(s).items()}, None,
+     r"update norm \S+ exceeds max_update_norm 500"),
+])
+def test_a_bad_big_update_is_refused_in_one_line_and_the_round_goes_on(
+        case: str, make: Any, spoil: Any, reason: str, redis_db: str,
+        tmp_path: Path) -> None:
+    # Prepare: a good update, a bad one, a good one
+    streamed = open_store(redis_db, chunk_bytes=CHUNK)
+    assert isinstance(streamed, RedisBlobStore)
+    whole = RedisBlobStore(redis_db, chunk_bytes=None)
+    refs = [_update(streamed, 0, _delta(0)), _update(streamed, 1, make(1)),
+            _update(streamed, 2, _delta(2))]
+    if spoil is not None:
+        spoil(streamed, refs[1])
+    spec = parse_spec({**SPEC, "max_update_norm": 500})
+    # Execute
+    a, outcome = _reduce(spec, streamed, refs, tmp_path / "s1")
+    b, whole_outcome = _reduce(spec, whole, refs, tmp_path / "s2")
+    good, _ = _reduce(spec, whole, [refs[0], refs[2]], tmp_path / "s3")
+    # Assert: refused with one line; the delta is the two good updates', bit for bit
+    statuses = [r.status for r in outcome.records]
+    assert statuses == ["ok", "rejected", "ok"], (case, outcome.records)
+    error = outcome.records[1].error or ""
+    assert "\n" not in error and __import__("re").search(reason, error), (case, error)
+    assert outcome.records[1].error == whole_outcome.records[1].error
+    assert a is not None and b is not None and good is not None
+    for k in REFERENCE:
+        assert torch.equal(a[k], b[k]), (case, k)  # the same operations either way
+        assert torch.allclose(a[k], good[k], atol=1e-6), (case, k)  # without the bad one
+    assert not list((tmp_path / "s1").glob("update-*"))
+
+
+class _Counting(RedisBlobStore):
+    """The real Redis store, counting which keys are read whole."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, chunk_bytes=CHUNK)
+        self.whole: list[str] = []
+
+    def get(self, ref: Any, limit: int | None = None) -> bytes:
+        self.whole.append(ref.key)
+        return super().get(ref, limit)
+
+
+MODEL = {"w": torch.randn(40, 50, generator=torch.Generator().manual_seed(7)),
+         "h": torch.linspace(-1, 1, 300).half(), "b": torch.ones(3),
+         "n": torch.tensor(5, dtype=torch.int64)}
+
+
+def _model_delta(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 50, generator=g) * 0.1,
+            "h": (torch.randn(300, generator=g) * 0.01).half(),
+            "b": torch.randn(3, generator=g), "n": torch.tensor(1.0)}
+
+
+@pytest.mark.parametrize("server", ["fedavg", "diloco", "fedadam"])
+def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
+        server: str, redis_db: str, tmp_path: Path) -> None:
+    """Two rounds committed the lean way (the global model's outline, the server step
+    read piece by piece from the stored model into the accumulator) and the whole-model
+    way give the same models and server state, bit for bit; the lean one never reads
+    the global model whole and keeps nothing for the next round."""
+    from fedq.coordinator import commit, lean
+    from fedq.weights import dumps as dump
+
+    store = _Counting(redis_db)
+    spec = parse_spec({**SPEC, "eval_every": 0, "server": {"name": server}})
+    results: dict[bool, list[Any]] = {}
+    for is_lean in (True, False):
+        model = store.put_parts(f"jobs/{server}{is_lean}/r00000/global",
+                                dump_parts(MODEL))
+        state = None
+        rounds = []
+        for number in (1, 2):
+            refs = [_update(store, c + 10 * number, _model_delta(c + 10 * number))
+                    for c in range(2)]
+            assert lean.applies(spec, store.chunk_bytes, model.size) and model.size > CHUNK
+            store.whole.clear()
+            current = lean.outline(store, model) if is_lean else commit.current_model(store, model)
+            new = commit.aggregate(spec, store, f"{server}{is_lean}", number, refs, current,
+                                   model.sha256, state, Outcome(), tmp_path / "s",
+                                   Accumulator(), source=model if is_lean else None)
+            assert new is not None
+            assert (model.key in store.whole) != is_lean, store.whole
+            assert new.keep != is_lean
+            rounds.append((dump(new.weights), None if new.state is None
+                           else bytes(store.get(new.state))))
+            model, state = new.blob, new.state
+        results[is_lean] = rounds
+    for (lean_model, lean_state), (whole_model, whole_state) in zip(results[True],
+                                                                     results[False]):
+        assert lean_model == whole_model  # the same tensors, names and order
+        assert (lean_state is None) == (whole_state is None) == (server == "fedavg")
+        if lean_state is not None and whole_state is not None:  # (the job names differ)
+            a, b = loads(lean_state), loads(whole_state)
+            assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert loads(results[True][1][0])["n"].item() == 7  # the integer buffer: 5 + 1 + 1
