@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -44,6 +44,56 @@ def dump_parts(weights: Mapping[str, torch.Tensor],
     parts += [memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
               for t in tensors.values()]
     return parts
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Tensors made when asked for, never kept: ``outline`` gives their names, shapes
+    and dtypes ("meta" tensors), ``make(name)`` a tensor's values."""
+
+    def __init__(self, outline: Mapping[str, torch.Tensor],
+                 make: Callable[[str], torch.Tensor]) -> None:
+        self.outline, self._make = dict(outline), make
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.outline:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.outline)
+
+    def __len__(self) -> int:
+        return len(self.outline)
+
+
+def dump_stream(weights: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
+                ) -> tuple[int, Iterator[Any]]:
+    """The safetensors file of ``weights`` as :func:`dump_parts` writes it: its size in
+    bytes, and its bytes as parts made one tensor at a time as they are written (a
+    :class:`LazyWeights` makes each tensor only then, so one is held at a time)."""
+    outline = weights.outline if isinstance(weights, LazyWeights) else weights
+    value = weights.__getitem__
+    header: dict[str, object] = {"__metadata__": dict(meta)} if meta else {}
+    offset = 0
+    for name, t in outline.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)
+
+    def parts() -> Iterator[Any]:
+        yield struct.pack("<Q", len(head))
+        yield head
+        for name, t in outline.items():
+            made = value(name).detach().to("cpu").contiguous()
+            if made.shape != t.shape or made.dtype != t.dtype:
+                raise ValueError(f"tensor {name!r}: made {made.dtype} {tuple(made.shape)}, "
+                                 f"outlined {t.dtype} {tuple(t.shape)}")
+            yield memoryview(cast(Any, made.reshape(-1).view(torch.uint8).numpy()))
+
+    return 8 + len(head) + offset, parts()
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -341,9 +341,13 @@ def test_a_bad_chunk_or_manifest_is_refused_in_one_line(store_kind: str, redis_d
         with pytest.raises(BlobError, match=message) as caught:
             store.get(ref)
         assert "\n" not in str(caught.value) and ref.key in str(caught.value), what
+        with pytest.raises(BlobError, match=message):  # read in pieces: the same refusal
+            for _ in store.stream(ref):
+                pass
     store._write(ref.key, manifest)
     store._write(second, good)
     assert len(store.get(ref)) == ref.size  # as written: it reads again
+    assert sum(len(piece) for piece in store.stream(ref)) == ref.size
 
 
 def test_deleting_a_chunked_blob_removes_its_chunks(redis_db: str) -> None:

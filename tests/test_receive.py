@@ -1,15 +1,18 @@
-"""Big updates received in bounded memory (fedq/coordinator/receive.py): a chunked
-update is read once into a scratch file while it is checked, then added to the mean
-piece by piece. The same round read whole gives the same delta bit for bit, and the
-same verdict on every update; a refused update leaves nothing behind. The blobs are
-on a real Redis, in chunks of 4 KB."""
+"""Big models in bounded memory. The control worker: a chunked update is read once
+into a scratch file while it is checked, then added to the mean piece by piece
+(fedq/coordinator/receive.py), and a lean commit steps the stored model piece by piece
+(fedq/coordinator/lean.py); the same rounds read whole give the same models bit for
+bit, and the same verdict on every update; a refused update leaves nothing behind. A
+worker: its update is written as its tensors are made, and it keeps one big model. The
+blobs are on a real Redis, in chunks of 4 KB."""
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -75,12 +78,47 @@ def test_pieces_cover_every_element_however_the_bytes_arrive() -> None:
         assert torch.equal(joined, tensor.reshape(-1)), name
 
 
+class Stores(NamedTuple):
+    kind: str
+    streamed: BlobStore  # reads in pieces of 4 KB
+    whole: BlobStore  # the same blobs, read whole
+    read: list[str]  # the keys ``whole``-style reads (``get``) asked for on ``streamed``
+
+
+@pytest.fixture(params=["redis", "local", "s3"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
+    """Each store twice over the same blobs: one that reads anything over 4 KB in
+    pieces (Redis: chunks; a file or an S3 object: pieces of it), one that reads whole."""
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_db")
+        streamed: BlobStore = open_store(url, chunk_bytes=CHUNK)
+        whole: BlobStore = RedisBlobStore(url, chunk_bytes=None)
+    else:
+        if request.param == "local":
+            url, endpoint = str(tmp_path / "blobs"), None
+        else:
+            url = f"s3://fedq/t-{tmp_path.name}"
+            endpoint = request.getfixturevalue("s3_env")["FEDQ_S3_ENDPOINT_URL"]
+        streamed, whole = open_store(url, endpoint), open_store(url, endpoint)
+        streamed.read_piece_bytes = CHUNK
+        whole.read_piece_bytes = None
+        streamed.prepare()
+    assert streamed.piece_bytes == CHUNK and whole.piece_bytes is None
+    read: list[str] = []
+    real_get = streamed.get
+
+    def get(ref: Any, limit: int | None = None) -> bytes:
+        read.append(ref.key)
+        return real_get(ref, limit)
+
+    streamed.get = get  # type: ignore[method-assign]
+    return Stores(request.param, streamed, whole, read)
+
+
 def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
-        redis_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Prepare: three chunked updates; a store that streams them and one that reads whole
-    streamed = open_store(redis_db, chunk_bytes=CHUNK)
-    whole = RedisBlobStore(redis_db, chunk_bytes=None)
-    refs = [_update(streamed, c, _delta(c), samples=10 + c) for c in range(3)]
+        stores: Stores, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: three big updates; a store that streams them and one that reads whole
+    refs = [_update(stores.streamed, c, _delta(c), samples=10 + c) for c in range(3)]
     assert all(r.blob.size > CHUNK for r in refs)
     received: list[str] = []
     real = pipeline.receive
@@ -92,11 +130,11 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
     monkeypatch.setattr(pipeline, "receive", spy)
     spec = parse_spec(SPEC)
     # Execute
-    a, streamed_outcome = _reduce(spec, streamed, refs, tmp_path / "s1")
-    b, whole_outcome = _reduce(spec, whole, refs, tmp_path / "s2")
-    # Assert: received in pieces, the same delta bit for bit, the same records, and
-    # no scratch file left
-    assert received == [r.key for r in refs]
+    a, streamed_outcome = _reduce(spec, stores.streamed, refs, tmp_path / "s1")
+    b, whole_outcome = _reduce(spec, stores.whole, refs, tmp_path / "s2")
+    # Assert: received in pieces (never read whole), the same delta bit for bit, the
+    # same records, and no scratch file left
+    assert received == [r.key for r in refs] and stores.read == []
     assert a is not None and b is not None
     for k in REFERENCE:
         assert torch.equal(a[k], b[k]), k
@@ -108,20 +146,18 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
     assert not list((tmp_path / "s1").glob("update-*"))
 
 
-def _corrupt_chunk(store: RedisBlobStore, ref: UpdateRef) -> None:
-    second = chunks.chunk_key(ref.key, 1)
-    good = store._read(second)
-    store._write(second, bytes(good[:-1]) + b"\x00")
-
-
-def _other_manifest(store: RedisBlobStore, ref: UpdateRef) -> None:
-    other = _update(store, 99, _delta(99))
-    store._write(ref.key, store._read(other.key))
+def _corrupt(stores: Stores, ref: UpdateRef) -> None:
+    """One byte changed: Redis's second chunk, a file's or an object's last byte (what
+    else a manifest may say is refused as tests/test_blobs.py shows, read whole or in
+    pieces)."""
+    store = stores.whole
+    key = chunks.chunk_key(ref.key, 1) if stores.kind == "redis" else ref.key
+    good = store._read(key)
+    store._write(key, bytes(good[:-1]) + bytes([good[-1] ^ 1]))
 
 
 @pytest.mark.parametrize(("case", "make", "spoil", "reason"), [
-    ("corrupted chunk", _delta, _corrupt_chunk, r"chunk00001: digest mismatch"),
-    ("another blob's manifest", _delta, _other_manifest, r"its manifest names another blob"),
+    ("corrupted bytes", _delta, _corrupt, r"digest mismatch"),
     ("non-finite value", lambda s: {**_delta(s), "b": torch.tensor([0.0, math.nan, 1.0])},
      None, r"tensor 'b' has non-finite values"),
     ("wrong shape", lambda s: {**_delta(s), "w": torch.zeros(50, 40)}, None,
@@ -132,44 +168,32 @@ def _other_manifest(store: RedisBlobStore, ref: UpdateRef) -> None:
      r"update norm \S+ exceeds max_update_norm 500"),
 ])
 def test_a_bad_big_update_is_refused_in_one_line_and_the_round_goes_on(
-        case: str, make: Any, spoil: Any, reason: str, redis_db: str,
+        case: str, make: Any, spoil: Any, reason: str, stores: Stores,
         tmp_path: Path) -> None:
     # Prepare: a good update, a bad one, a good one
-    streamed = open_store(redis_db, chunk_bytes=CHUNK)
-    assert isinstance(streamed, RedisBlobStore)
-    whole = RedisBlobStore(redis_db, chunk_bytes=None)
-    refs = [_update(streamed, 0, _delta(0)), _update(streamed, 1, make(1)),
-            _update(streamed, 2, _delta(2))]
+    refs = [_update(stores.streamed, 0, _delta(0)), _update(stores.streamed, 1, make(1)),
+            _update(stores.streamed, 2, _delta(2))]
     if spoil is not None:
-        spoil(streamed, refs[1])
+        spoil(stores, refs[1])
     spec = parse_spec({**SPEC, "max_update_norm": 500})
     # Execute
-    a, outcome = _reduce(spec, streamed, refs, tmp_path / "s1")
-    b, whole_outcome = _reduce(spec, whole, refs, tmp_path / "s2")
-    good, _ = _reduce(spec, whole, [refs[0], refs[2]], tmp_path / "s3")
-    # Assert: refused with one line; the delta is the two good updates', bit for bit
+    a, outcome = _reduce(spec, stores.streamed, refs, tmp_path / "s1")
+    b, whole_outcome = _reduce(spec, stores.whole, refs, tmp_path / "s2")
+    good, _ = _reduce(spec, stores.whole, [refs[0], refs[2]], tmp_path / "s3")
+    # Assert: refused with one line, as the whole read refuses it; the delta is the two
+    # good updates' (bit for bit the whole read's); nothing left in the scratch folder
+    assert stores.read == []
     statuses = [r.status for r in outcome.records]
     assert statuses == ["ok", "rejected", "ok"], (case, outcome.records)
     error = outcome.records[1].error or ""
-    assert "\n" not in error and __import__("re").search(reason, error), (case, error)
-    assert outcome.records[1].error == whole_outcome.records[1].error
+    assert "\n" not in error and re.search(reason, error), (case, error)
+    assert whole_outcome.records[1].status == "rejected"
+    assert re.search(reason, whole_outcome.records[1].error or ""), whole_outcome.records[1]
     assert a is not None and b is not None and good is not None
     for k in REFERENCE:
         assert torch.equal(a[k], b[k]), (case, k)  # the same operations either way
         assert torch.allclose(a[k], good[k], atol=1e-6), (case, k)  # without the bad one
     assert not list((tmp_path / "s1").glob("update-*"))
-
-
-class _Counting(RedisBlobStore):
-    """The real Redis store, counting which keys are read whole."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url, chunk_bytes=CHUNK)
-        self.whole: list[str] = []
-
-    def get(self, ref: Any, limit: int | None = None) -> bytes:
-        self.whole.append(ref.key)
-        return super().get(ref, limit)
 
 
 MODEL = {"w": torch.randn(40, 50, generator=torch.Generator().manual_seed(7)),
@@ -186,7 +210,7 @@ def _model_delta(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("server", ["fedavg", "diloco", "fedadam"])
 def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
-        server: str, redis_db: str, tmp_path: Path) -> None:
+        server: str, stores: Stores, tmp_path: Path) -> None:
     """Two rounds committed the lean way (the global model's outline, the server step
     read piece by piece from the stored model into the accumulator) and the whole-model
     way give the same models and server state, bit for bit; the lean one never reads
@@ -194,25 +218,25 @@ def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
     from fedq.coordinator import commit, lean
     from fedq.weights import dumps as dump
 
-    store = _Counting(redis_db)
     spec = parse_spec({**SPEC, "eval_every": 0, "server": {"name": server}})
     results: dict[bool, list[Any]] = {}
     for is_lean in (True, False):
-        model = store.put_parts(f"jobs/{server}{is_lean}/r00000/global",
-                                dump_parts(MODEL))
+        store = stores.streamed if is_lean else stores.whole
+        model = store.put_parts(f"jobs/{server}{is_lean}/r00000/global", dump_parts(MODEL))
         state = None
         rounds = []
         for number in (1, 2):
             refs = [_update(store, c + 10 * number, _model_delta(c + 10 * number))
                     for c in range(2)]
-            assert lean.applies(spec, store.chunk_bytes, model.size) and model.size > CHUNK
-            store.whole.clear()
+            assert lean.applies(spec, store.piece_bytes, model.size) == is_lean
+            stores.read.clear()
             current = lean.outline(store, model) if is_lean else commit.current_model(store, model)
             new = commit.aggregate(spec, store, f"{server}{is_lean}", number, refs, current,
                                    model.sha256, state, Outcome(), tmp_path / "s",
                                    Accumulator(), source=model if is_lean else None)
             assert new is not None
-            assert (model.key in store.whole) != is_lean, store.whole
+            if is_lean:  # the state alone is read whole
+                assert model.key not in stores.read, stores.read
             assert new.keep != is_lean
             rounds.append((dump(new.weights), None if new.state is None
                            else bytes(store.get(new.state))))
@@ -226,3 +250,80 @@ def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
             a, b = loads(lean_state), loads(whole_state)
             assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert loads(results[True][1][0])["n"].item() == 7  # the integer buffer: 5 + 1 + 1
+
+
+# The worker's side: an update written as its tensors are made, one model kept.
+
+def test_a_streamed_file_is_the_file_and_lazy_tensors_are_made_one_at_a_time() -> None:
+    from fedq.weights import LazyWeights, dump_stream
+
+    meta = {"fedq.codec": "none", "job": "j"}
+    size, parts = dump_stream(MODEL, meta)
+    assert b"".join(bytes(p) for p in parts) == dumps(MODEL, meta) == dumps(MODEL, meta)
+    assert size == len(dumps(MODEL, meta))
+    made: list[str] = []
+
+    def make(name: str) -> torch.Tensor:
+        made.append(name)
+        return MODEL[name].clone()
+
+    lazy = LazyWeights({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                        for k, v in MODEL.items()}, make)
+    size, parts = dump_stream(lazy, meta)
+    assert made == []  # the header needs the outline alone
+    out = b""
+    for i, part in enumerate(parts):  # the length, the header, then a tensor a part
+        out += bytes(part)
+        assert len(made) == max(0, i - 1)
+    assert out == dumps(MODEL, meta) and made == list(MODEL)
+
+
+def test_a_stream_is_stored_in_chunks_as_it_comes(redis_db: str) -> None:
+    from fedq.errors import BlobError
+    from fedq.weights import LazyWeights, dump_stream
+
+    store = open_store(redis_db, chunk_bytes=CHUNK)
+    pulled: list[int] = []
+    stored: list[int] = []
+
+    def make(name: str) -> torch.Tensor:
+        pulled.append(len(stored))  # chunks stored before this tensor was made
+        return MODEL[name]
+
+    lazy = LazyWeights(MODEL, make)
+    size, parts = dump_stream(lazy)
+    ref = store.put_stream("jobs/j/r00001/updates/c000001", size, parts, stored.append)
+    assert bytes(store.get(ref)) == dumps(MODEL)
+    assert ref.size == size > CHUNK and len(stored) == -(-size // CHUNK)
+    assert pulled[-1] > 0  # the last tensor was made after chunks were already stored
+    size, parts = dump_stream(MODEL)
+    with pytest.raises(BlobError, match="bytes written, .* announced"):
+        store.put_stream("jobs/j/r00001/updates/c000002", size + 1, parts)
+
+
+def test_a_worker_keeps_one_big_model_and_lets_the_last_go_first(
+        stores: Stores, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedq.process import PROCESS
+    from fedq.settings import get_settings
+    from fedq.worker.update import fetch_global
+
+    monkeypatch.setenv("FEDQ_HOME", str(tmp_path))
+    monkeypatch.delenv("FEDQ_BLOB_CACHE", raising=False)
+    get_settings.cache_clear()
+    PROCESS.clear()
+    store = stores.streamed
+    small = store.put("jobs/j/r00000/global", dumps({"x": torch.ones(3)}))
+    first = store.put_parts("jobs/j/r00001/global", dump_parts(MODEL))
+    second = store.put_parts("jobs/j/r00002/global",
+                             dump_parts({k: v + 1 for k, v in MODEL.items()}))
+    try:
+        fetch_global(store, small)
+        fetch_global(store, first)
+        assert list(PROCESS.models) == [first.sha256]  # a big model: the only one kept
+        weights, _ = fetch_global(store, second)
+        assert list(PROCESS.models) == [second.sha256]
+        assert torch.equal(weights["w"], MODEL["w"] + 1)
+        assert stores.read == [small.key]  # the big ones were read piece by piece
+    finally:
+        PROCESS.clear()
+        get_settings.cache_clear()

@@ -33,30 +33,34 @@ def _two_steps(name: str, **opts: float) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedadam", "diloco"])
-def test_a_step_into_the_delta_is_the_pure_step_in_its_memory(name: str) -> None:
-    # Prepare: a model of float32 tensors and an integer buffer, a delta like an
-    # accumulator's (one flat buffer, a view per tensor), a state from a first step
+def test_a_step_tensor_by_tensor_is_the_whole_step_and_pure(name: str) -> None:
+    # Prepare: a model of float32 tensors and an integer buffer, a state from a first step
+    from fedq.aggregate.fedavg import apply_delta
+
     g = torch.Generator().manual_seed(0)
     weights = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g),
                "n": torch.tensor(7, dtype=torch.int64)}
-    flat = torch.randn(18, generator=g)
-    delta = {"a": flat[:12].view(3, 4), "b": flat[12:17], "n": flat[17:].view(())}
+    delta = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g),
+             "n": torch.tensor(1.0)}
     server = make_server(name, {})
     _, state = server.step(weights, delta, {})
-    kept = {k: v.clone() for k, v in delta.items()}
+    kept = {k: v.clone() for k, v in {**weights, **delta, **state}.items()}
     # Execute
-    pure, pure_state = server.step(weights, kept, state)
-    into, into_state = server.step(weights, delta, state, into_delta=True)
-    # Assert: the same model and state, bit for bit; the float tensors live in the
-    # delta's memory; the inputs the caller keeps are untouched
-    for k in weights:
-        assert torch.equal(into[k], pure[k]) and into[k].dtype == weights[k].dtype, k
-    assert into["a"].data_ptr() == flat.data_ptr()
-    assert into["b"].data_ptr() == flat[12:].data_ptr()
-    assert into["n"].data_ptr() != flat[17:].data_ptr()  # an integer buffer: new memory
-    assert pure_state.keys() == into_state.keys()
-    assert all(torch.equal(into_state[k], pure_state[k]) for k in pure_state)
-    assert int(weights["n"]) == 7
+    new, new_state = server.step(weights, delta, state)
+    # Assert: the steps of every tensor added at once (apply_delta), bit for bit; the
+    # inputs untouched
+    steps, after = {"n": delta["n"]}, {}
+    for k in ("a", "b"):
+        mine = {s: state[f"{s}.{k}"] for s in ("m", "v") if f"{s}.{k}" in state}
+        steps[k], got = server.update(delta[k], mine)
+        after.update({f"{s}.{k}": v for s, v in got.items()})
+    reference = apply_delta(weights, steps)
+    assert list(new) == list(reference)
+    assert all(torch.equal(new[k], reference[k]) and new[k].dtype == reference[k].dtype
+               for k in reference)
+    assert new_state.keys() == after.keys()
+    assert all(torch.equal(new_state[k], after[k]) for k in after)
+    assert all(torch.equal(v, kept[k]) for k, v in {**weights, **delta, **state}.items())
 
 
 def test_fedavg() -> None:

@@ -195,11 +195,11 @@ def test_a_slowed_step_stops_sleeping_when_its_task_should_stop(
     assert not sleeper.is_alive()
 
 
-def test_the_new_model_is_made_in_the_accumulator_and_survives_the_next_round(
+def test_the_accumulator_is_kept_between_rounds_and_the_kept_model_survives_it(
         store: BlobStore, tmp_path: Path) -> None:
-    """The server step writes the new model into the mean's memory (two model-sized
-    buffers at the commit, not four), so the commit must let the accumulator go: the
-    next round's mean would otherwise overwrite the model the process keeps."""
+    """A commit that holds the whole model keeps the mean's memory from round to round
+    (no round pays its page faults again), and the model it kept for the next round is
+    not that memory: the next mean leaves it as it was."""
     from fedq.coordinator.commit import aggregate
 
     spec = _spec(eval_every=0, server={"name": "fedavg"})
@@ -208,12 +208,14 @@ def test_the_new_model_is_made_in_the_accumulator_and_survives_the_next_round(
     ones = {"w": torch.ones(4000), "b": torch.ones(3)}
     first = aggregate(spec, store, "j", 1, [_update(store, 0, ones)], current, "0" * 64,
                       None, Outcome(), tmp_path / "s1", acc)
-    assert first is not None
+    assert first is not None and acc.weights is not None
+    memory = acc.weights["w"].data_ptr()
     kept = {k: v.clone() for k, v in first.weights.items()}
     assert torch.equal(kept["w"], torch.ones(4000))
     twos = {"w": torch.full((4000,), 2.0), "b": torch.full((3,), 2.0)}
     second = aggregate(spec, store, "j", 2, [_update(store, 1, twos)], first.weights,
                        first.blob.sha256, None, Outcome(), tmp_path / "s2", acc)
     assert second is not None and torch.equal(second.weights["w"], torch.full((4000,), 3.0))
+    assert acc.weights is not None and acc.weights["w"].data_ptr() == memory
     for k in kept:  # the first round's model, still what round 2 stepped from
         assert torch.equal(first.weights[k], kept[k]), k

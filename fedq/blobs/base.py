@@ -9,17 +9,20 @@ digest's own hash: SHA-256 for a blob written before BLAKE3), naming the key.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fedq.digest as digests
 from fedq.blobs import chunks
 from fedq.blobs.ref import BlobRef, check_digest, too_large
-from fedq.errors import BlobTooLarge
+from fedq.errors import BlobError, BlobIntegrityError, BlobTooLarge
 
 _OVERLAP_HASH_BYTES = 4 << 20
+#: The pieces a file or an object is read in by :meth:`BlobStore.stream`.
+PIECE_BYTES = 16 << 20
 
 
 #: Below this many bytes a blob is hashed before it is written, not beside it: a
@@ -148,6 +151,19 @@ class BlobStore(ABC):
             return chunks.put(self, key, parts, self.chunk_bytes, progress)
         return self.put_whole_parts(key, parts)
 
+    def put_stream(self, key: str, size: int, parts: Iterable[Any],
+                   progress: Callable[[int], None] | None = None) -> BlobRef:
+        """:meth:`put_parts` for ``parts`` made as they are written (a generator), whose
+        ``size`` in bytes is known up front: a blob over ``chunk_bytes`` is written chunk
+        by chunk as the parts come, so they are never all held at once."""
+        if self.chunk_bytes is not None and size > self.chunk_bytes:
+            ref = chunks.put(self, key, parts, self.chunk_bytes, progress)
+        else:
+            ref = self.put_whole_parts(key, list(parts))
+        if ref.size != size:
+            raise BlobError(f"blob {key}: {ref.size} bytes written, {size} announced")
+        return ref
+
     def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """Store the concatenation of ``parts`` as one value, never chunked. Backends that
         can write a value in pieces override this to skip joining them."""
@@ -168,18 +184,82 @@ class BlobStore(ABC):
         check_digest(ref, digest or digests.of(data, ref.sha256))
         return data
 
+    #: The pieces a backend that reads a file or object in pieces (:meth:`_pieces`)
+    #: reads it in; None where a value is read whole.
+    read_piece_bytes: int | None = None
+
+    @property
+    def piece_bytes(self) -> int | None:
+        """The most bytes :meth:`stream` holds at once for any blob: a chunk where the
+        store writes chunks, else a piece of the file or object; None where a blob
+        kept as one value is read whole."""
+        return self.chunk_bytes if self.chunk_bytes is not None else self.read_piece_bytes
+
+    def _pieces(self, key: str) -> Iterator[bytes] | None:
+        """The value under ``key`` in pieces of at most :attr:`piece_bytes` (raising
+        :class:`~fedq.errors.BlobNotFound` at the first), where the backend reads that
+        way; None where it reads a value whole."""
+        return None
+
     def stream(self, ref: BlobRef, limit: int | None = None) -> Generator[bytes, None, None]:
         """The bytes of ``ref`` in pieces, for a reader that never holds the blob whole:
-        a chunked blob's chunks, each checked against its digest as it is yielded, the
-        whole checked after the last (a mismatch raises then, so a consumer commits
-        nothing before the iteration ends); a blob kept as one value, checked, as one
-        piece. ``limit`` as for :meth:`get`."""
+        a chunked blob's chunks, each checked against its digest as it is yielded; a
+        file or object the backend reads in pieces, as they come; a blob kept as one
+        value, as one piece. The whole is checked against the ref's digest after the
+        last piece (a mismatch raises then, so a consumer commits nothing before the
+        iteration ends). ``limit`` as for :meth:`get`."""
+        if limit is not None and not self.bounds_reads:
+            size = self._size(ref.key)
+            if size is not None and size > limit:
+                raise too_large(ref.key, size, limit)
+        pieces = self._pieces(ref.key)
+        if pieces is not None:
+            yield from self._stream_pieces(ref, pieces, limit)
+            return
         data, digest = self._get_unchecked(ref, limit)
         if digest != ref.sha256 and chunks.is_manifest(ref, data):
             yield from chunks.stream(self, ref, data, limit)
             return
         check_digest(ref, digest or digests.of(data, ref.sha256))
         yield data
+
+    def get_buffer(self, ref: BlobRef, limit: int | None = None) -> bytearray:
+        """The bytes of ``ref``, checked, in one bytearray of its size, filled piece by
+        piece as :meth:`stream` reads them: the one copy of a big blob the reader
+        holds (``fedq.weights.loads`` parses a bytearray in place)."""
+        if self.piece_bytes is None or ref.size <= self.piece_bytes:
+            data = self.get(ref, limit)
+            return data if isinstance(data, bytearray) else bytearray(data)
+        out = bytearray(ref.size)
+        at = 0
+        for piece in self.stream(ref, limit):
+            if at + len(piece) > ref.size:
+                raise BlobIntegrityError(f"blob {ref.key} is longer than its {ref.size} "
+                                         f"bytes: the blob was modified or corrupted")
+            out[at:at + len(piece)] = piece
+            at += len(piece)
+        return out
+
+    def _stream_pieces(self, ref: BlobRef, pieces: Iterator[bytes], limit: int | None
+                       ) -> Iterator[bytes]:
+        first = next(pieces, b"")
+        if chunks.is_manifest(ref, first):  # written with chunk_bytes: read it whole,
+            head = bytearray(first)  # or as much as shows it is too large
+            for piece in pieces:
+                head += piece
+                if len(head) > chunks.MAX_MANIFEST_BYTES:
+                    break
+            yield from chunks.stream(self, ref, head, limit)
+            return
+        whole = digests.new(ref.sha256)
+        size = 0
+        for piece in itertools.chain([first], pieces):
+            size += len(piece)
+            if limit is not None and size > limit:
+                raise BlobTooLarge(f"blob {ref.key} is more than the {limit} bytes it may be")
+            whole.update(piece)
+            yield piece
+        check_digest(ref, digests.text(whole))
 
     def get_whole(self, ref: BlobRef, limit: int | None = None) -> bytes:
         """The bytes of ``ref`` stored as one value (a chunk), verified against its

@@ -24,7 +24,7 @@ whole is checked against the ref's digest. Any failure is one line naming the ke
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import fedq.digest as digests
@@ -58,7 +58,7 @@ def is_manifest(ref: BlobRef, head: Any) -> bool:
     return len(head) != ref.size and bytes(memoryview(head)[:len(MAGIC)]) == MAGIC
 
 
-def put(store: BlobStore, key: str, parts: Sequence[Any], chunk: int,
+def put(store: BlobStore, key: str, parts: Iterable[Any], chunk: int,
         progress: Callable[[int], None] | None = None) -> BlobRef:
     """Write the concatenation of ``parts`` as chunks of at most ``chunk`` bytes, then
     the manifest; the whole blob's ref. ``progress(n)`` is called once chunk ``n``

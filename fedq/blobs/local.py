@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from fedq.blobs.base import BlobStore
+from fedq.blobs.base import PIECE_BYTES, BlobStore
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
 
 
@@ -41,6 +41,28 @@ class LocalBlobStore(BlobStore):
             raise BlobNotFound(f"blob {key}: not found in {self.root}") from None
         except OSError as exc:
             raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
+    read_piece_bytes = PIECE_BYTES
+
+    def _pieces(self, key: str) -> Iterator[bytes]:
+        try:
+            fh = open(self._path(key), "rb")  # noqa: SIM115 - closed by the generator
+        except FileNotFoundError:
+            raise BlobNotFound(f"blob {key}: not found in {self.root}") from None
+        except OSError as exc:
+            raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
+        size = self.read_piece_bytes or PIECE_BYTES
+
+        def read() -> Iterator[bytes]:
+            with fh:
+                try:
+                    while piece := fh.read(size):
+                        yield piece
+                except OSError as exc:
+                    raise BlobError(f"blob {key}: cannot read: {exc.strerror}") from None
+
+        return read()
 
     def _size(self, key: str) -> int | None:
         try:

@@ -23,7 +23,7 @@ import os
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import fedq.digest as digests
@@ -63,8 +63,12 @@ class PresignedStore(BlobStore):
                   progress: Callable[[int], None] | None = None) -> BlobRef:
         """One PUT through ``key``'s URL (S3 keeps the object whole: no chunks, so no
         ``progress``)."""
+        return self.put_stream(key, sum(len(memoryview(p).cast("B")) for p in parts), parts)
+
+    def put_stream(self, key: str, size: int, parts: Iterable[Any],
+                   progress: Callable[[int], None] | None = None) -> BlobRef:
+        """One PUT through ``key``'s URL of ``size`` bytes, sent as ``parts`` come."""
         url = self._url(self._put, key, "write")
-        size = sum(len(memoryview(p).cast("B")) for p in parts)
         digest = digests.new()
 
         def body() -> Any:

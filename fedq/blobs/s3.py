@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from fedq.blobs.base import BlobStore
+from fedq.blobs.base import PIECE_BYTES, BlobStore
 from fedq.errors import (
     BlobError,
     BlobNotFound,
@@ -90,6 +90,33 @@ class S3BlobStore(BlobStore):
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+
+    read_piece_bytes = PIECE_BYTES
+
+    def _pieces(self, key: str) -> Iterator[bytes]:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise BlobNotFound(f"blob {key}: not found in {self.url}") from None
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+        except self._errors() as exc:
+            raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+
+        size = self.read_piece_bytes or PIECE_BYTES
+
+        def read() -> Iterator[bytes]:
+            try:
+                while piece := body.read(size):
+                    yield bytes(piece)
+            except self._errors() + (OSError,) as exc:
+                raise BlobError(f"blob store {self.url}: cannot read {key}: {exc}") from None
+            finally:
+                body.close()
+
+        return read()
 
     def _size(self, key: str) -> int | None:
         from botocore.exceptions import ClientError

@@ -15,7 +15,7 @@ Three limits, each where it is known:
   Aggregating holds about :data:`HELD_COPIES` copies of the model (the global model, the
   update being read, the accumulator, the new global's bytes), or :data:`LEAN_COPIES`
   where the commit is lean (fedq/coordinator/lean.py: the accumulator alone, and a
-  chunk or two of the store's), and the server optimizer's state (DiLoCo's and
+  few of the pieces the store reads at once), and the server optimizer's state (DiLoCo's and
   FedAvgM's momentum: one copy; FedAdam, FedYogi, FedAdagrad: two), on top of the
   :data:`PROCESS_BYTES` a control worker holds with no model (docs/benchmarks.md,
   "Large models").
@@ -37,7 +37,7 @@ from fedq.spec import JobSpec
 MB = 2**20
 #: Copies of the model the control worker holds while it aggregates.
 HELD_COPIES = 4
-#: Copies of the model a lean commit holds (the accumulator), chunks besides.
+#: Copies of the model a lean commit holds (the accumulator), pieces besides.
 LEAN_COPIES = 1
 #: What a control worker holds before any model (the 50 MB row of the large-model table).
 PROCESS_BYTES = 768 * MB
@@ -58,24 +58,24 @@ class Need:
     held: int = HELD_COPIES  # of those, copies of the model aggregation holds
 
 
-def need(spec: JobSpec, blob_bytes: int, chunk_bytes: int | None = None) -> Need:
+def need(spec: JobSpec, blob_bytes: int, piece_bytes: int | None = None) -> Need:
     """What ``spec``'s job needs with a global model of ``blob_bytes`` bytes on a
-    store that keeps blobs over ``chunk_bytes`` as chunks."""
+    store that reads at most ``piece_bytes`` at once (``BlobStore.piece_bytes``)."""
     copies = state_copies(spec)
-    held = LEAN_COPIES if lean.applies(spec, chunk_bytes, blob_bytes) else HELD_COPIES
+    held = LEAN_COPIES if lean.applies(spec, piece_bytes, blob_bytes) else HELD_COPIES
     updates = spec.clients_per_round  # a buffered job's: those out and a version's buffer
     if spec.aggregation.mode == "buffered":
         updates += spec.aggregation.buffer
     stored = blob_bytes * (spec.rounds + 1 + updates)
     return Need(blob=blob_bytes, store=stored,
-                control=PROCESS_BYTES + chunk_slack(chunk_bytes, held)
+                control=PROCESS_BYTES + piece_slack(piece_bytes, held)
                 + blob_bytes * (held + copies), state_copies=copies, held=held)
 
 
-def chunk_slack(chunk_bytes: int | None, held: int) -> int:
-    """The chunks a lean commit holds besides the model: one being read, one read
+def piece_slack(piece_bytes: int | None, held: int) -> int:
+    """The pieces a lean commit holds besides the model: one being read, one read
     ahead, and the header's (none otherwise: the copies count them)."""
-    return 3 * chunk_bytes if chunk_bytes is not None and held == LEAN_COPIES else 0
+    return 3 * piece_bytes if piece_bytes is not None and held == LEAN_COPIES else 0
 
 
 def state_copies(spec: JobSpec) -> int:
@@ -93,7 +93,7 @@ def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int,
     """``spec``'s :class:`Need`; raises :class:`DoesNotFit` with one line of numbers when
     it is over a limit of ``store`` or of ``FEDQ_CONTROL_MEMORY_MB``. ``shipped``: the
     sizes of the checkpoint files the job puts in the store beside (``ship_base``)."""
-    got = need(spec, blob_bytes, store.chunk_bytes)
+    got = need(spec, blob_bytes, store.piece_bytes)
     got = Need(got.blob, got.store + sum(shipped), got.control, got.state_copies, got.held)
     most = store.max_blob_bytes()
     if most is not None and shipped and max(shipped) > most:

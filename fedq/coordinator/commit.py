@@ -82,7 +82,8 @@ def aggregate(spec: JobSpec, store: BlobStore, job_id: str, number: int,
         {k: current[k] for k in fragment_names(current, number, spec.streaming.fragments)}
     with phase("updates"):  # read, decode, verify and reduce, streamed
         delta = reduce(spec, store, refs, reference, outcome, scratch, acc, factors)
-    acc.release()  # the server step writes the new model into this memory
+    if source is not None:  # the lean server step writes the new model into it
+        acc.release()
     if delta is None:
         return None
     return build(spec, store, job_id, number, current, current_sha256, delta, server_state,

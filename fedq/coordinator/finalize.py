@@ -196,7 +196,7 @@ def _aggregate_and_commit(settings: Settings, rnd: OpenRound, chosen: dict[int, 
     fewer than the quorum of updates pass verification (nothing is written then)."""
     spec, job_id, number = rnd.spec, rnd.state.job, rnd.state.number
     store = PROCESS.blobs(settings)
-    source = rnd.model if lean.applies(spec, store.chunk_bytes, rnd.model.size) else None
+    source = rnd.model if lean.applies(spec, store.piece_bytes, rnd.model.size) else None
     with phase("current model"):
         current = commit.current_model(store, rnd.model) if source is None \
             else lean.outline(store, rnd.model)

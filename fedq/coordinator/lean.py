@@ -1,13 +1,16 @@
 """A commit that never holds the global model whole, only the accumulator.
 
-For a model the blob store keeps as chunks, the control worker's finalize reads the
-global model's header alone (its outline: names, shapes, dtypes) to check the updates
-against, streams the updates into the accumulator (fedq/coordinator/receive.py), and
-then steps the server optimizer piece by piece: each piece of the stored global model
-is read, checked against its chunk's digest, and the new value is written into the
+For a model larger than its blob store reads at once (``BlobStore.piece_bytes``: a
+Redis chunk, or a piece of a file or an S3 object), the control worker's finalize
+reads the global model's header alone (its outline: names, shapes, dtypes) to check
+the updates against, streams the updates into the accumulator
+(fedq/coordinator/receive.py), and then steps the server optimizer piece by piece:
+each piece of the stored global model is read and the new value is written into the
 accumulator's own memory (server optimizers work element by element, so the result is
-the whole-model step's, bit for bit). The new model is then the accumulator; nothing
-else model-sized is held, except the server optimizer's state (DiLoCo's momentum is
+the whole-model step's, bit for bit). The stored model's digest is checked after its
+last piece, before anything is written; a mismatch fails the commit, and the next try
+starts from a new accumulator. The new model is then the accumulator; nothing else
+model-sized is held, except the server optimizer's state (DiLoCo's momentum is
 updated in the memory it was read into). The process does not keep the new model for
 the next round either: that round reads its outline again.
 
@@ -34,11 +37,11 @@ from fedq.weights import Layout, pieces, split_header
 PIECE_BYTES = 8 << 20
 
 
-def applies(spec: JobSpec, chunk_bytes: int | None, model_bytes: int) -> bool:
+def applies(spec: JobSpec, piece_bytes: int | None, model_bytes: int) -> bool:
     """Whether round commits of ``spec``'s job go the lean way (module docstring) with
-    a global model of ``model_bytes`` on a store that keeps blobs over ``chunk_bytes``
-    as chunks."""
-    if chunk_bytes is None or model_bytes <= chunk_bytes:
+    a global model of ``model_bytes`` on a store that reads at most ``piece_bytes`` at
+    once (``BlobStore.piece_bytes``)."""
+    if piece_bytes is None or model_bytes <= piece_bytes:
         return False
     reducer = make_reducer(spec.reducer.name, spec.reducer.params())
     return (isinstance(reducer, StreamReducer) and reducer.takes_pieces

@@ -296,10 +296,9 @@ def reduce(spec: JobSpec, store: BlobStore, refs: Sequence[UpdateRef], reference
 
 
 def apply_server(spec: JobSpec, weights: Weights, delta: Weights,
-                 state: Weights, into_delta: bool = False) -> tuple[Weights, Weights]:
-    """The new global model and server optimizer state (``into_delta``: written into
-    ``delta``'s memory where it fits, ``ServerOptimizer.step``)."""
-    return make_server_for(spec).step(weights, delta, state, into_delta=into_delta)
+                 state: Weights) -> tuple[Weights, Weights]:
+    """The new global model and server optimizer state."""
+    return make_server_for(spec).step(weights, delta, state)
 
 
 def make_server_for(spec: JobSpec) -> ServerOptimizer:
@@ -322,11 +321,9 @@ class NextModel:
 def server_update(spec: JobSpec, current: Weights, delta: Weights,
                   stored_state: Weights) -> NextModel:
     """The server optimizer's step and, with a compressed downlink, the model as the
-    int8 step from ``current`` defines it (the residual carried in the state). Takes
-    ``delta`` over: the new model is written into its memory where it fits, so the
-    control worker holds two model-sized buffers at this step, not four."""
+    int8 step from ``current`` defines it (the residual carried in the state)."""
     own, residual = split_state(stored_state)
-    new, new_state = apply_server(spec, current, delta, own, into_delta=True)
+    new, new_state = apply_server(spec, current, delta, own)
     quantize = spec.compression.downlink == "int8"
     if not quantize and spec.streaming is None:
         return NextModel(new, new_state, None)

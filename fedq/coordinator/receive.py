@@ -1,12 +1,14 @@
 """A big update received in bounded memory: read once, checked, then added from disk.
 
-An update blob kept as chunks (fedq/blobs/chunks.py) is read chunk by chunk. Each
-chunk, once its digest holds, is appended to a scratch file, and its tensors are
+An update blob larger than what its store reads at once (``BlobStore.piece_bytes``:
+a Redis chunk, fedq/blobs/chunks.py, or a piece of a file or an S3 object) is read
+piece by piece (``BlobStore.stream``). Each piece (a chunk once its digest holds) is
+appended to a scratch file, and its tensors are
 checked as they arrive: the header first (names, shapes and dtypes against the global
 model), then every value (finite, and the L2 norm against ``max_update_norm``); the
-whole blob's digest is checked after the last chunk. Only an update that passed all
+whole blob's digest is checked after the last piece. Only an update that passed all
 of that is added to the mean, piece by piece from the scratch file, which no worker
-can write: the control worker holds a chunk and a piece of the update, never the
+can write: the control worker holds a piece or two of the update, never the
 update, and nothing of a refused update ever reaches the accumulator.
 
 It applies to uncompressed updates averaged by a reducer that takes pieces (the mean),
@@ -58,8 +60,9 @@ class Received(Pieces):
 
 
 def streams(store: BlobStore, ref: UpdateRef) -> bool:
-    """Whether ``ref``'s blob is one the store keeps as chunks (so worth streaming)."""
-    return store.chunk_bytes is not None and ref.blob.size > store.chunk_bytes
+    """Whether ``ref``'s blob is larger than what the store reads at once (so worth
+    streaming)."""
+    return store.piece_bytes is not None and ref.blob.size > store.piece_bytes
 
 
 def receive(store: BlobStore, ref: UpdateRef, reference: Weights, limit: int,

@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from fedq.weights import LazyWeights
+
 SLOWDOWN = "FEDQ_TEST_SLOWDOWN"
 ZERO_COMPUTE = "FEDQ_TEST_ZERO_COMPUTE"
 BYZANTINE = "FEDQ_TEST_BYZANTINE"
 #: The jobs the test and benchmark deployments run with zero compute, by name.
 ZERO_COMPUTE_JOBS = "^zero-compute-"
 
-_zero_deltas: dict[tuple[object, ...], dict[str, torch.Tensor]] = {}
 
 
 def slowdown() -> float:
@@ -86,21 +87,26 @@ def byzantine_scale(job_name: str, client: int) -> float | None:
 
 
 def zero_delta(shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
-               client: int) -> dict[str, torch.Tensor]:
+               client: int) -> LazyWeights:
     """A zero-compute client's update of weights of ``shapes`` (name, shape, dtype): every
     floating weight moves by 1e-4 times (1 + client mod 7), so that averaging is real
-    work; made once per shape and step, so no compute is timed."""
+    work. Each tensor is made when it is asked for (as the upload reaches it) and not
+    kept, so the update is never whole in memory; filling it is the only compute."""
     import torch
 
+    from fedq.weights import LazyWeights
+
     step = 1e-4 * (1 + client % 7)
-    delta = _zero_deltas.get((shapes, step))
-    if delta is None:
-        delta = {k: torch.full(shape, step, dtype=dtype) if dtype.is_floating_point
-                 else torch.zeros(shape, dtype=torch.float32)  # as a trained delta
-                 for k, shape, dtype in shapes}
-        _zero_deltas.clear()
-        _zero_deltas[(shapes, step)] = delta
-    return delta
+    # (shape, dtype, value): integer buffers move by 0, in float32 as a trained delta's
+    made = {k: (shape, dtype, step) if dtype.is_floating_point
+            else (shape, torch.float32, 0.0) for k, shape, dtype in shapes}
+
+    def make(name: str) -> torch.Tensor:
+        shape, dtype, value = made[name]
+        return torch.full(shape, value, dtype=dtype)
+
+    return LazyWeights({k: torch.empty(shape, dtype=dtype, device="meta")
+                        for k, (shape, dtype, _) in made.items()}, make)
 
 
 @lru_cache(maxsize=4)

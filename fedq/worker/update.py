@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +35,15 @@ from fedq.redaction import redact_text
 from fedq.settings import get_settings
 from fedq.spec import JobSpec
 from fedq.testing import faults, hold
-from fedq.weights import dump_parts, dumps, loads, loads_with_meta, raw_size, state_of
+from fedq.weights import (
+    dump_parts,
+    dump_stream,
+    dumps,
+    loads,
+    loads_with_meta,
+    raw_size,
+    state_of,
+)
 from fedq.worker import fit, inner, owner, ranks, replica
 from fedq.worker import kept as kept_file
 from fedq.worker.loop import LocalStats, local_train
@@ -47,6 +55,8 @@ def fetch_global(store: BlobStore, ref: BlobRef,
                  step: StepRef | None = None) -> tuple[Weights, int]:
     """The global model for ``ref`` and the bytes downloaded (0 when this process kept
     it, or another worker of this machine had put it in the FEDQ_BLOB_CACHE folder).
+    A model larger than the store reads at once, with no step to follow, is the only
+    one the process keeps: the one it held before is let go before the download.
     With a ``step`` from a model this process holds, only the step is downloaded and
     the model rebuilt from it (checked against its content hash; on any mismatch the
     full model is downloaded instead)."""
@@ -67,12 +77,16 @@ def fetch_global(store: BlobStore, ref: BlobRef,
         else:
             PROCESS.keep_model(ref.sha256, weights)
             return weights, step.blob.size if downloaded else 0
+    alone = step is None and store.piece_bytes is not None and ref.size > store.piece_bytes
+    if alone:  # a big model with no step to come: the previous one is of no more use
+        PROCESS.models.clear()
+    whole: bytes | bytearray
     if folder is not None:
-        data, downloaded = HostCache(folder).get(store, ref)
-    else:
-        data, downloaded = store.get(ref, limit=ref.size), True
-    weights = loads(data, what=f"blob {ref.key}")
-    PROCESS.keep_model(ref.sha256, weights)
+        whole, downloaded = HostCache(folder).get(store, ref)
+    else:  # into one buffer, as it arrives
+        whole, downloaded = store.get_buffer(ref, limit=ref.size), True
+    weights = loads(whole, what=f"blob {ref.key}")
+    PROCESS.keep_model(ref.sha256, weights, only=alone)
     return weights, ref.size if downloaded else 0
 
 
@@ -354,11 +368,13 @@ def peak_rss_mb() -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
-def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights,
+def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Mapping[str, torch.Tensor],
             worker: str) -> tuple[BlobRef, float, TrainStats]:
     """Encode and store ``delta``: its ref, the seconds it took, and the codec it was
     sent with and this worker's uplink as the task's stats report them. A large upload
-    measures the uplink (the put alone, not the encoding)."""
+    measures the uplink (the put alone, not the encoding). Uncompressed, the update
+    is written tensor by tensor as the store takes it (a ``LazyWeights`` delta is
+    then never whole in memory)."""
     def after_chunk(written: int) -> None:
         if written == 1:  # fault tests only (FEDQ_TEST_HOLD): a chunked upload half done
             hold.at("upload", f"upload-{ref.job}-r{ref.number}-c{ref.client}-a{ref.attempt}",
@@ -366,15 +382,21 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Weights,
 
     codec, _ = pick_codec(spec)
     started = time.perf_counter()
-    stored, meta = encode(delta, codec, spec.compression.chunk)
-    meta.update({"job": ref.job, "round": str(ref.round), "task": str(ref.task),
-                 "client": str(ref.client)})
+    said = {"job": ref.job, "round": str(ref.round), "task": str(ref.task),
+            "client": str(ref.client)}
     key = store.upload_key if isinstance(store, PresignedStore) else \
         update_key(ref.job, ref.number, ref.client, ref.attempt, get_settings().joined_as)
-    parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
-        else dump_parts(stored, meta)
-    sending = time.perf_counter()
-    up = store.put_parts(key, parts, after_chunk)
+    if codec == "none" and not spec.compression.zstd:  # written as the tensors come
+        size, stream = dump_stream(delta, {"fedq.codec": "none", **said})
+        sending = time.perf_counter()
+        up = store.put_stream(key, size, stream, after_chunk)
+    else:
+        stored, meta = encode(delta, codec, spec.compression.chunk)
+        meta.update(said)
+        parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
+            else dump_parts(stored, meta)
+        sending = time.perf_counter()
+        up = store.put_parts(key, parts, after_chunk)
     done = time.perf_counter()
     if up.size >= MEASURE_UPLINK_BYTES:  # the put alone: the link, not the encoder
         PROCESS.uplink_mbit = up.size * 8 / max(done - sending, 1e-6) / 1e6
@@ -388,13 +410,14 @@ def _zero_compute(ref: TrainRef, spec: JobSpec, store: BlobStore, worker: str, s
     data, no model, no training; the update is :func:`fedq.testing.faults.zero_delta`."""
     delta = faults.zero_delta(tuple((k, tuple(v.shape), v.dtype)
                                     for k, v in global_weights.items()), ref.client)
+    del global_weights  # (kept by the process for the next round, if it may be)
     up, upload, sent = _upload(ref, spec, store, delta, worker)
     return UpdateRef(status="ok", job=ref.job, round=ref.round, task=ref.task,
                      client=ref.client,
                      queue=ref.queue, worker=worker, key=up.key, sha256=up.sha256,
                      samples=1, steps=0, loss=0.0, seconds=time.perf_counter() - start,
                      bytes_up=up.size, bytes_down=bytes_down, attempt=ref.attempt,
-                     gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta),
+                     gen=ref.gen, stats=TrainStats(seen=1, raw_bytes=raw_size(delta.outline),
                                                    download_seconds=download,
                                                    upload_seconds=upload, codec=sent.codec,
                                                    uplink_mbit=sent.uplink_mbit))

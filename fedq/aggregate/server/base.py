@@ -42,17 +42,12 @@ class ServerOptimizer(ABC):
         delta ``d``; ``state`` holds this tensor's ``m``/``v`` (empty at first)."""
 
     def step(self, weights: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
-             state: Mapping[str, torch.Tensor], into_delta: bool = False
-             ) -> tuple[Weights, Weights]:
+             state: Mapping[str, torch.Tensor]) -> tuple[Weights, Weights]:
         """The new weights and state. ``state`` maps ``m.<tensor>`` / ``v.<tensor>``.
         ``delta`` may name only some tensors (Streaming DiLoCo's fragment): the others,
         and their state, stay as they are. One tensor's step is made at a time and
-        added at once, so no model-sized step is ever held.
-
-        Pure unless ``into_delta``: then the caller gives ``delta`` up, and each new
-        tensor whose delta has its shape and dtype (float32, contiguous) is written
-        into that delta's memory, so the step allocates no model-sized memory at all
-        (the result is the same, bit for bit)."""
+        added at once, so no model-sized step is held beside the new model. Pure: the
+        inputs are not modified."""
         new_weights: Weights = {}
         new_state: Weights = {k: v for k, v in state.items()
                               if k.partition(".")[2] not in delta}
@@ -68,11 +63,7 @@ class ServerOptimizer(ABC):
             mine = {k: state[f"{k}.{name}"] for k in ("m", "v") if f"{k}.{name}" in state}
             step, after = self.update(d.to(torch.float32), mine)
             new_state.update({f"{k}.{name}": v for k, v in after.items()})
-            if into_delta and d.dtype == value.dtype == step.dtype \
-                    and d.shape == value.shape and d.is_contiguous():
-                new_weights[name] = torch.add(value, step, out=d)
-            else:
-                new_weights[name] = (value.to(step.dtype) + step).to(value.dtype)
+            new_weights[name] = (value.to(step.dtype) + step).to(value.dtype)
             del step
         return new_weights, new_state
 
