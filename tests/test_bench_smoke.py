@@ -684,3 +684,21 @@ def test_inference_comparison_smoke_run_renders_its_tables(redis_db: str) -> Non
     bad = subprocess.run([sys.executable, "-m", "bench.inference", "--runs", "0"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode != 0 and "--runs and --big-requests: at least 1" in bad.stderr
+
+
+def test_big_models_smoke_run_renders_a_row_per_store_and_server(redis_db: str) -> None:
+    """bench/big_models.py on a 2 MB GPT with Redis chunks of 256 KB (so Redis's rows
+    are lean commits), on Redis, a local folder and SeaweedFS, FedAvg and DiLoCo."""
+    env = {**os.environ, "FEDQ_BENCH_REDIS_URL": redis_db}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.big_models", "--no-write", "--sizes", "smoke",
+         "--stores", "redis,local,s3", "--chunk-mb", "0.25"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| smoke |")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        (store, server) for store in ("redis", "local", "s3") for server in ("fedavg", "diloco")]
+    for row in rows:  # seconds, the bound and its ratio, both peaks against their targets
+        assert float(row[5]) > 0 and re.match(r" [\d.]+ \([\d.]+: (met|over)\) ", row[6]), row
+        assert all(re.match(r" [\d,]+ \((met|over): [\d,]+\) ", c) for c in row[7:9]), row

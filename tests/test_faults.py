@@ -235,6 +235,59 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
 
 
 @pytest.mark.slow
+def test_control_worker_killed_mid_lean_commit_of_a_big_model(redis_cluster: Cluster,
+                                                              redis_db: str) -> None:
+    """A model the store keeps as chunks (2 KB here) is committed the lean way: the
+    server step writes the new model into the accumulator piece by piece from the
+    stored one (fedq/coordinator/lean.py). The control worker is SIGKILLed there, one
+    piece into round 2's step; a restarted one commits the round again from the stored
+    updates, and the job ends with the model an uninterrupted run of it gives, bit for
+    bit."""
+    import torch
+
+    from fedq.blobs import BlobRef, open_store
+    from fedq.db import Job
+    from fedq.weights import loads
+
+    cluster = redis_cluster
+    cluster.env.update(FEDQ_BLOB_URL=redis_db, FEDQ_BLOB_CHUNK_MB="0.002")
+    cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
+    holds = Holds(cluster.home / "holds")
+    spec = {**DIGITS, "name": "lean", "clients_per_round": 3, "num_clients": 3,
+            "rounds": 3, "round_timeout_s": 60, "queues": {"cpu": 3}}
+    control = cluster.add("control", ["control"], **holds.env("server step", r"-r2$"))
+    cluster.start_beat()
+    killed = cluster.submit(spec)
+    try:
+        wait_until(lambda: holds.waiting(rf"^{killed}-r2$"), 120,
+                   what=lambda: f"the control worker's lean server step\n{control.tail()}")
+        control.kill()  # one piece of the new model written into the accumulator
+    finally:
+        holds.close()
+    assert [r.status for r in cluster.rounds(killed)] == ["committed", "training"]
+    cluster.replace("control")  # restarted without the hold
+    view = cluster.wait(killed, timeout=180)
+    assert view.status == "completed", view.error
+    lost = _assert_each_round_once(cluster, killed, rounds=3, per_round=3)
+    assert lost == 0
+    again = cluster.submit(spec)  # the same job, not interrupted
+    assert cluster.wait(again, timeout=180).status == "completed"
+    store = open_store(redis_db, chunk_bytes=2048)
+    finals = []
+    with session_scope(cluster.settings.database_url) as s:
+        for job_id in (killed, again):
+            job = s.get(Job, job_id)
+            assert job is not None and job.global_size and job.global_size > 2048
+            finals.append(loads(store.get(BlobRef(job.global_key, job.global_sha256 or "",
+                                                  job.global_size))))
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    record_outcome("control worker SIGKILLed mid-commit of a big model (lean), restarted",
+                   "the control worker one piece into round 2's server step", "completed",
+                   len(cluster.rounds(killed)), lost)
+
+
+@pytest.mark.slow
 def test_redis_restarted_mid_job(tmp_path: Path, pg_url: str) -> None:
     with private_redis() as (url, restart):
         cluster = migrated_cluster(tmp_path, url, url, pg_url)

@@ -121,11 +121,14 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
     refs = [_update(stores.streamed, c, _delta(c), samples=10 + c) for c in range(3)]
     assert all(r.blob.size > CHUNK for r in refs)
     received: list[str] = []
+    files: list[Any] = []
     real = pipeline.receive
 
     def spy(store: BlobStore, ref: UpdateRef, *args: Any) -> Any:
         received.append(ref.key)
-        return real(store, ref, *args)
+        got = real(store, ref, *args)
+        files.append(got.fh)
+        return got
 
     monkeypatch.setattr(pipeline, "receive", spy)
     spec = parse_spec(SPEC)
@@ -133,7 +136,7 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
     a, streamed_outcome = _reduce(spec, stores.streamed, refs, tmp_path / "s1")
     b, whole_outcome = _reduce(spec, stores.whole, refs, tmp_path / "s2")
     # Assert: received in pieces (never read whole), the same delta bit for bit, the
-    # same records, and no scratch file left
+    # same records, and each scratch file closed
     assert received == [r.key for r in refs] and stores.read == []
     assert a is not None and b is not None
     for k in REFERENCE:
@@ -143,7 +146,8 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
     # a tensor over several pieces: its norm from theirs, equal to float32 rounding
     assert [r.norm for r in streamed_outcome.records] == \
         pytest.approx([r.norm for r in whole_outcome.records], rel=1e-6)
-    assert not list((tmp_path / "s1").glob("update-*"))
+    assert len(files) == 3 and all(fh.closed for fh in files)  # (and they had no name)
+    assert not list((tmp_path / "s1").iterdir())
 
 
 def _corrupt(stores: Stores, ref: UpdateRef) -> None:
@@ -193,7 +197,7 @@ def test_a_bad_big_update_is_refused_in_one_line_and_the_round_goes_on(
     for k in REFERENCE:
         assert torch.equal(a[k], b[k]), (case, k)  # the same operations either way
         assert torch.allclose(a[k], good[k], atol=1e-6), (case, k)  # without the bad one
-    assert not list((tmp_path / "s1").glob("update-*"))
+    assert not list((tmp_path / "s1").iterdir())
 
 
 MODEL = {"w": torch.randn(40, 50, generator=torch.Generator().manual_seed(7)),

@@ -115,13 +115,15 @@ def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int,
             + f") and {room[1]}: "
             "fewer rounds, a smaller model, or a store with more room")
     limit = settings.control_memory_mb
+    slack = piece_slack(store.piece_bytes, got.held)
     if limit is not None and got.control > limit * MB:
         state = f", {got.state_copies} of them {spec.server.name}'s state" \
             if got.state_copies else ""
         raise DoesNotFit(
             f"aggregating needs about {_mb(got.control)} MB on the control worker "
             f"({got.held + got.state_copies} copies of the {_mb(got.blob)} MB model{state}, "
-            f"and {_mb(PROCESS_BYTES)} MB of process) and FEDQ_CONTROL_MEMORY_MB allows "
+            + (f"{_mb(slack)} MB of the pieces the store reads at once, " if slack else "")
+            + f"and {_mb(PROCESS_BYTES)} MB of process) and FEDQ_CONTROL_MEMORY_MB allows "
             f"{limit:,.0f} MB: use a smaller model or LoRA (model_args.lora)")
     return got
 

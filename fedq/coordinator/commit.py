@@ -41,6 +41,7 @@ from fedq.process import PROCESS
 from fedq.protocol.training import StepRef, UpdateRef
 from fedq.settings import Settings
 from fedq.spec import JobSpec
+from fedq.testing import hold
 from fedq.weights import loads
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
         if server_state else {}
     with phase("server step"):
         nxt = server_update(spec, current, delta, state) if source is None else \
-            lean.server_step(spec, store, source, delta, state)
+            lean.server_step(spec, store, source, delta, state, lambda n: hold.at(
+                "server step", f"{job_id}-r{number}", "control") if n == 1 else None)
     every = spec.eval_every
     with phase("evaluate"):
         accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \

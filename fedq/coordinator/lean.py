@@ -21,7 +21,7 @@ other job keeps the whole-model commit (fedq/coordinator/commit.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,10 +31,10 @@ from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore
 from fedq.coordinator.pipeline import NextModel, make_server_for
 from fedq.spec import JobSpec
-from fedq.weights import Layout, pieces, split_header
+from fedq.weights import Entry, Layout, pieces, split_header
 
 #: Bytes of the stored model read at a time by the server step.
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 4 << 20
 
 
 def applies(spec: JobSpec, piece_bytes: int | None, model_bytes: int) -> bool:
@@ -63,18 +63,23 @@ def outline(store: BlobStore, model: BlobRef) -> Weights:
 
 
 def server_step(spec: JobSpec, store: BlobStore, model: BlobRef, delta: Weights,
-                stored_state: Weights) -> NextModel:
+                stored_state: Weights, after_piece: Callable[[int], None] | None = None
+                ) -> NextModel:
     """The server optimizer's step from the stored model ``model``, read piece by
     piece, written into ``delta`` (the caller gives it up) where the dtypes allow it
     (float32: a model in another dtype gets new tensors for those). The state's
-    tensors are updated in the memory of ``stored_state`` where it has them."""
+    tensors are updated in the memory of ``stored_state`` where it has them.
+    ``after_piece(n)``: called once piece ``n`` (from 1) is stepped."""
     own, _ = split_state(stored_state)
     server = make_server_for(spec)
     lay, data = _stream(store, model)
     weights: Weights = {}
     state: Weights = {}
     flat = {name: t.view(-1) for name, t in delta.items()}
-    for entry, first, values in pieces(lay.by_offset(), data, PIECE_BYTES):
+    fresh = _Fresh(lay)
+    for count, (entry, first, values) in enumerate(pieces(lay.by_offset(), data, PIECE_BYTES)):
+        if after_piece is not None and count:
+            after_piece(count)
         name, n = entry.name, values.numel()
         d = flat[name][first:first + n]
         if name not in weights:
@@ -92,7 +97,7 @@ def server_step(spec: JobSpec, store: BlobStore, model: BlobRef, delta: Weights,
             if key not in state:
                 held = own.get(key)
                 state[key] = held if held is not None and held.dtype == v.dtype \
-                    and held.is_contiguous() else torch.empty(entry.shape, dtype=v.dtype)
+                    and held.is_contiguous() else fresh.view(k, entry)
             state[key].view(-1)[first:first + n].copy_(v)
         if out.dtype == step.dtype:
             torch.add(values, step, out=out)
@@ -101,3 +106,27 @@ def server_step(spec: JobSpec, store: BlobStore, model: BlobRef, delta: Weights,
     for e in lay.entries:  # empty tensors have no pieces
         weights.setdefault(e.name, torch.empty(e.shape, dtype=e.dtype))
     return NextModel({e.name: weights[e.name] for e in lay.entries}, state, None)
+
+
+class _Fresh:
+    """New state tensors (a first step's ``m`` and ``v``): for each kind, views of one
+    float32 buffer the size of the model's float tensors, made when first asked for
+    (one allocation of the model's size, not one per tensor, which the allocator
+    would keep in its heap after they are freed)."""
+
+    def __init__(self, lay: Layout) -> None:
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for e in lay.by_offset():
+            if e.dtype.is_floating_point:
+                self.offsets[e.name] = at
+                at += e.elements
+        self.size = at
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def view(self, kind: str, entry: Entry) -> torch.Tensor:
+        buffer = self.buffers.get(kind)
+        if buffer is None:
+            buffer = self.buffers[kind] = torch.empty(self.size, dtype=torch.float32)
+        at = self.offsets[entry.name]
+        return buffer[at:at + entry.elements].view(entry.shape)

@@ -133,8 +133,7 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
             return None
         try:
             if folder is not None and streams(store, ref):
-                got = receive(store, ref, reference, limit, spec.max_update_norm,
-                              folder / f"update-{secrets.token_hex(8)}.bin")
+                got = receive(store, ref, reference, limit, spec.max_update_norm, folder)
                 if got is not None:
                     return got
             return store.get(ref.blob, limit=limit)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -34,14 +36,16 @@ from fedq.protocol.training import UpdateRef
 from fedq.weights import Entry, Layout, pieces, split_header
 
 #: Bytes read from a scratch file at a time when an update is added.
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 4 << 20
 
 
 class Received(Pieces):
-    """A checked update in a scratch file (its data section, tensors by offset)."""
+    """A checked update in a scratch file (its data section, tensors by offset). The
+    file has no name (``tempfile.TemporaryFile``): it goes when it is closed or its
+    process dies, so a control worker killed mid-round leaves nothing behind."""
 
-    def __init__(self, path: Path, lay: Layout, norm: float) -> None:
-        self.path, self.norm = path, norm
+    def __init__(self, fh: IO[bytes], lay: Layout, norm: float) -> None:
+        self.fh, self.norm = fh, norm
         self.entries = lay.by_offset()
         self.header = lay.entries
         self.raw = sum(e.hi - e.lo for e in self.entries)
@@ -50,13 +54,13 @@ class Received(Pieces):
         return {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in self.header}
 
     def pieces(self) -> Iterator[tuple[str, int, torch.Tensor]]:
-        with open(self.path, "rb") as fh:
-            blocks = iter(lambda: fh.read(PIECE_BYTES), b"")
-            for entry, first, values in pieces(self.entries, blocks, PIECE_BYTES):
-                yield entry.name, first, values
+        self.fh.seek(0)
+        blocks = iter(lambda: self.fh.read(PIECE_BYTES), b"")
+        for entry, first, values in pieces(self.entries, blocks, PIECE_BYTES):
+            yield entry.name, first, values
 
     def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
+        self.fh.close()
 
 
 def streams(store: BlobStore, ref: UpdateRef) -> bool:
@@ -66,55 +70,56 @@ def streams(store: BlobStore, ref: UpdateRef) -> bool:
 
 
 def receive(store: BlobStore, ref: UpdateRef, reference: Weights, limit: int,
-            max_norm: float | None, path: Path) -> Received | None:
-    """Read ``ref``'s blob once into ``path`` while checking it (module docstring).
-    None when the blob is not an uncompressed safetensors update (the caller reads it
-    whole instead). Raises what the checks raise (UpdateRejected, BlobError); the
-    scratch file is removed then."""
+            max_norm: float | None, folder: Path) -> Received | None:
+    """Read ``ref``'s blob once into a scratch file in ``folder`` while checking it
+    (module docstring). None when the blob is not an uncompressed safetensors update
+    (the caller reads it whole instead). Raises what the checks raise (UpdateRejected,
+    BlobError); the scratch file is gone then."""
     parts = store.stream(ref.blob, limit=limit)
+    out = tempfile.TemporaryFile(dir=folder, prefix="update-")  # noqa: SIM115 - Received's
     try:
-        with open(path, "wb") as out:
-            first = next(parts, b"")
-            if bytes(first[:4]) == ZSTD_MAGIC:  # a zstd frame: read whole
-                parts.close()
-                path.unlink(missing_ok=True)
-                return None
-            lay, body = split_header(itertools.chain([first], parts), ref.blob.size,
-                                     f"blob {ref.key}")
-            del first
-            if lay.meta.get("fedq.codec", "none") != "none":
-                parts.close()
-                path.unlink(missing_ok=True)
-                return None
-            _check_names(lay, reference)
+        first = next(parts, b"")
+        if bytes(first[:4]) == ZSTD_MAGIC:  # a zstd frame: read whole
+            parts.close()
+            out.close()
+            return None
+        lay, body = split_header(itertools.chain([first], parts), ref.blob.size,
+                                 f"blob {ref.key}")
+        del first
+        if lay.meta.get("fedq.codec", "none") != "none":
+            parts.close()
+            out.close()
+            return None
+        _check_names(lay, reference)
 
-            def data() -> Iterator[memoryview]:
-                for part in body:
-                    out.write(part)
-                    yield part
+        def data() -> Iterator[memoryview]:
+            for part in body:
+                out.write(part)
+                yield part
 
-            squares: dict[str, float] = {}
-            for entry, _, values in pieces(lay.by_offset(), data(), PIECE_BYTES):
-                if not entry.dtype.is_floating_point:
-                    continue
-                norm = float(torch.linalg.vector_norm(values, dtype=torch.float32))
-                if not math.isfinite(norm):
-                    raise UpdateRejected(f"tensor {entry.name!r} has non-finite values"
-                                         if not bool(torch.isfinite(values).all())
-                                         else f"tensor {entry.name!r}: norm overflows float32")
-                squares[entry.name] = squares.get(entry.name, 0.0) + norm * norm
+        squares: dict[str, float] = {}
+        for entry, _, values in pieces(lay.by_offset(), data(), PIECE_BYTES):
+            if not entry.dtype.is_floating_point:
+                continue
+            norm = float(torch.linalg.vector_norm(values, dtype=torch.float32))
+            if not math.isfinite(norm):
+                raise UpdateRejected(f"tensor {entry.name!r} has non-finite values"
+                                     if not bool(torch.isfinite(values).all())
+                                     else f"tensor {entry.name!r}: norm overflows float32")
+            squares[entry.name] = squares.get(entry.name, 0.0) + norm * norm
+        sq = 0.0
+        for name in reference:  # in check_update's order, so a norm is the same either way
+            sq += squares.get(name, 0.0)
+        norm = sq ** 0.5
+        if max_norm is not None and norm > max_norm:
+            raise UpdateRejected(f"update norm {norm:.4g} exceeds max_update_norm "
+                                 f"{max_norm:.4g}")
+        out.flush()
     except BaseException:
         parts.close()
-        path.unlink(missing_ok=True)
+        out.close()
         raise
-    sq = 0.0
-    for name in reference:  # in check_update's order, so a norm is the same either way
-        sq += squares.get(name, 0.0)
-    norm = sq ** 0.5
-    if max_norm is not None and norm > max_norm:
-        path.unlink(missing_ok=True)
-        raise UpdateRejected(f"update norm {norm:.4g} exceeds max_update_norm {max_norm:.4g}")
-    return Received(path, lay, norm)
+    return Received(out, lay, norm)
 
 
 def _check_names(lay: Layout, reference: Weights) -> None:
