@@ -58,6 +58,14 @@ BEGIN, END = "<!-- big models table -->", "<!-- end of big models table -->"
 SIZES = {"50MB": (4, 512), "200MB": (4, 1024), "800MB": (4, 2048), "2GB": (10, 2048),
          "4GB": (20, 2048), "smoke": (2, 128)}  # smoke: tests/test_bench_smoke.py
 DEFAULT_SIZES = ("50MB", "200MB", "800MB")
+#: What a run without --sizes and --stores measures: the growth curve on every store
+#: with both server optimizers, 2 GB blobs on Redis (which holds every round's blobs in
+#: its memory: a DiLoCo row's state too would pass this machine's 24 GiB) and 1B
+#: parameters (4 GB) on the local store with both, on S3 with FedAvg (what fits in time).
+PLAN = [(size, store, server) for size in DEFAULT_SIZES for store in ("redis", "local", "s3")
+        for server in ("fedavg", "diloco")] + [
+    ("2GB", "redis", "fedavg"), ("4GB", "local", "fedavg"), ("4GB", "local", "diloco"),
+    ("4GB", "s3", "fedavg")]
 
 
 #: The server optimizers a row may use, and the control worker's memory target for
@@ -240,30 +248,35 @@ def _target(peak_mb: float, model_mb: float, copies: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print, do not write docs")
-    parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
-                        help=f"comma-separated subset of {', '.join(SIZES)}")
+    parser.add_argument("--sizes", help=f"comma-separated subset of {', '.join(SIZES)} "
+                        f"(default {','.join(DEFAULT_SIZES)}; without --sizes and --stores: "
+                        "the PLAN in bench/big_models.py)")
     parser.add_argument("--chunk-mb", type=float, default=64,
                         help="FEDQ_BLOB_CHUNK_MB of the deployment (default 64, fedq's)")
-    parser.add_argument("--stores", default="redis",
+    parser.add_argument("--stores",
                         help=f"comma-separated subset of {', '.join(STORES)} (default redis)")
     parser.add_argument("--servers", default=",".join(SERVERS),
                         help=f"comma-separated subset of {', '.join(SERVERS)}")
     args = parser.parse_args()
     servers = [n.strip() for n in args.servers.split(",") if n.strip()]
-    stores = [n.strip() for n in args.stores.split(",") if n.strip()]
+    stores = [n.strip() for n in (args.stores or "redis").split(",") if n.strip()]
     if not stores or any(n not in STORES for n in stores):
         parser.error(f"--stores: pick from {', '.join(STORES)}")
     if not servers or any(n not in SERVERS for n in servers):
         parser.error(f"--servers: pick from {', '.join(SERVERS)}")
-    names = [n.strip() for n in args.sizes.split(",") if n.strip()]
+    names = [n.strip() for n in (args.sizes or ",".join(DEFAULT_SIZES)).split(",")
+             if n.strip()]
     unknown = [n for n in names if n not in SIZES]
     if unknown or not names:
         parser.error(f"--sizes: unknown size {unknown[0] if unknown else '(none)'!r} "
                      f"(known: {', '.join(SIZES)})")
+    plan = [row for row in PLAN if row[2] in servers] \
+        if args.sizes is None and args.stores is None \
+        else list(itertools.product(names, stores, servers))
     rows = []
     try:
         with TemporaryDirectory(prefix="fedq-big-") as work:
-            for name, store, server in itertools.product(names, stores, servers):
+            for name, store, server in plan:
                 started = time.perf_counter()
                 rows.append(run_one(name, server, store, Path(work), args.chunk_mb))
                 print(f"[bench.big_models] {name} {store} {server}: "

@@ -159,10 +159,16 @@ class BlobStore(ABC):
         if self.chunk_bytes is not None and size > self.chunk_bytes:
             ref = chunks.put(self, key, parts, self.chunk_bytes, progress)
         else:
-            ref = self.put_whole_parts(key, list(parts))
+            ref = self._put_iterable(key, parts)
         if ref.size != size:
             raise BlobError(f"blob {key}: {ref.size} bytes written, {size} announced")
         return ref
+
+    def _put_iterable(self, key: str, parts: Iterable[Any]) -> BlobRef:
+        """Store the concatenation of ``parts`` as one value, never chunked, taking the
+        parts as they come. Backends that can write a value as it arrives (a file, an
+        S3 multipart upload) override this; here they are gathered first."""
+        return self.put_whole_parts(key, list(parts))
 
     def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
         """Store the concatenation of ``parts`` as one value, never chunked. Backends that

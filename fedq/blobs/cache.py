@@ -32,8 +32,9 @@ class HostCache:
         self.folder, self.keep = Path(folder), keep
         self.folder.mkdir(parents=True, exist_ok=True)
 
-    def get(self, store: BlobStore, ref: BlobRef) -> tuple[bytes, bool]:
-        """The verified bytes of ``ref`` and whether they came over the network.
+    def get(self, store: BlobStore, ref: BlobRef) -> tuple[bytearray, bool]:
+        """The verified bytes of ``ref`` (one buffer, read into as they arrive, which
+        ``fedq.weights.loads`` parses in place) and whether they came over the network.
         The file name is the digest, checked to be one before any path is built (a
         task's ref could otherwise name a file anywhere the worker may write); the
         download is bounded by the ref's size."""
@@ -46,7 +47,7 @@ class HostCache:
             data = self._read(path, ref)  # another worker may have fetched it meanwhile
             if data is not None:
                 return data, False
-            data = store.get(ref, limit=ref.size or None)  # digest-checked by the store
+            data = store.get_buffer(ref, limit=ref.size or None)  # digest-checked by the store
             tmp = self.folder / f".{ref.sha256}.{os.getpid()}.tmp"
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -56,9 +57,11 @@ class HostCache:
         self._evict()
         return data, True
 
-    def _read(self, path: Path, ref: BlobRef) -> bytes | None:
+    def _read(self, path: Path, ref: BlobRef) -> bytearray | None:
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as fh:
+                data = bytearray(os.fstat(fh.fileno()).st_size)
+                fh.readinto(data)
         except FileNotFoundError:
             return None
         if len(data) == ref.size and digests.of(data, ref.sha256) == ref.sha256:

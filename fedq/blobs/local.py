@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import fedq.digest as digests
 from fedq.blobs.base import PIECE_BYTES, BlobStore
+from fedq.blobs.ref import BlobRef
 from fedq.errors import BlobError, BlobNotFound, ServiceUnavailable
 
 
@@ -33,6 +36,36 @@ class LocalBlobStore(BlobStore):
             os.replace(tmp, path)  # atomic: readers see old or new, never half
         except OSError as exc:
             raise BlobError(f"blob store {self.root}: cannot write {key}: {exc.strerror}") from None
+
+    def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+        return self._put_iterable(key, parts)
+
+    def _put_iterable(self, key: str, parts: Iterable[Any]) -> BlobRef:
+        """Each part written to a temporary file as it comes, hashed on the way, then
+        the file renamed into place: never the whole blob in memory."""
+        path = self._path(key)
+        whole = digests.new()
+        size = 0
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as fh:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    fh.write(view)
+                    whole.update(view)
+                    size += view.nbytes
+            os.replace(tmp, path)  # atomic: readers see old or new, never half
+        except OSError as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise BlobError(f"blob store {self.root}: cannot write {key}: {exc.strerror}") from None
+        except BaseException:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            raise
+        return BlobRef(key, digests.text(whole), size)
 
     def _read(self, key: str) -> bytes:
         try:

@@ -9,13 +9,16 @@ which S3 shows only once it is complete), so one is not capped at a single PUT's
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
+import fedq.digest as digests
 from fedq.blobs.base import PIECE_BYTES, BlobStore
+from fedq.blobs.ref import BlobRef
 from fedq.errors import (
     BlobError,
     BlobNotFound,
@@ -77,6 +80,62 @@ class S3BlobStore(BlobStore):
                                       multipart_chunksize=self.part_bytes))
         except self._errors() as exc:
             raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
+
+    def put_whole_parts(self, key: str, parts: Sequence[Any]) -> BlobRef:
+        return self._put_iterable(key, parts)
+
+    def _put_iterable(self, key: str, parts: Iterable[Any]) -> BlobRef:
+        """One PUT for a blob up to ``part_bytes``; a larger one as a multipart upload
+        whose parts are sent as they fill, each part's buffer the only copy held
+        (aborted on any error, so no half object is ever visible). Hashed on the way."""
+        whole = digests.new()
+        size = 0
+        buffer = bytearray(self.part_bytes)
+        fill = 0
+        upload: str | None = None
+        done: list[dict[str, Any]] = []
+
+        def send() -> None:
+            nonlocal upload, fill
+            if upload is None:
+                upload = self._client.create_multipart_upload(
+                    Bucket=self.bucket, Key=self.prefix + key)["UploadId"]
+            answer = self._client.upload_part(
+                Bucket=self.bucket, Key=self.prefix + key, UploadId=upload,
+                PartNumber=len(done) + 1, Body=bytes(memoryview(buffer)[:fill]))
+            done.append({"ETag": answer["ETag"], "PartNumber": len(done) + 1})
+            fill = 0
+
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                whole.update(view)
+                size += view.nbytes
+                while view.nbytes:
+                    take = min(view.nbytes, self.part_bytes - fill)
+                    buffer[fill:fill + take] = view[:take]
+                    fill += take
+                    view = view[take:]
+                    if fill == self.part_bytes:
+                        send()
+            if upload is None:
+                self._client.put_object(Bucket=self.bucket, Key=self.prefix + key,
+                                        Body=bytes(memoryview(buffer)[:fill]))
+            else:
+                if fill:
+                    send()
+                self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=self.prefix + key, UploadId=upload,
+                    MultipartUpload={"Parts": done})
+        except BaseException as exc:
+            if upload is not None:
+                with contextlib.suppress(*self._errors()):
+                    self._client.abort_multipart_upload(Bucket=self.bucket,
+                                                        Key=self.prefix + key, UploadId=upload)
+            if isinstance(exc, self._errors()):
+                raise BlobError(f"blob store {self.url}: cannot write {key}: {exc}") from None
+            raise
+        return BlobRef(key, digests.text(whole), size)
 
     def _read(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
