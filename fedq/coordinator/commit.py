@@ -97,7 +97,7 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
     """Step the server optimizer, evaluate if due, store the results (``tag``: a key of
     this attempt's own, for commits that may race; ``source``: as for
     :func:`aggregate`)."""
-    state = loads(store.get(server_state), what=f"blob {server_state.key}") \
+    state = loads(store.get_buffer(server_state), what=f"blob {server_state.key}") \
         if server_state else {}
     with phase("server step"):
         nxt = server_update(spec, current, delta, state) if source is None else \
