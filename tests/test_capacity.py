@@ -78,9 +78,12 @@ def test_the_control_worker_is_asked_for_the_copies_its_server_optimizer_keeps(
     need = capacity.need(spec, 100 << 20)
     assert need.control == capacity.PROCESS_BYTES + (capacity.HELD_COPIES + state) * (100 << 20)
     # a store that keeps it as chunks: the lean commit holds the accumulator and chunks
-    lean = capacity.need(spec, 100 << 20, 64 << 20)
+    # and the server state one tensor at a time (the largest: 1M elements of float32)
+    lean = capacity.need(spec, 100 << 20, 64 << 20, largest=1 << 20)
     assert lean.held == capacity.LEAN_COPIES == 1
-    assert lean.control == capacity.PROCESS_BYTES + 3 * (64 << 20) + (1 + state) * (100 << 20)
+    assert lean.state_bytes == state * (4 << 20)
+    assert lean.control == capacity.PROCESS_BYTES + 3 * (64 << 20) + (100 << 20) \
+        + state * (4 << 20)
     assert capacity.need(spec, 60 << 20, 64 << 20).held == capacity.HELD_COPIES  # one value
     clipped = parse_spec({**SPEC, "server": {"name": server}, "clip_norm": 1.0})
     assert capacity.need(clipped, 100 << 20, 64 << 20).held == capacity.HELD_COPIES

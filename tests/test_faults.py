@@ -238,11 +238,12 @@ def test_control_worker_killed_during_finalize(redis_cluster: Cluster) -> None:
 def test_control_worker_killed_mid_lean_commit_of_a_big_model(redis_cluster: Cluster,
                                                               redis_db: str) -> None:
     """A model the store keeps as chunks (2 KB here) is committed the lean way: the
-    server step writes the new model into the accumulator piece by piece from the
-    stored one (fedq/coordinator/lean.py). The control worker is SIGKILLed there, one
-    piece into round 2's step; a restarted one commits the round again from the stored
-    updates, and the job ends with the model an uninterrupted run of it gives, bit for
-    bit."""
+    server step (DiLoCo's) writes the new model into the accumulator piece by piece from
+    the stored one, and its new momentum to the store as it is made
+    (fedq/coordinator/lean.py). The control worker is SIGKILLed there, one piece into
+    round 2's step; a restarted one commits the round again from the stored updates and
+    round 1's momentum, and the job ends with the model an uninterrupted run of it
+    gives, bit for bit (round 3 steps with round 2's momentum)."""
     import torch
 
     from fedq.blobs import BlobRef, open_store
@@ -254,7 +255,8 @@ def test_control_worker_killed_mid_lean_commit_of_a_big_model(redis_cluster: Clu
     cluster.start(w1=["cpu"], w2=["cpu"], w3=["cpu"])
     holds = Holds(cluster.home / "holds")
     spec = {**DIGITS, "name": "lean", "clients_per_round": 3, "num_clients": 3,
-            "rounds": 3, "round_timeout_s": 60, "queues": {"cpu": 3}}
+            "rounds": 3, "round_timeout_s": 60, "queues": {"cpu": 3},
+            "server": {"name": "diloco"}}
     control = cluster.add("control", ["control"], **holds.env("server step", r"-r2$"))
     cluster.start_beat()
     killed = cluster.submit(spec)

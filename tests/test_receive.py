@@ -219,12 +219,20 @@ def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
     """Two rounds committed the lean way (the global model's outline, the server step
     read piece by piece from the stored model into the accumulator) and the whole-model
     way give the same models and server state, bit for bit; the lean one never reads
-    the global model whole and keeps nothing for the next round."""
+    the global model or the server state whole and keeps nothing for the next round."""
     from fedq.coordinator import commit, lean
     from fedq.weights import dumps as dump
 
     spec = parse_spec({**SPEC, "eval_every": 0, "server": {"name": server}})
     results: dict[bool, list[Any]] = {}
+    buffered: list[str] = []  # keys read whole into one buffer (the worker's read)
+    real_buffer = stores.streamed.get_buffer
+
+    def get_buffer(ref: Any, limit: int | None = None) -> bytearray:
+        buffered.append(ref.key)
+        return real_buffer(ref, limit)
+
+    stores.streamed.get_buffer = get_buffer  # type: ignore[method-assign]
     for is_lean in (True, False):
         store = stores.streamed if is_lean else stores.whole
         model = store.put_parts(f"jobs/{server}{is_lean}/r00000/global", dump_parts(MODEL))
@@ -240,8 +248,9 @@ def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
                                    model.sha256, state, Outcome(), tmp_path / "s",
                                    Accumulator(), source=model if is_lean else None)
             assert new is not None
-            if is_lean:  # the state alone is read whole
+            if is_lean:  # neither the model nor the state is read whole
                 assert model.key not in stores.read, stores.read
+                assert not buffered and (state is None or state.key not in stores.read)
             assert new.keep != is_lean
             rounds.append((dump(new.weights), None if new.state is None
                            else bytes(store.get(new.state))))
@@ -255,6 +264,65 @@ def test_a_lean_commit_steps_the_stored_model_piece_by_piece_bit_for_bit(
             a, b = loads(lean_state), loads(whole_state)
             assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert loads(results[True][1][0])["n"].item() == 7  # the integer buffer: 5 + 1 + 1
+
+
+def _lean_inputs(store: BlobStore, name: str) -> tuple[JobSpec, Any, Any, dict[str, Any]]:
+    """A FedAdam job's stored model and a stored state whose tensors are in another
+    order than a lean step writes (``v`` before ``m``, the last tensor first)."""
+    spec = parse_spec({**SPEC, "eval_every": 0, "server": {"name": "fedadam"}})
+    model = store.put_parts(f"jobs/{name}/r00001/global", dump_parts(MODEL))
+    floats = [n for n, v in MODEL.items() if v.is_floating_point()]
+    g = torch.Generator().manual_seed(3)
+    state = {f"{k}.{n}": torch.rand(MODEL[n].shape, generator=g)
+             for n in reversed(floats) for k in ("v", "m")}
+    return spec, model, store.put_parts(f"jobs/{name}/r00001/server-state",
+                                        dump_parts(state)), state
+
+
+def test_a_lean_step_reads_a_state_in_another_order_whole_and_writes_its_own(
+        stores: Stores) -> None:
+    """A stored state the lean step cannot stream (another order: a state written by a
+    whole-model commit of another version) is read whole, with the same result as the
+    whole-model step; the new state is written in the lean step's order, which the next
+    lean step streams."""
+    from fedq.coordinator import lean
+
+    store = stores.streamed
+    spec, model, ref, state = _lean_inputs(store, "order")
+    delta = {k: v.float() for k, v in _model_delta(5).items()}
+    want = pipeline.server_update(spec, MODEL, delta, state)
+    got, new = lean.server_step(spec, store, model, {k: v.clone() for k, v in delta.items()},
+                                ref, "jobs/order/r00002/server-state", {"job": "order"})
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in MODEL)
+    assert new is not None and got.state == {}
+    written = loads(store.get(new))
+    assert sorted(written) == sorted(want.state)
+    assert all(torch.equal(written[k], want.state[k]) for k in written)
+    floats = [n for n, v in MODEL.items() if v.is_floating_point()]
+    assert list(written) == [f"{k}.{n}" for n in floats for k in ("m", "v")]
+
+
+def test_a_lean_step_over_a_corrupted_stored_state_writes_no_new_state(
+        stores: Stores) -> None:
+    """The stored state's digest is checked after its last piece, before the new
+    state's last part is written: a mismatch fails the step and leaves no new state."""
+    import fedq.digest as digests
+    from fedq.blobs import BlobRef
+    from fedq.coordinator import lean
+    from fedq.errors import BlobIntegrityError, BlobNotFound
+
+    store = stores.streamed
+    spec, model, _, _ = _lean_inputs(store, "bad")
+    delta = {k: v.float() for k, v in _model_delta(5).items()}
+    first, ref = lean.server_step(spec, store, model, dict(delta), None,
+                                  "jobs/bad/r00002/server-state", {"job": "bad"})
+    assert ref is not None  # a first step's state, in the lean step's order
+    wrong = BlobRef(ref.key, digests.of(b"another state"), ref.size)
+    with pytest.raises(BlobIntegrityError):
+        lean.server_step(spec, store, model, dict(delta), wrong,
+                         "jobs/bad/r00003/server-state", {"job": "bad"})
+    with pytest.raises(BlobNotFound):
+        store.get(BlobRef("jobs/bad/r00003/server-state", ref.sha256, ref.size))
 
 
 # The worker's side: an update written as its tensors are made, one model kept.

@@ -16,13 +16,15 @@ Three limits, each where it is known:
   update being read, the accumulator, the new global's bytes), or :data:`LEAN_COPIES`
   where the commit is lean (fedq/coordinator/lean.py: the accumulator alone, and a
   few of the pieces the store reads at once), and the server optimizer's state (DiLoCo's and
-  FedAvgM's momentum: one copy; FedAdam, FedYogi, FedAdagrad: two), on top of the
+  FedAvgM's momentum: one copy; FedAdam, FedYogi, FedAdagrad: two; a lean commit holds
+  it for one tensor at a time, the largest counted), on top of the
   :data:`PROCESS_BYTES` a control worker holds with no model (docs/benchmarks.md,
   "Large models").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,20 +58,32 @@ class Need:
     control: int  # what the control worker holds while it aggregates
     state_copies: int  # of those, copies of the model that are server optimizer state
     held: int = HELD_COPIES  # of those, copies of the model aggregation holds
+    state_bytes: int = 0  # a lean commit's state instead: one tensor's (the largest's)
 
 
-def need(spec: JobSpec, blob_bytes: int, piece_bytes: int | None = None) -> Need:
-    """What ``spec``'s job needs with a global model of ``blob_bytes`` bytes on a
-    store that reads at most ``piece_bytes`` at once (``BlobStore.piece_bytes``)."""
+def need(spec: JobSpec, blob_bytes: int, piece_bytes: int | None = None,
+         largest: int = 0) -> Need:
+    """What ``spec``'s job needs with a global model of ``blob_bytes`` bytes, whose
+    largest tensor has ``largest`` elements, on a store that reads at most
+    ``piece_bytes`` at once (``BlobStore.piece_bytes``)."""
     copies = state_copies(spec)
-    held = LEAN_COPIES if lean.applies(spec, piece_bytes, blob_bytes) else HELD_COPIES
+    if lean.applies(spec, piece_bytes, blob_bytes):  # its state: a tensor at a time
+        return Need(blob=blob_bytes, store=_stored(spec, blob_bytes),
+                    control=PROCESS_BYTES + piece_slack(piece_bytes, LEAN_COPIES)
+                    + blob_bytes * LEAN_COPIES + copies * 4 * largest, state_copies=0,
+                    held=LEAN_COPIES, state_bytes=copies * 4 * largest)
+    held = HELD_COPIES
+    return Need(blob=blob_bytes, store=_stored(spec, blob_bytes),
+                control=PROCESS_BYTES + blob_bytes * (held + copies), state_copies=copies,
+                held=held)
+
+
+def _stored(spec: JobSpec, blob_bytes: int) -> int:
+    """What the job keeps in the store at its busiest (module docstring)."""
     updates = spec.clients_per_round  # a buffered job's: those out and a version's buffer
     if spec.aggregation.mode == "buffered":
         updates += spec.aggregation.buffer
-    stored = blob_bytes * (spec.rounds + 1 + updates)
-    return Need(blob=blob_bytes, store=stored,
-                control=PROCESS_BYTES + piece_slack(piece_bytes, held)
-                + blob_bytes * (held + copies), state_copies=copies, held=held)
+    return blob_bytes * (spec.rounds + 1 + updates)
 
 
 def piece_slack(piece_bytes: int | None, held: int) -> int:
@@ -89,12 +103,13 @@ def state_copies(spec: JobSpec) -> int:
 
 
 def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int,
-          shipped: tuple[int, ...] = ()) -> Need:
+          shipped: tuple[int, ...] = (), largest: int = 0) -> Need:
     """``spec``'s :class:`Need`; raises :class:`DoesNotFit` with one line of numbers when
     it is over a limit of ``store`` or of ``FEDQ_CONTROL_MEMORY_MB``. ``shipped``: the
-    sizes of the checkpoint files the job puts in the store beside (``ship_base``)."""
-    got = need(spec, blob_bytes, store.piece_bytes)
-    got = Need(got.blob, got.store + sum(shipped), got.control, got.state_copies, got.held)
+    sizes of the checkpoint files the job puts in the store beside (``ship_base``);
+    ``largest``: the elements of the model's largest tensor."""
+    got = need(spec, blob_bytes, store.piece_bytes, largest)
+    got = dataclasses.replace(got, store=got.store + sum(shipped))
     most = store.max_blob_bytes()
     if most is not None and shipped and max(shipped) > most:
         raise DoesNotFit(
@@ -119,9 +134,13 @@ def check(settings: Settings, spec: JobSpec, store: BlobStore, blob_bytes: int,
     if limit is not None and got.control > limit * MB:
         state = f", {got.state_copies} of them {spec.server.name}'s state" \
             if got.state_copies else ""
+        copies = got.held + got.state_copies
         raise DoesNotFit(
             f"aggregating needs about {_mb(got.control)} MB on the control worker "
-            f"({got.held + got.state_copies} copies of the {_mb(got.blob)} MB model{state}, "
+            f"({copies} cop{'y' if copies == 1 else 'ies'} of the {_mb(got.blob)} MB "
+            f"model{state}, "
+            + (f"{_mb(got.state_bytes)} MB of {spec.server.name}'s state for its largest "
+               "tensor, " if got.state_bytes else "")
             + (f"{_mb(slack)} MB of the pieces the store reads at once, " if slack else "")
             + f"and {_mb(PROCESS_BYTES)} MB of process) and FEDQ_CONTROL_MEMORY_MB allows "
             f"{limit:,.0f} MB: use a smaller model or LoRA (model_args.lora)")

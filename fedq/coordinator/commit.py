@@ -30,7 +30,7 @@ from fedq.aggregate.dp import epsilon
 from fedq.aggregate.fedavg import Accumulator
 from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
-from fedq.blobs import BlobRef, BlobStore, update_key
+from fedq.blobs import BlobRef, BlobStore, state_key, update_key
 from fedq.coordinator import lean
 from fedq.coordinator.evaluation import evaluate_weights
 from fedq.coordinator.pipeline import Outcome, put_model, reduce, server_update
@@ -97,12 +97,18 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
     """Step the server optimizer, evaluate if due, store the results (``tag``: a key of
     this attempt's own, for commits that may race; ``source``: as for
     :func:`aggregate`)."""
-    state = loads(store.get_buffer(server_state), what=f"blob {server_state.key}") \
-        if server_state else {}
+    lean_state = None
     with phase("server step"):
-        nxt = server_update(spec, current, delta, state) if source is None else \
-            lean.server_step(spec, store, source, delta, state, lambda n: hold.at(
-                "server step", f"{job_id}-r{number}", "control") if n == 1 else None)
+        if source is None:
+            state = loads(store.get_buffer(server_state), what=f"blob {server_state.key}") \
+                if server_state else {}
+            nxt = server_update(spec, current, delta, state)
+        else:  # the new state is written as it is made
+            nxt, lean_state = lean.server_step(
+                spec, store, source, delta, server_state,
+                state_key(job_id, number, tag), {"job": job_id, "round": str(number)},
+                lambda n: hold.at("server step", f"{job_id}-r{number}", "control")
+                if n == 1 else None)
     every = spec.eval_every
     with phase("evaluate"):
         accuracy, eval_loss = evaluate_weights(spec, nxt.weights) \
@@ -110,8 +116,8 @@ def build(spec: JobSpec, store: BlobStore, job_id: str, number: int, current: We
     with phase("encode + write model"):
         blob, state_blob, step = put_model(store, job_id, number, nxt, current_sha256,
                                            tag=tag)
-    return NewModel(number, nxt.weights, blob, state_blob, step, accuracy, eval_loss,
-                    privacy_spent(spec, number), keep=source is None)
+    return NewModel(number, nxt.weights, blob, state_blob or lean_state, step, accuracy,
+                    eval_loss, privacy_spent(spec, number), keep=source is None)
 
 
 def privacy_spent(spec: JobSpec, number: int) -> float | None:

@@ -64,7 +64,8 @@ def submit(settings: Settings, spec: JobSpec) -> str:
     body = dumps(weights, {"job": job_id})
     shipped = _shipped(spec)
     capacity.check(settings, spec, store, len(body),
-                   tuple(f.stat().st_size for f in [*shipped, *([trained] if trained else [])]))
+                   tuple(f.stat().st_size for f in [*shipped, *([trained] if trained else [])]),
+                   largest=max((t.numel() for t in weights.values()), default=0))
     from fedq.blobs.checkpoint import put_folder
 
     try:

@@ -7,12 +7,14 @@ the updates against, streams the updates into the accumulator
 (fedq/coordinator/receive.py), and then steps the server optimizer piece by piece:
 each piece of the stored global model is read and the new value is written into the
 accumulator's own memory (server optimizers work element by element, so the result is
-the whole-model step's, bit for bit). The stored model's digest is checked after its
-last piece, before anything is written; a mismatch fails the commit, and the next try
-starts from a new accumulator. The new model is then the accumulator; nothing else
-model-sized is held, except the server optimizer's state (DiLoCo's momentum is
-updated in the memory it was read into). The process does not keep the new model for
-the next round either: that round reads its outline again.
+the whole-model step's, bit for bit). The server optimizer's state (DiLoCo's
+momentum, Adam's moments) goes through the same way, one tensor at a time: each
+tensor's stored state is read as its pieces are stepped, and the new state is written
+to the store as it is made. The stored model's and state's digests are checked after
+their last pieces, before any new blob is complete (the new state's last part waits for
+them); a mismatch fails the commit, and the next try starts from a new accumulator. The
+new model is then the accumulator; nothing else model-sized is held. The process does
+not keep the new model for the next round either: that round reads its outline again.
 
 It applies where :func:`applies` says: a synchronous round, a reducer that takes
 pieces, no clipping or DP, no int8 downlink and no Streaming DiLoCo fragments; any
@@ -21,17 +23,27 @@ other job keeps the whole-model commit (fedq/coordinator/commit.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from fedq.aggregate.downlink import split_state
 from fedq.aggregate.reducers import StreamReducer, make_reducer
+from fedq.aggregate.server.base import ServerOptimizer
 from fedq.aggregate.types import Weights
 from fedq.blobs import BlobRef, BlobStore
 from fedq.coordinator.pipeline import NextModel, make_server_for
+from fedq.errors import UpdateRejected
 from fedq.spec import JobSpec
-from fedq.weights import Entry, Layout, pieces, split_header
+from fedq.weights import (
+    Entry,
+    Layout,
+    LazyWeights,
+    dump_stream,
+    loads,
+    pieces,
+    split_header,
+)
 
 #: Bytes of the stored model read at a time by the server step.
 PIECE_BYTES = 4 << 20
@@ -63,20 +75,69 @@ def outline(store: BlobStore, model: BlobRef) -> Weights:
 
 
 def server_step(spec: JobSpec, store: BlobStore, model: BlobRef, delta: Weights,
-                stored_state: Weights, after_piece: Callable[[int], None] | None = None
-                ) -> NextModel:
+                stored_state: BlobRef | None, state_key: str, meta: Mapping[str, str],
+                after_piece: Callable[[int], None] | None = None
+                ) -> tuple[NextModel, BlobRef | None]:
     """The server optimizer's step from the stored model ``model``, read piece by
     piece, written into ``delta`` (the caller gives it up) where the dtypes allow it
-    (float32: a model in another dtype gets new tensors for those). The state's
-    tensors are updated in the memory of ``stored_state`` where it has them.
-    ``after_piece(n)``: called once piece ``n`` (from 1) is stepped."""
-    own, _ = split_state(stored_state)
+    (float32: a model in another dtype gets new tensors for those), and the new server
+    state, written to ``state_key`` (with ``meta``) as it is made: (the new model, with
+    no state in it; the state's ref, None for an optimizer without state).
+
+    The state is read and written one tensor at a time (each tensor's ``m`` and ``v``),
+    so no model-sized state is held; a stored state in another order than the one
+    written here is read whole. Both stored blobs' digests are checked after their last
+    piece, before the new state's last piece is written: a mismatch leaves no new
+    state. ``after_piece(n)``: called once piece ``n`` (from 1) is stepped."""
     server = make_server_for(spec)
+    kinds = _kinds(server)
     lay, data = _stream(store, model)
+    floats = [e for e in lay.by_offset() if e.dtype.is_floating_point]
+    outline = {f"{k}.{e.name}": torch.empty(e.shape, dtype=torch.float32, device="meta")
+               for e in floats for k in kinds}
+    before = _stored(store, stored_state, outline)
     weights: Weights = {}
-    state: Weights = {}
+    steps = _steps(server, kinds, lay, data, delta, weights, before, after_piece)
+    state = None
+    if kinds and floats:
+        made: dict[str, torch.Tensor] = {}
+
+        def make(name: str) -> torch.Tensor:
+            if outline[name].numel() == 0:  # an empty tensor has no pieces to step
+                return torch.empty(outline[name].shape)
+            if name not in made:
+                made.clear()
+                entry, values = next(steps)
+                made.update({f"{k}.{entry.name}": v for k, v in values.items()})
+            return made.pop(name)
+
+        size, parts = dump_stream(LazyWeights(outline, make), meta)
+        state = store.put_stream(state_key, size, parts)
+    for _ in steps:  # FedAvg: no state; or the tensors after the last float one
+        pass
+    for e in lay.entries:  # empty tensors have no pieces
+        weights.setdefault(e.name, torch.empty(e.shape, dtype=e.dtype))
+    return NextModel({e.name: weights[e.name] for e in lay.entries}, {}, None), state
+
+
+def _kinds(server: ServerOptimizer) -> list[str]:
+    """The state the server keeps per tensor (``m``, ``v``), in the order it gives them."""
+    state: dict[str, torch.Tensor] = {}
+    for _ in range(2):
+        _, state = server.update(torch.zeros(1), state)
+    return list(state)
+
+
+def _steps(server: ServerOptimizer, kinds: list[str], lay: Layout, data: Iterator[memoryview],
+           delta: Weights, weights: Weights, before: _Before,
+           after_piece: Callable[[int], None] | None
+           ) -> Iterator[tuple[Entry, dict[str, torch.Tensor]]]:
+    """Step the stored model's pieces into ``weights``; each float tensor's new state
+    once its last piece is stepped. The last one comes only once both stored blobs are
+    read to their end (their digests checked)."""
     flat = {name: t.view(-1) for name, t in delta.items()}
-    fresh = _Fresh(lay)
+    held: tuple[Entry, dict[str, torch.Tensor]] | None = None
+    first_step = False  # the held tensor had no stored state: each piece's is new
     for count, (entry, first, values) in enumerate(pieces(lay.by_offset(), data, PIECE_BYTES)):
         if after_piece is not None and count:
             after_piece(count)
@@ -89,44 +150,68 @@ def server_step(spec: JobSpec, store: BlobStore, model: BlobRef, delta: Weights,
         if not entry.dtype.is_floating_point:  # integer buffers: the plain delta
             out.copy_((values.to(torch.float64) + d.to(torch.float64)).round().to(entry.dtype))
             continue
-        mine = {k: own[f"{k}.{name}"].view(-1)[first:first + n]
-                for k in ("m", "v") if f"{k}.{name}" in own}
+        if held is None or held[0].name != name:
+            if held is not None:
+                yield held
+            held = entry, before.take(entry, kinds)
+            first_step = not held[1]
+        mine = {} if first_step else {k: v.view(-1)[first:first + n] for k, v in held[1].items()}
         step, after = server.update(d.to(torch.float32), mine)
         for k, v in after.items():
-            key = f"{k}.{name}"
-            if key not in state:
-                held = own.get(key)
-                state[key] = held if held is not None and held.dtype == v.dtype \
-                    and held.is_contiguous() else fresh.view(k, entry)
-            state[key].view(-1)[first:first + n].copy_(v)
+            if k not in held[1]:
+                held[1][k] = torch.empty(entry.shape, dtype=torch.float32)
+            held[1][k].view(-1)[first:first + n].copy_(v)
         if out.dtype == step.dtype:
             torch.add(values, step, out=out)
         else:
             out.copy_((values.to(step.dtype) + step).to(out.dtype))
-    for e in lay.entries:  # empty tensors have no pieces
-        weights.setdefault(e.name, torch.empty(e.shape, dtype=e.dtype))
-    return NextModel({e.name: weights[e.name] for e in lay.entries}, state, None)
+    before.finish()
+    if held is not None:
+        yield held
 
 
-class _Fresh:
-    """New state tensors (a first step's ``m`` and ``v``): for each kind, views of one
-    float32 buffer the size of the model's float tensors, made when first asked for
-    (one allocation of the model's size, not one per tensor, which the allocator
-    would keep in its heap after they are freed)."""
+class _Before:
+    """The stored server state, given one tensor's ``m`` and ``v`` at a time: read in
+    the order :func:`server_step` writes (or whole, from a state in another order)."""
 
-    def __init__(self, lay: Layout) -> None:
-        self.offsets: dict[str, int] = {}
-        at = 0
-        for e in lay.by_offset():
-            if e.dtype.is_floating_point:
-                self.offsets[e.name] = at
-                at += e.elements
-        self.size = at
-        self.buffers: dict[str, torch.Tensor] = {}
+    def __init__(self, lay: Layout | None, data: Iterator[memoryview] | None,
+                 whole: Weights | None = None) -> None:
+        self.whole = whole
+        self.pieces = pieces(lay.by_offset(), data, PIECE_BYTES) \
+            if lay is not None and data is not None else None
+        self.next: tuple[Entry, int, torch.Tensor] | None = None
 
-    def view(self, kind: str, entry: Entry) -> torch.Tensor:
-        buffer = self.buffers.get(kind)
-        if buffer is None:
-            buffer = self.buffers[kind] = torch.empty(self.size, dtype=torch.float32)
-        at = self.offsets[entry.name]
-        return buffer[at:at + entry.elements].view(entry.shape)
+    def take(self, entry: Entry, kinds: list[str]) -> dict[str, torch.Tensor]:
+        if self.whole is not None:
+            return {k: self.whole[f"{k}.{entry.name}"] for k in kinds
+                    if f"{k}.{entry.name}" in self.whole}
+        if self.pieces is None:  # a first step
+            return {}
+        out = {}
+        for k in kinds:
+            t = out[k] = torch.empty(entry.shape, dtype=torch.float32)
+            flat, filled = t.view(-1), 0
+            while filled < flat.numel():
+                _, first, values = next(self.pieces)
+                flat[first:first + values.numel()].copy_(values)
+                filled += values.numel()
+        return out
+
+    def finish(self) -> None:
+        """Read the stored state to its end (its digest is checked there)."""
+        if self.pieces is not None:
+            for _ in self.pieces:
+                raise UpdateRejected("server state: tensor data past its last tensor")
+
+
+def _stored(store: BlobStore, ref: BlobRef | None, outline: Weights) -> _Before:
+    """The stored state ``ref``, streamed if its tensors are ``outline``'s in order."""
+    if ref is None:
+        return _Before(None, None)
+    lay, data = _stream(store, ref)
+    got = [(e.name, e.shape, e.dtype) for e in lay.by_offset()]
+    if got == [(k, tuple(t.shape), t.dtype) for k, t in outline.items()]:
+        return _Before(lay, data)
+    data.close()  # type: ignore[attr-defined]
+    own, _ = split_state(loads(store.get_buffer(ref), what=f"blob {ref.key}"))
+    return _Before(None, None, own)
