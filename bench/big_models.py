@@ -10,11 +10,13 @@ the models by name (default ``50MB,200MB,800MB``; also ``2GB``, ``4GB``),
 (default ``fedavg,diloco``), ``--chunk-mb`` Redis's chunk size. docs/benchmarks.md
 names the command that made its table.
 
-Each row runs one job (2 clients, 2 rounds; zero compute, ``FEDQ_TEST_ZERO_COMPUTE``:
+Each row runs one job (2 clients, 3 rounds; zero compute, ``FEDQ_TEST_ZERO_COMPUTE``:
 each client sends a small change of the whole model, so what is measured is moving,
 checking and averaging the bytes) on a fresh deployment, so each process's peak
-resident memory (``VmHWM``) is that job's, against issue 79's targets. Redis's memory
-is sampled every 0.2 s; the table shows its peak above what it held before the job.
+resident memory (``VmHWM``) is that job's, against issue 79's targets. The processes'
+resident memory (``VmRSS``) is also sampled every 0.1 s, for each round's peak (is
+memory flat across rounds?). Redis's memory is sampled every 0.2 s; the table shows its
+peak above what it held before the job.
 """
 
 from __future__ import annotations
@@ -62,11 +64,16 @@ DEFAULT_SIZES = ("50MB", "200MB", "800MB")
 #: What a run without --sizes and --stores measures: the growth curve on every store
 #: with both server optimizers, 2 GB blobs on Redis (which holds every round's blobs in
 #: its memory: a DiLoCo row's state too would pass this machine's 24 GiB) and 1B
-#: parameters (4 GB) on the local store with both (on S3, ``--sizes 4GB --stores s3``).
+#: parameters (4 GB) on the local store with both and on S3 with FedAvg.
 PLAN = [(size, store, server) for size in DEFAULT_SIZES for store in ("redis", "local", "s3")
         for server in ("fedavg", "diloco")] + [
-    ("2GB", "redis", "fedavg"), ("4GB", "local", "fedavg"), ("4GB", "local", "diloco")]
+    ("2GB", "redis", "fedavg"), ("4GB", "local", "fedavg"), ("4GB", "local", "diloco"),
+    ("4GB", "s3", "fedavg")]
 
+
+#: Rounds a job: the first has no server state to read; the later ones show whether
+#: memory stays flat.
+ROUNDS = 3
 
 #: The server optimizers a row may use, and the control worker's memory target for
 #: each (issue 79): the model once (FedAvg) or twice (DiLoCo: its momentum), plus 1 GiB.
@@ -89,13 +96,14 @@ class Row:
     worker_mb: float
     redis_mb: float
     bound_s: float  # a round's blob bytes at the store's bare write and read rates
+    by_round: list[tuple[float, float]]  # (control, larger worker) RSS peak MiB a round
 
 
 def _spec(name: str, n_layer: int, n_embd: int, server: str) -> dict[str, object]:
     return {"name": f"zero-compute-big-{name}-{server}", "model": "gpt", "server": {"name": server},
             "model_args": {"n_layer": n_layer, "n_head": 16, "n_embd": n_embd},
             "dataset": "shakespeare", "dataset_args": {"block_size": 32},
-            "num_clients": 2, "clients_per_round": 2, "rounds": 2,
+            "num_clients": 2, "clients_per_round": 2, "rounds": ROUNDS,
             "eval_every": 0, "keep_updates": 0, "round_timeout_s": 1800,
             "queues": {"cpu": -1}, "seed": 0}
 
@@ -106,6 +114,32 @@ def _redis_peak(url: str, stop: threading.Event, out: list[int]) -> None:
     client = redis.Redis.from_url(url)
     while not stop.wait(0.2):
         out.append(int(client.info("memory")["used_memory"]))
+
+
+def _rss(pids: list[int], stop: threading.Event,
+         out: list[tuple[float, float, float]]) -> None:
+    """(epoch seconds, the first process's VmRSS MiB, the largest other's) every 0.1 s."""
+    while not stop.wait(0.1):
+        try:
+            rss = [status_mb(pid, "VmRSS") for pid in pids]
+        except OSError:  # a process ended: the job is over
+            return
+        out.append((time.time(), rss[0], max(rss[1:], default=0.0)))
+
+
+def by_round(rounds: Sequence[dict[str, object]], samples: Sequence[tuple[float, float, float]]
+             ) -> list[tuple[float, float]]:
+    """Each committed round's peak sampled RSS (control, worker) between its start and
+    its commit, for the rounds long enough to be sampled."""
+    out = []
+    for r in rounds:
+        lo, hi = r["started_at"], r["finished_at"]
+        if r["status"] != "committed" or not isinstance(lo, float) or not isinstance(hi, float):
+            continue
+        inside = [(c, w) for t, c, w in samples if lo <= t <= hi]
+        if inside:  # (a round shorter than the sampling gets none)
+            out.append((max(c for c, _ in inside), max(w for _, w in inside)))
+    return out
 
 
 def run_one(name: str, server: str, store: str, work: Path, chunk_mb: float) -> Row:
@@ -145,15 +179,21 @@ def _run(name: str, server: str, store: str, work: Path, chunk_mb: float,
             start_workers(procs)
             before = int(redis.Redis.from_url(url).info("memory")["used_memory"])
             samples: list[int] = []
+            rss: list[tuple[float, float, float]] = []
             stop = threading.Event()
-            sampler = threading.Thread(target=_redis_peak, args=(url, stop, samples),
-                                       daemon=True)
-            sampler.start()
+            samplers = [threading.Thread(target=_redis_peak, args=(url, stop, samples),
+                                         daemon=True),
+                        threading.Thread(target=_rss, args=([p.proc.pid for p in procs
+                                                             if p.proc is not None], stop, rss),
+                                         daemon=True)]
+            for t in samplers:
+                t.start()
             try:
                 run = run_job(cluster, _spec(name, n_layer, n_embd, server), timeout=3600)
             finally:
                 stop.set()
-                sampler.join()
+                for t in samplers:
+                    t.join()
             worker_mb = max(status_mb(p.proc.pid, "VmHWM") for p in procs[1:]
                             if p.proc is not None)
             with session_scope(db) as s:
@@ -169,7 +209,8 @@ def _run(name: str, server: str, store: str, work: Path, chunk_mb: float,
     params = n_params
     seconds = [float(r["seconds"] or 0) for r in run.rounds]
     return Row(name, server, store, params, size / 1e6, seconds, run.control_peak_mb,
-               worker_mb, (max(samples, default=before) - before) / 1e6, bound)
+               worker_mb, (max(samples, default=before) - before) / 1e6, bound,
+               by_round(run.rounds, rss))
 
 
 def bare_rates(env: dict[str, str], size: int, chunk_mb: float) -> tuple[float, float]:
@@ -212,14 +253,16 @@ def render(rows: Sequence[Row], chunk_mb: float) -> list[str]:
         f"Generated by `.venv/bin/python -m bench.big_models` on "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC at fedq commit {commit()} "
         f"({machine()}; Redis and PostgreSQL on the same machine). One zero-compute job "
-        "a row: a byte-level GPT (float32), 2 clients, 2 rounds, the row's server "
+        f"a row: a byte-level GPT (float32), 2 clients, {ROUNDS} rounds, the row's server "
         "optimizer (DiLoCo: Nesterov momentum), Redis as broker and results, the row's "
         f"blob store (Redis: blobs over {chunk_mb:g} MiB as chunks, FEDQ_BLOB_CHUNK_MB; "
         "local: a folder; s3: SeaweedFS on this machine). Peak resident "
         "memory (VmHWM) of the control worker and of the larger training worker, each "
         "against its target (issue 79: the model plus 1 GiB, twice the model plus 1 GiB "
-        "for DiLoCo's control worker); "
-        "Redis: its peak above what it held before the job (the blobs' too where it "
+        "for DiLoCo's control worker); by round: each round's peak of the resident "
+        "memory (VmRSS) sampled every 0.1 s, control worker / larger worker, 'flat' "
+        "where no round after the second is 5% above it (the first reads no server "
+        "state); Redis: its peak above what it held before the job (the blobs' too where it "
         "keeps them). The bound: a round's blob bytes (the control worker reads the "
         "global model and two updates and writes one model, each worker reads the model "
         "and writes its update; DiLoCo's state besides) at the rates of a bare write and "
@@ -228,16 +271,33 @@ def render(rows: Sequence[Row], chunk_mb: float) -> list[str]:
         "",
         "| model | store | server | parameters (approx.) | model MB "
         "| seconds a round (median) | bare-store bound s (ratio, target 1.5) "
-        "| control peak MB (target) | worker peak MB (target) | Redis peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| control peak MB (target) | worker peak MB (target) "
+        "| by round MB: control; worker | Redis peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *[f"| {r.name} | {r.store} | {r.server} | {r.params / 1e6:,.0f}M | {r.model_mb:,.0f} "
-          f"| {statistics.median(r.round_s):.1f} | {r.bound_s:.1f} "
+          f"| {_s(statistics.median(r.round_s))} | {_s(r.bound_s)} "
           f"({statistics.median(r.round_s) / r.bound_s:.2f}: "
           f"{'met' if statistics.median(r.round_s) <= 1.5 * r.bound_s else 'over'}) "
           f"| {r.control_mb:,.0f} ({_target(r.control_mb, r.model_mb, SERVERS[r.server])}) "
           f"| {r.worker_mb:,.0f} ({_target(r.worker_mb, r.model_mb, 1)}) "
+          f"| {_rounds(r.by_round)} "
           f"| {r.redis_mb:,.0f} |" for r in rows],
     ]
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds >= 1 else f"{seconds:.2f}"
+
+
+def _rounds(peaks: Sequence[tuple[float, float]]) -> str:
+    """Each round's peaks, 'control / ...; worker / ...', and whether both are flat."""
+    def flat(values: list[float]) -> bool:
+        return len(values) < 3 or max(values[2:]) <= 1.05 * values[1]
+
+    control, worker = [c for c, _ in peaks], [w for _, w in peaks]
+    return (f"{' / '.join(f'{v:,.0f}' for v in control)}; "
+            f"{' / '.join(f'{v:,.0f}' for v in worker)} "
+            f"({'flat' if flat(control) and flat(worker) else 'grows'})")
 
 
 def _target(peak_mb: float, model_mb: float, copies: int) -> str:

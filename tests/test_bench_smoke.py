@@ -700,5 +700,8 @@ def test_big_models_smoke_run_renders_a_row_per_store_and_server(redis_db: str) 
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [
         (store, server) for store in ("redis", "local", "s3") for server in ("fedavg", "diloco")]
     for row in rows:  # seconds, the bound and its ratio, both peaks against their targets
-        assert float(row[5]) > 0 and re.match(r" [\d.]+ \([\d.]+: (met|over)\) ", row[6]), row
+        assert float(row[5]) >= 0 and re.match(r" [\d.]+ \([\d.]+: (met|over)\) ", row[6]), row
         assert all(re.match(r" [\d,]+ \((met|over): [\d,]+\) ", c) for c in row[7:9]), row
+        # the sampled rounds' peaks (a round this small may be too quick to sample)
+        assert re.fullmatch(r" [\d,]+( / [\d,]+)*; [\d,]+( / [\d,]+)* "
+                            r"\((flat|grows)\) ", row[9]), row
