@@ -66,6 +66,31 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self.outline)
 
 
+def encoded_lazily(update: Mapping[str, torch.Tensor], codec: str, chunk: int
+                   ) -> Mapping[str, torch.Tensor]:
+    """What :func:`~fedq.aggregate.compression.encode` stores for ``update``, as a
+    :class:`LazyWeights` that encodes one tensor of ``update`` at a time when asked
+    (:func:`dump_stream` then writes the same file as ``dump_parts(encode(...))``
+    with no encoded or, for a lazy ``update``, decoded model whole in memory)."""
+    from fedq.aggregate.compression import encode_one, encoded_layout
+
+    if codec == "none":
+        return update
+    outline = update.outline if isinstance(update, LazyWeights) else update
+    stored = encoded_layout(outline, codec, chunk)
+    made: dict[str, torch.Tensor] = {}
+
+    def make(name: str) -> torch.Tensor:
+        if name not in made:
+            made.clear()
+            source = stored[name][0]
+            made.update(encode_one(source, update[source], codec, chunk))
+        return made.pop(name)
+
+    return LazyWeights({name: torch.empty(shape, dtype=dtype, device="meta")
+                        for name, (_, dtype, shape) in stored.items()}, make)
+
+
 def dump_stream(weights: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None
                 ) -> tuple[int, Iterator[Any]]:
     """The safetensors file of ``weights`` as :func:`dump_parts` writes it: its size in

@@ -86,7 +86,10 @@ def test_the_control_worker_is_asked_for_the_copies_its_server_optimizer_keeps(
         + state * (4 << 20)
     assert capacity.need(spec, 60 << 20, 64 << 20).held == capacity.HELD_COPIES  # one value
     clipped = parse_spec({**SPEC, "server": {"name": server}, "clip_norm": 1.0})
-    assert capacity.need(clipped, 100 << 20, 64 << 20).held == capacity.HELD_COPIES
+    assert capacity.need(clipped, 100 << 20, 64 << 20).held == capacity.LEAN_COPIES
+    private = parse_spec({**SPEC, "server": {"name": server},
+                          "dp": {"noise_multiplier": 0.5, "clip_norm": 1.0}})
+    assert capacity.need(private, 100 << 20, 64 << 20).held == capacity.HELD_COPIES
     assert need.store == (100 << 20) * (spec.rounds + 1 + spec.clients_per_round)
     if server not in ("fedavg", "diloco"):
         return

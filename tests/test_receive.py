@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fedq.aggregate import Accumulator
+from fedq.aggregate.compression import encode, meta_of
 from fedq.blobs import BlobStore, chunks, open_store, update_key
 from fedq.blobs.redis import RedisBlobStore
 from fedq.blobs.s3 import S3BlobStore
@@ -25,10 +26,19 @@ from fedq.coordinator import pipeline
 from fedq.coordinator.pipeline import Outcome, reduce
 from fedq.protocol.training import UpdateRef
 from fedq.spec import JobSpec, parse_spec
-from fedq.weights import dump_parts, dumps, layout, loads, pieces, split_header
+from fedq.weights import (
+    dump_parts,
+    dump_stream,
+    dumps,
+    encoded_lazily,
+    layout,
+    loads,
+    pieces,
+    split_header,
+)
 
 CHUNK = 4096
-REFERENCE = {"w": torch.zeros(40, 50), "b": torch.zeros(3),
+REFERENCE = {"w": torch.zeros(80, 100), "b": torch.zeros(3),
              "n": torch.tensor(0, dtype=torch.int64)}  # integer buffer: float32 on the wire
 SPEC: dict[str, Any] = {"model": "small_cnn", "dataset": "digits", "num_clients": 4,
                         "clients_per_round": 4, "rounds": 1, "min_clients": 1}
@@ -36,13 +46,18 @@ SPEC: dict[str, Any] = {"model": "small_cnn", "dataset": "digits", "num_clients"
 
 def _delta(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(40, 50, generator=g), "b": torch.randn(3, generator=g),
+    return {"w": torch.randn(80, 100, generator=g), "b": torch.randn(3, generator=g),
             "n": torch.tensor(1.0)}
 
 
 def _update(store: BlobStore, client: int, delta: dict[str, torch.Tensor],
-            samples: int = 10) -> UpdateRef:
-    blob = store.put_parts(update_key("j", 1, client, 1), dump_parts(delta))
+            samples: int = 10, codec: str = "none") -> UpdateRef:
+    """``delta`` stored as a worker stores it under ``codec`` (int8 in chunks of 256)."""
+    if codec == "none":
+        blob = store.put_parts(update_key("j", 1, client, 1), dump_parts(delta))
+    else:
+        size, parts = dump_stream(encoded_lazily(delta, codec, 256), meta_of(codec, 256))
+        blob = store.put_stream(update_key("j", 1, client, 1), size, parts)
     return UpdateRef(status="ok", job="j", round=1, client=client, queue="cpu", worker="w",
                      key=blob.key, sha256=blob.sha256, samples=samples, steps=1,
                      bytes_up=blob.size)
@@ -116,10 +131,15 @@ def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
     return Stores(request.param, streamed, whole, read)
 
 
+@pytest.mark.parametrize(("codec", "clip"), [("none", None), ("fp16", None), ("int8", None),
+                                           ("int8", 40.0)])
 def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
-        stores: Stores, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        codec: str, clip: float | None, stores: Stores, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uncompressed, fp16 and int8 updates (decoded piece by piece), and clipped ones."""
     # Prepare: three big updates; a store that streams them and one that reads whole
-    refs = [_update(stores.streamed, c, _delta(c), samples=10 + c) for c in range(3)]
+    refs = [_update(stores.streamed, c, _delta(c), samples=10 + c, codec=codec)
+            for c in range(3)]
     assert all(r.blob.size > CHUNK for r in refs)
     received: list[str] = []
     files: list[Any] = []
@@ -132,16 +152,21 @@ def test_a_big_update_is_received_in_pieces_and_averaged_bit_for_bit(
         return got
 
     monkeypatch.setattr(pipeline, "receive", spy)
-    spec = parse_spec(SPEC)
+    spec = parse_spec({**SPEC, "clip_norm": clip})
     # Execute
     a, streamed_outcome = _reduce(spec, stores.streamed, refs, tmp_path / "s1")
     b, whole_outcome = _reduce(spec, stores.whole, refs, tmp_path / "s2")
-    # Assert: received in pieces (never read whole), the same delta bit for bit, the
+    # Assert: received in pieces (never read whole), the same delta bit for bit (when
+    # clipped: each update's scale from its norm, equal to float32 rounding), the
     # same records, and each scratch file closed
     assert received == [r.key for r in refs] and stores.read == []
     assert a is not None and b is not None
     for k in REFERENCE:
-        assert torch.equal(a[k], b[k]), k
+        assert torch.equal(a[k], b[k]) if clip is None else \
+            torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+    if clip is not None:  # clipped: the mean of three updates of norm 40 at most
+        assert all(r.norm and r.norm > clip for r in streamed_outcome.records)
+        assert float(torch.linalg.vector_norm(a["w"])) <= clip * 1.0001
     assert [(r.status, r.raw_bytes) for r in streamed_outcome.records] == \
         [(r.status, r.raw_bytes) for r in whole_outcome.records]
     # a tensor over several pieces: its norm from theirs, equal to float32 rounding
@@ -165,8 +190,8 @@ def _corrupt(stores: Stores, ref: UpdateRef) -> None:
     ("corrupted bytes", _delta, _corrupt, r"digest mismatch"),
     ("non-finite value", lambda s: {**_delta(s), "b": torch.tensor([0.0, math.nan, 1.0])},
      None, r"tensor 'b' has non-finite values"),
-    ("wrong shape", lambda s: {**_delta(s), "w": torch.zeros(50, 40)}, None,
-     r"tensor 'w' has shape \(50, 40\), expected \(40, 50\)"),
+    ("wrong shape", lambda s: {**_delta(s), "w": torch.zeros(100, 80)}, None,
+     r"tensor 'w' has shape \(100, 80\), expected \(80, 100\)"),
     ("missing tensor", lambda s: {k: v for k, v in _delta(s).items() if k != "b"}, None,
      r"missing tensor 'b'"),
     ("norm over the bound", lambda s: {k: v * 100 for k, v in _delta(s).items()}, None,
@@ -199,6 +224,54 @@ def test_a_bad_big_update_is_refused_in_one_line_and_the_round_goes_on(
         assert torch.equal(a[k], b[k]), (case, k)  # the same operations either way
         assert torch.allclose(a[k], good[k], atol=1e-6), (case, k)  # without the bad one
     assert not list((tmp_path / "s1").iterdir())
+
+
+def _int8(seed: int, change: Any = None, chunk: str = "256") -> bytes:
+    """An int8 update as a worker encodes it, ``change`` applied to its stored tensors."""
+    stored, meta = encode(_delta(seed), "int8", 256)
+    if change is not None:
+        change(stored)
+    return dumps(stored, {**meta, "fedq.chunk": chunk})
+
+
+def _scale(value: float) -> Any:
+    def change(stored: dict[str, torch.Tensor]) -> None:
+        stored["w.__s"][1] = value
+    return change
+
+
+@pytest.mark.parametrize(("case", "blob", "reason"), [
+    ("an infinite scale", _int8(1, _scale(math.inf)), r"tensor 'w' has non-finite values"),
+    ("a scale that overflows float32 when decoded", _int8(1, _scale(3e38)),
+     r"tensor 'w' has non-finite values"),
+    ("another chunk than the job's", _int8(1, chunk="128"),
+     r"codec: int8 chunk '128', the job's is 256"),
+    ("too few scales", _int8(1, lambda s: s.update({"w.__s": s["w.__s"][:-1]})),
+     r"tensor 'w.__s' has shape \(31,\), expected \(32,\)"),
+    ("float values where int8 ones go", _int8(1, lambda s: s.update(
+        {"w.__q": s["w.__q"].float()})), r"tensor 'w.__q' has dtype torch.float32"),
+])
+def test_a_bad_int8_update_is_refused_in_pieces_in_one_line(
+        case: str, blob: bytes, reason: str, stores: Stores, tmp_path: Path) -> None:
+    """An int8 update received in pieces is checked as a whole read checks it: its
+    scales and decoded values finite, its chunk the job's, its tensors as the codec
+    stores them; a refused one leaves the round to the others."""
+    refs = [_update(stores.streamed, 0, _delta(0), codec="int8"),
+            _update(stores.streamed, 2, _delta(2), codec="int8")]
+    key = update_key("j", 1, 1, 1)
+    put = stores.streamed.put(key, blob)
+    refs.insert(1, UpdateRef(status="ok", job="j", round=1, client=1, queue="cpu",
+                             worker="w", key=put.key, sha256=put.sha256, samples=10,
+                             steps=1, bytes_up=put.size))
+    spec = parse_spec(SPEC)
+    a, outcome = _reduce(spec, stores.streamed, refs, tmp_path / "s1")
+    _, whole_outcome = _reduce(spec, stores.whole, refs, tmp_path / "s2")
+    assert stores.read == []
+    assert [r.status for r in outcome.records] == ["ok", "rejected", "ok"], outcome.records
+    error = outcome.records[1].error or ""
+    assert "\n" not in error and re.search(reason, error), (case, error)
+    assert whole_outcome.records[1].status == "rejected", whole_outcome.records[1]
+    assert a is not None and not list((tmp_path / "s1").iterdir())
 
 
 MODEL = {"w": torch.randn(40, 50, generator=torch.Generator().manual_seed(7)),
@@ -349,6 +422,35 @@ def test_a_streamed_file_is_the_file_and_lazy_tensors_are_made_one_at_a_time() -
         out += bytes(part)
         assert len(made) == max(0, i - 1)
     assert out == dumps(MODEL, meta) and made == list(MODEL)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_an_encoded_update_is_streamed_as_encode_writes_it_one_tensor_at_a_time(
+        codec: str) -> None:
+    """A worker's fp16 or int8 update is written as each tensor is encoded: the same
+    file as encoding the whole update, each tensor of a lazy delta made once, when
+    its encoded tensors are written."""
+    from fedq.weights import LazyWeights
+
+    delta = _model_delta(4)
+    meta = {**meta_of(codec, 256), "job": "j"}
+    stored, said = encode(delta, codec, 256)
+    whole = dumps(stored, {**said, "job": "j"})
+    made: list[str] = []
+
+    def make(name: str) -> torch.Tensor:
+        made.append(name)
+        return delta[name].clone()
+
+    lazy = LazyWeights({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                        for k, v in delta.items()}, make)
+    size, parts = dump_stream(encoded_lazily(lazy, codec, 256), meta)
+    assert made == []
+    out = b""
+    for part in parts:
+        out += bytes(part)
+    assert out == whole and size == len(whole)
+    assert made == list(delta)  # each once, in order (int8: its values, then its scales)
 
 
 def test_a_stream_is_stored_in_chunks_as_it_comes(redis_db: str) -> None:

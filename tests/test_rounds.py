@@ -6,6 +6,7 @@ import csv
 import io
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,17 +143,21 @@ def test_a_rounds_chord_names_its_tasks_and_its_body_carries_no_results(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("extra", [{}, {"compression": {"codec": "int8"},
+                                        "server": {"name": "diloco"}}],
+                         ids=["fedavg", "int8-diloco"])
 def test_a_job_on_chunked_redis_blobs_is_bit_for_bit_the_unchunked_one(
-        tmp_path: Path, redis_db: str, pg_url: str) -> None:
+        tmp_path: Path, redis_db: str, pg_url: str, extra: dict[str, Any]) -> None:
     """The same job on a Redis blob store twice: with 2 KB chunks (every model and
-    update a manifest and its chunks: fedq/blobs/chunks.py) and without (chunks of
+    update a manifest and its chunks: fedq/blobs/chunks.py; the commits lean, int8
+    updates decoded piece by piece, DiLoCo's momentum streamed) and without (chunks of
     512 MiB: one value each). The final models are equal bit for bit."""
     import redis
 
     from tests.conftest import migrated_cluster
 
     spec = {**DIGITS, "name": "chunked", "num_clients": 3, "clients_per_round": 3,
-            "rounds": 2}
+            "rounds": 2, **extra}
     finals, chunk_keys = [], []
     for chunk_mb in ("0.002", "512"):
         home = tmp_path / f"c{chunk_mb}"

@@ -31,14 +31,44 @@ def encode(update: Mapping[str, torch.Tensor], codec: str,
         return dict(update), {"fedq.codec": "none"}
     out: Weights = {}
     for name, value in update.items():
-        if not value.dtype.is_floating_point or value.dtype == torch.float16:
-            out[name] = value
+        out.update(encode_one(name, value, codec, chunk))
+    return out, meta_of(codec, chunk)
+
+
+def meta_of(codec: str, chunk: int) -> dict[str, str]:
+    """The safetensors metadata that names ``codec`` (and the int8 chunk)."""
+    return {"fedq.codec": "none"} if codec == "none" else \
+        {"fedq.codec": codec, "fedq.chunk": str(chunk)}
+
+
+def encode_one(name: str, value: torch.Tensor, codec: str, chunk: int) -> Weights:
+    """The tensors :func:`encode` stores for the one tensor ``name`` of an update."""
+    if codec == "none" or not value.dtype.is_floating_point or value.dtype == torch.float16:
+        return {name: value}
+    if codec == "fp16":
+        return {name: value.to(torch.float16)}
+    q, s = quantize_int8(value, chunk)
+    return {name + Q_SUFFIX: q, name + S_SUFFIX: s}
+
+
+def encoded_layout(outline: Mapping[str, torch.Tensor], codec: str, chunk: int
+                   ) -> dict[str, tuple[str, torch.dtype, tuple[int, ...]]]:
+    """For an update shaped like ``outline`` (its tensors' dtypes and shapes; "meta"
+    tensors will do), what :func:`encode` stores, in its order: stored name -> (the
+    update tensor it encodes, dtype, shape)."""
+    out: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}
+    for name, value in outline.items():
+        shape = tuple(value.shape)
+        if codec == "none" or not value.dtype.is_floating_point \
+                or value.dtype == torch.float16:
+            out[name] = (name, value.dtype, shape)
         elif codec == "fp16":
-            out[name] = value.to(torch.float16)
+            out[name] = (name, torch.float16, shape)
         else:
-            q, s = quantize_int8(value, chunk)
-            out[name + Q_SUFFIX], out[name + S_SUFFIX] = q, s
-    return out, {"fedq.codec": codec, "fedq.chunk": str(chunk)}
+            n = math.prod(shape)
+            out[name + Q_SUFFIX] = (name, torch.int8, (n,))
+            out[name + S_SUFFIX] = (name, torch.float32, (math.ceil(n / chunk),))
+    return out
 
 
 def decode(stored: Mapping[str, torch.Tensor], meta: Mapping[str, str],
@@ -76,6 +106,18 @@ def quantize_int8(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tens
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(blocks / safe[:, None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(-1)[:n].contiguous(), scales
+
+
+def dequantize_piece(q: torch.Tensor, scales: torch.Tensor, first: int,
+                     chunk: int) -> torch.Tensor:
+    """Elements ``first`` .. ``first + q.numel()`` of what :func:`dequantize_int8`
+    gives (flat) for a tensor with ``scales``, from those elements' int8 values alone:
+    the same float32 values, bit for bit."""
+    n = q.numel()
+    lo = first // chunk
+    hi = (first + n - 1) // chunk + 1 if n else lo
+    at = first - lo * chunk
+    return q.to(torch.float32) * scales[lo:hi].repeat_interleave(chunk)[at:at + n]
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...],

@@ -17,7 +17,7 @@ new model is then the accumulator; nothing else model-sized is held. The process
 not keep the new model for the next round either: that round reads its outline again.
 
 It applies where :func:`applies` says: a synchronous round, a reducer that takes
-pieces, no clipping or DP, no int8 downlink and no Streaming DiLoCo fragments; any
+pieces, no DP, no int8 downlink and no Streaming DiLoCo fragments; any
 other job keeps the whole-model commit (fedq/coordinator/commit.py).
 """
 
@@ -57,7 +57,7 @@ def applies(spec: JobSpec, piece_bytes: int | None, model_bytes: int) -> bool:
         return False
     reducer = make_reducer(spec.reducer.name, spec.reducer.params())
     return (isinstance(reducer, StreamReducer) and reducer.takes_pieces
-            and spec.clip_norm is None and spec.dp is None and not spec.buffered
+            and spec.dp is None and not spec.buffered
             and spec.streaming is None and spec.compression.downlink != "int8")
 
 

@@ -120,11 +120,11 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
     update alone, with the reason; it never escapes to the round.
 
     ``scratch``: where a big update may be received (fedq/coordinator/receive.py; the
-    caller's reducer takes pieces and nothing clips): its delta is then a
+    caller's reducer takes pieces, and there is no DP): its delta is then a
     :class:`Received`, valid until the next item is asked for."""
     clip = spec.dp.clip_norm if spec.dp else spec.clip_norm
     limit = update_limit(reference, spec.compression.chunk)
-    folder = scratch if clip is None else None
+    folder = scratch if spec.dp is None else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -133,7 +133,8 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
             return None
         try:
             if folder is not None and streams(store, ref):
-                got = receive(store, ref, reference, limit, spec.max_update_norm, folder)
+                got = receive(store, ref, reference, limit, spec.max_update_norm, folder,
+                              spec.compression.chunk)
                 if got is not None:
                     return got
             return store.get(ref.blob, limit=limit)
@@ -168,8 +169,11 @@ def verified(store: BlobStore, refs: Sequence[UpdateRef], reference: Weights, sp
             if isinstance(data, Received):
                 data.discard()
             continue
-        if clip is not None and not isinstance(delta, Received):
-            delta, _ = clip_update(delta, clip)
+        if clip is not None:
+            if isinstance(delta, Received):
+                delta.clip(clip)
+            else:
+                delta, _ = clip_update(delta, clip)
         raw = delta.raw if isinstance(delta, Received) else raw_size(delta)
         outcome.record(ref, "ok", norm=norm, raw=raw)
         outcome.accepted += 1

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import fedq.digest as digests
-from fedq.aggregate.compression import encode, zstd_compress
+from fedq.aggregate.compression import encode, meta_of, zstd_compress
 from fedq.aggregate.downlink import apply_step
 from fedq.aggregate.streaming import fragment_names
 from fedq.aggregate.types import Weights
@@ -39,6 +39,7 @@ from fedq.weights import (
     dump_parts,
     dump_stream,
     dumps,
+    encoded_lazily,
     loads,
     loads_with_meta,
     raw_size,
@@ -372,9 +373,9 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Mapping[str, 
             worker: str) -> tuple[BlobRef, float, TrainStats]:
     """Encode and store ``delta``: its ref, the seconds it took, and the codec it was
     sent with and this worker's uplink as the task's stats report them. A large upload
-    measures the uplink (the put alone, not the encoding). Uncompressed, the update
-    is written tensor by tensor as the store takes it (a ``LazyWeights`` delta is
-    then never whole in memory)."""
+    measures the uplink (the put alone, not the encoding). The update is written
+    tensor by tensor as the store takes it, each tensor encoded then, unless zstd
+    compresses the whole (a ``LazyWeights`` delta is then never whole in memory)."""
     def after_chunk(written: int) -> None:
         if written == 1:  # fault tests only (FEDQ_TEST_HOLD): a chunked upload half done
             hold.at("upload", f"upload-{ref.job}-r{ref.number}-c{ref.client}-a{ref.attempt}",
@@ -386,15 +387,16 @@ def _upload(ref: TrainRef, spec: JobSpec, store: BlobStore, delta: Mapping[str, 
             "client": str(ref.client)}
     key = store.upload_key if isinstance(store, PresignedStore) else \
         update_key(ref.job, ref.number, ref.client, ref.attempt, get_settings().joined_as)
-    if codec == "none" and not spec.compression.zstd:  # written as the tensors come
-        size, stream = dump_stream(delta, {"fedq.codec": "none", **said})
+    chunk = spec.compression.chunk
+    if not spec.compression.zstd:  # written as the tensors come, each encoded then
+        size, stream = dump_stream(encoded_lazily(delta, codec, chunk),
+                                   {**meta_of(codec, chunk), **said})
         sending = time.perf_counter()
         up = store.put_stream(key, size, stream, after_chunk)
     else:
-        stored, meta = encode(delta, codec, spec.compression.chunk)
+        stored, meta = encode(delta, codec, chunk)
         meta.update(said)
-        parts = [zstd_compress(dumps(stored, meta))] if spec.compression.zstd \
-            else dump_parts(stored, meta)
+        parts = [zstd_compress(dumps(stored, meta))]
         sending = time.perf_counter()
         up = store.put_parts(key, parts, after_chunk)
     done = time.perf_counter()
